@@ -1,0 +1,83 @@
+"""Train a small GPT on the Python standard library's source code with zerotrain.
+
+    zerotrain launch --nproc 2 examples/train_gpt.py --deepspeed_config examples/ds_config.json
+
+Written exactly as a DeepSpeed script would be (swap the import for ``import deepspeed``):
+argparse with ``add_config_arguments``, ``initialize`` building the optimizer, scheduler and
+distributed dataloader from the JSON config, and the engine's forward/backward/step loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+import zerotrain
+from zerotrain.models import GPT, GPTConfig, PythonSourceText, TokenBlocks
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps to train")
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--text_bytes", type=int, default=3_000_000,
+                        help="how much stdlib source to train on")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser = zerotrain.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    text = PythonSourceText(max_bytes=args.text_bytes)
+    dataset = TokenBlocks(text.tokens, args.seq_len)
+    model = GPT(GPTConfig(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd,
+                          n_layer=args.n_layer, n_head=args.n_head))
+
+    engine, _, loader, _ = zerotrain.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+
+    rank0 = engine.global_rank == 0
+    if rank0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {n_params / 1e6:.2f}M parameters | data: {len(dataset)} blocks of "
+              f"{args.seq_len} bytes | ranks: {engine.dp_world_size} | ZeRO stage "
+              f"{engine.zero_optimization_stage()} | global batch {engine.train_batch_size()}")
+
+    progress = tqdm(total=args.steps, disable=not rank0, unit="step", dynamic_ncols=True)
+    start, first_loss, recent = time.perf_counter(), None, []
+    while engine.global_steps < args.steps:
+        for batch in loader:
+            input_ids = batch["input_ids"].to(engine.device)
+            labels = batch["labels"].to(engine.device)
+            loss = engine(input_ids, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            recent = (recent + [loss.item()])[-20:]
+            if engine.was_step_applied():
+                first_loss = first_loss if first_loss is not None else loss.item()
+                progress.update(1)
+                progress.set_postfix(loss=f"{sum(recent) / len(recent):.3f}",
+                                     lr=f"{engine.get_lr()[0]:.2e}")
+            if engine.global_steps >= args.steps:
+                break
+    progress.close()
+    if rank0:
+        final = sum(recent) / len(recent)
+        elapsed = time.perf_counter() - start
+        print(f"done: {engine.global_steps} steps in {elapsed:.0f} s | loss {first_loss:.3f} -> "
+              f"{final:.3f} (uniform guess: {math.log(256):.3f}) | "
+              f"{engine.global_samples / elapsed:.1f} samples/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Filling `"auto"` config values, the Hugging Face Trainer / accelerate convention.
+
+DeepSpeed itself never resolves "auto"; transformers' HfTrainerDeepSpeedConfig does, from the
+TrainingArguments. `fill_from_training_args` applies the same mapping; `fill_auto` fills any keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any, Mapping, Optional
+
+from .batch import GAS, MB, TB
+from .errors import ConfigError
+from .load import ConfigSource, read_config
+from .zero import STAGE3_ALIASES
+
+AUTO = "auto"
+_TOP_ALIASES = {"bf16": "bfloat16", "bfloat16": "bf16"}
+_ZERO_ALIASES = {**STAGE3_ALIASES, **{v: k for k, v in STAGE3_ALIASES.items()}}
+
+
+def fill_auto(config: ConfigSource, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a copy of `config` with each "auto" at a dotted key of `values` replaced by its value.
+
+    Keys that are absent or not "auto" are left alone. Both spellings of aliased keys match
+    (`zero_optimization.stage3_prefetch_bucket_size` / `prefetch_bucket_size`, `bf16` / `bfloat16`).
+    """
+    data = read_config(config)
+    for key, value in values.items():
+        spot = _locate(data, key)
+        if spot is not None and spot[0][spot[1]] == AUTO:
+            spot[0][spot[1]] = copy.deepcopy(value)
+    return data
+
+
+def fill_from_training_args(config: ConfigSource, *, world_size: int,
+                            per_device_train_batch_size: Optional[int] = None,
+                            gradient_accumulation_steps: Optional[int] = None,
+                            learning_rate: Optional[float] = None, adam_beta1: Optional[float] = None,
+                            adam_beta2: Optional[float] = None, adam_epsilon: Optional[float] = None,
+                            weight_decay: Optional[float] = None, max_grad_norm: Optional[float] = None,
+                            warmup_steps: Optional[int] = None, num_training_steps: Optional[int] = None,
+                            hidden_size: Optional[int] = None, fp16: Optional[bool] = None,
+                            bf16: Optional[bool] = None) -> dict[str, Any]:
+    """Fill "auto" values from Trainer-style arguments, exactly as transformers' DeepSpeed integration does.
+
+    Arguments left as None fill nothing. A config value that is not "auto" and disagrees with a
+    given argument is a mismatch; all mismatches raise one ConfigError. Returns a new dict.
+    train_batch_size is world_size * micro batch * accumulation steps (each taken from the argument,
+    else from the config); hidden_size H gives reduce_bucket_size H*H,
+    stage3_prefetch_bucket_size int(0.9*H*H) and stage3_param_persistence_threshold 10*H.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    data = read_config(config)
+    micro = _int_or_none(per_device_train_batch_size, data.get(MB))
+    accum = _int_or_none(gradient_accumulation_steps, data.get(GAS))
+    total = None if micro is None or accum is None else world_size * micro * accum
+    square = None if hidden_size is None else hidden_size * hidden_size
+    plan = [  # (config key, value, argument it came from or None for fill-only)
+        (MB, per_device_train_batch_size, "per_device_train_batch_size"),
+        (GAS, gradient_accumulation_steps, "gradient_accumulation_steps"),
+        (TB, total, f"world_size*micro_batch*accumulation_steps ({world_size}*{micro}*{accum})"),
+        ("gradient_clipping", max_grad_norm, "max_grad_norm"),
+        ("optimizer.params.lr", learning_rate, "learning_rate"),
+        ("optimizer.params.betas", _pair(adam_beta1, adam_beta2), "adam_beta1+adam_beta2"),
+        ("optimizer.params.eps", adam_epsilon, "adam_epsilon"),
+        ("optimizer.params.weight_decay", weight_decay, "weight_decay"),
+        ("scheduler.params.warmup_min_lr", 0, None),
+        ("scheduler.params.warmup_max_lr", learning_rate, "learning_rate"),
+        # DeepSpeed >= 0.19.6 rejects warmup_num_steps <= 0; transformers clamps to 1 the same way.
+        ("scheduler.params.warmup_num_steps", None if warmup_steps is None else max(1, warmup_steps), "warmup_steps"),
+        ("scheduler.params.total_num_steps", num_training_steps, "num_training_steps"),
+        ("fp16.enabled", fp16, "fp16"),
+        ("bf16.enabled", bf16, "bf16"),
+        ("zero_optimization.reduce_bucket_size", square, None),
+        ("zero_optimization.stage3_prefetch_bucket_size", None if square is None else int(0.9 * square), None),
+        ("zero_optimization.stage3_param_persistence_threshold", None if square is None else 10 * hidden_size, None),
+    ]
+    lines = (_fill_one(data, key, value, source) for key, value, source in plan if value is not None)
+    mismatches = [line for line in lines if line]
+    if mismatches:
+        raise ConfigError("config values disagree with the training arguments:\n" + "\n".join(mismatches)
+                          + '\nSet these config values to "auto" to take them from the arguments, '
+                          "or make both agree.", mismatches)
+    return data
+
+
+def _fill_one(data: dict[str, Any], key: str, value: Any, source: Optional[str]) -> Optional[str]:
+    """Fill `key` if it is "auto"; return a mismatch line if it disagrees with a matched argument."""
+    spot = _locate(data, key)
+    if spot is None:
+        return None
+    parent, name = spot
+    current = parent[name]
+    if current == AUTO:
+        parent[name] = copy.deepcopy(value)
+        return None
+    if source is None or current is None or _same(current, value):
+        return None
+    return f"- ds {key}={_show(current)} vs {source}={_show(value)}"
+
+
+def _locate(data: dict[str, Any], dotted: str) -> Optional[tuple[dict[str, Any], str]]:
+    """(parent dict, key as spelled in the config) for a dotted key, trying alias spellings; None if absent."""
+    node: Any = data
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, dict):
+            return None
+        aliases = _TOP_ALIASES if depth == 0 else _ZERO_ALIASES if parts[0] == "zero_optimization" else {}
+        spelled = part if part in node else aliases.get(part)
+        if spelled not in node:
+            return None
+        if depth == len(parts) - 1:
+            return node, spelled
+        node = node[spelled]
+    return None
+
+
+def _int_or_none(argument: Optional[int], configured: Any) -> Optional[int]:
+    if argument is not None:
+        return argument
+    if isinstance(configured, (int, float)) and not isinstance(configured, bool):
+        return int(configured)
+    return None
+
+
+def _pair(first: Optional[float], second: Optional[float]) -> Optional[list[float]]:
+    return None if first is None or second is None else [first, second]
+
+
+def _same(configured: Any, wanted: Any) -> bool:
+    if isinstance(wanted, bool):
+        return _as_bool(configured) == wanted
+    if isinstance(wanted, (list, tuple)):
+        return (isinstance(configured, (list, tuple)) and len(configured) == len(wanted)
+                and all(_same(c, w) for c, w in zip(configured, wanted)))
+    if isinstance(wanted, (int, float)) and isinstance(configured, (int, float)) and not isinstance(configured, bool):
+        return math.isclose(configured, wanted, rel_tol=1e-9, abs_tol=0.0)
+    return configured == wanted
+
+
+def _as_bool(value: Any) -> Any:
+    # Configs in the wild write "enabled": "true"; compare such strings as the booleans they mean.
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -1,0 +1,289 @@
+"""Pydantic models for every section of a zerotrain / DeepSpeed JSON config.
+
+Names and defaults follow DeepSpeed 0.19 so that an existing ds_config.json validates unchanged.
+`ZeroTrainConfig` is the root; build it with `load_config`, which also fills in the batch triple.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+from .batch import resolve_batch_sizes
+from .fields import Float, Int, LowerStr, NonNegInt, PosInt, Section, lower, reject_both_spellings, steps_or_never
+from .zero import ZeroConfig, legacy_zero_section
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: `type` is a DeepSpeed or torch.optim name, `params` its keyword arguments."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: bool = False
+
+    @field_validator("params")
+    @classmethod
+    def _no_max_grad_norm(cls, params: dict[str, Any]) -> dict[str, Any]:
+        if "max_grad_norm" in params:
+            raise ValueError("max_grad_norm is not allowed here (DeepSpeed rejects it too); "
+                             "remove it and set the top-level 'gradient_clipping' instead")
+        return params
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: `type` is a DeepSpeed or torch.optim.lr_scheduler name, `params` its arguments."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FP16Config(Section):
+    """`fp16`: fp16 mixed precision with (dynamic, when loss_scale is 0) loss scaling."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: Float = Field(0.0, ge=0.0)
+    initial_scale_power: Int = 16
+    loss_scale_window: Int = 1000
+    hysteresis: NonNegInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: Int = 1
+    fp16_master_weights_and_grads: bool = False
+    raise_error_at_min_scale: bool = True
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_bounds(self):
+        # Only dynamic scaling (enabled, loss_scale 0) divides by the window and halves down to the floor.
+        if self.enabled and self.loss_scale == 0:
+            for key in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, key) <= 0:
+                    raise ValueError(f"{key} must be > 0 with dynamic loss scaling (loss_scale 0), "
+                                     f"got {getattr(self, key)}")
+        return self
+
+
+class BF16Config(Section):
+    """`bf16` (old spelling `bfloat16`): bf16 mixed precision."""
+
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+class CommsLoggerConfig(Section):
+    """`comms_logger`: per-collective timing and size logging."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: list[str] = Field(default_factory=list)
+    debug: bool = False
+
+
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: options of `zerotrain.checkpointing` (DeepSpeed's)."""
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[NonNegInt] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+class TensorBoardConfig(Section):
+    """`tensorboard`: event files go to `output_path/job_name`."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CSVMonitorConfig(TensorBoardConfig):
+    """`csv_monitor`: one CSV file per logged event under `output_path/job_name`."""
+
+
+class WandbConfig(Section):
+    """`wandb`: Weights & Biases logging."""
+
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+class MLflowConfig(Section):
+    """`mlflow` (zerotrain only): MLflow logging; None values fall back to MLflow's own defaults."""
+
+    enabled: bool = False
+    tracking_uri: Optional[str] = None
+    experiment_name: Optional[str] = None
+    run_name: Optional[str] = None
+
+
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: profile one training step."""
+
+    enabled: bool = False
+    recompute_fwd_factor: Float = 0.0
+    profile_step: PosInt = 1
+    module_depth: Int = -1
+    top_modules: PosInt = 1
+    detailed: bool = True
+    output_file: Optional[str] = None
+
+
+class ParallelWriteConfig(Section):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: tag validation and storage options for save/load_checkpoint."""
+
+    tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    checkpoint_serialization: bool = True
+    writer: Optional[dict[str, Any]] = None
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _capitalize(cls, value: Any) -> Any:
+        # DeepSpeed upper-cases the mode, so "WARN" and "warn" are valid too.
+        return value.capitalize() if isinstance(value, str) else value
+
+
+#: DeepSpeed top-level sections zerotrain accepts but does not implement (see support.py).
+FOREIGN_SECTIONS = (
+    "amp", "pipeline", "elasticity", "autotuning", "compression_training", "data_efficiency",
+    "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
+    "progressive_layer_drop", "sparse_attention", "comet", "torch_autocast", "data_types",
+    "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
+)
+
+
+class _UnimplementedKeys(Section):
+    """DeepSpeed keys that parse but are not implemented; check_supported rejects them when active."""
+
+    amp: Any = None
+    pipeline: Any = None
+    elasticity: Any = None
+    autotuning: Any = None
+    compression_training: Any = None
+    data_efficiency: Any = None
+    curriculum_learning: Any = None
+    nebula: Any = None
+    aio: Any = None
+    hybrid_engine: Any = None
+    tensor_parallel: Any = None
+    eigenvalue: Any = None
+    progressive_layer_drop: Any = None
+    sparse_attention: Any = None
+    comet: Any = None
+    torch_autocast: Any = None
+    data_types: Any = None
+    weight_quantization: Any = None
+    quantize_training: Any = None
+    compile: Any = None
+    timers: Any = None
+    expert_parallel: Any = None
+    datastates_ckpt: Any = None
+    sparse_gradients: bool = False
+    dump_state: bool = False
+    disable_allgather: bool = False
+    graph_harvesting: bool = False
+    managed_gradient_accumulation: bool = True
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(lower)] = "mean"
+    seq_parallel_communication_data_type: LowerStr = "fp32"
+    use_data_before_expert_parallelism: bool = False
+    log_level: Optional[str] = None
+    vocabulary_size: Optional[Int] = None  # DeepSpeed only warns about it; no effect here either
+
+
+class ZeroTrainConfig(_UnimplementedKeys):
+    """The whole validated config. Batch sizes are resolved (never None) once validation succeeds.
+
+    Pass `context={"world_size": N}` to `model_validate` for the data-parallel size (default 1);
+    `load_config` does this for you. `raw` is the config dict as given (after "auto" filling).
+    """
+
+    train_batch_size: Optional[PosInt] = None
+    train_micro_batch_size_per_gpu: Optional[PosInt] = None
+    gradient_accumulation_steps: Optional[PosInt] = None
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    allgather_size: Optional[NonNegInt] = None  # only read with the legacy `"zero_optimization": true`
+    gradient_clipping: Float = Field(1.0, ge=0.0)
+    steps_per_print: Annotated[Optional[PosInt], BeforeValidator(steps_or_never)] = None
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    prescale_gradients: bool = False
+    gradient_predivide_factor: Float = Field(1.0, gt=0.0)
+    communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(lower)] = None
+    dataloader_drop_last: bool = False
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw(cls, data: Any, handler: Any) -> "ZeroTrainConfig":
+        raw = copy.deepcopy(data) if isinstance(data, dict) else None
+        model = handler(data)
+        if raw is not None:
+            model._raw = raw
+        return model
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalize(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        reject_both_spellings(data, {"bf16": "bfloat16"})
+        data = dict(data)
+        if isinstance(data.get("zero_optimization"), bool):
+            data["zero_optimization"] = legacy_zero_section(data["zero_optimization"], data.get("allgather_size"))
+        return data
+
+    @field_validator("bf16", mode="before")
+    @classmethod
+    def _bf16_default(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _one_half_precision(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16 and bf16 cannot both be enabled; set one of fp16.enabled / bf16.enabled to false")
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_batch(self, info: ValidationInfo):
+        world_size = (info.context or {}).get("world_size", 1)
+        resolved = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                       self.gradient_accumulation_steps, world_size)
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = resolved
+        return self
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The config dict this object was validated from (after "auto" filling), for checkpoints."""
+        return self._raw

@@ -1,0 +1,183 @@
+"""Which config settings zerotrain does not implement yet.
+
+`PENDING` is the single table. When a feature lands, delete its row(s); nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .schema import ZeroTrainConfig
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A dotted config key, when its value needs a missing feature, and the feature that will bring it."""
+
+    key: str
+    active: Callable[[ZeroTrainConfig], bool]
+    feature: str
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "0", "no", "off", "none")
+    return bool(value)
+
+
+def _section_on(value: Any) -> bool:
+    """A foreign section counts as used unless absent, false, empty, or {"enabled": false, ...}."""
+    if isinstance(value, dict) and "enabled" in value:
+        return _truthy(value["enabled"])
+    return _truthy(value)
+
+
+def _data_types_on(value: Any) -> bool:
+    # fp32 accumulation is what zerotrain does anyway, so only other dtypes need the feature.
+    if isinstance(value, dict):
+        return any(v not in (None, "fp32") for v in value.values())
+    return _truthy(value)
+
+
+def _tensor_parallel_on(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return _truthy(value)
+    tp = value.get("tp") or value.get("tensor_parallel") or {}
+    return _int(value.get("autotp_size", 0)) > 1 or (isinstance(tp, dict) and _int(tp.get("tp_size", 1)) > 1)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 2  # unreadable -> treat as "set", so the user hears about it
+
+
+def _foreign(name: str, feature: str, active: Callable[[Any], bool] = _section_on) -> Pending:
+    return Pending(name, lambda c: active(getattr(c, name)), feature)
+
+
+_Z = "zero_optimization"
+_ZERO_FEATURE = "ZeRO stages 1-3 (zerotrain.zero); only stage 0 (plain data parallel) runs today"
+
+PENDING: tuple[Pending, ...] = (
+    Pending(f"{_Z}.stage", lambda c: c.zero_optimization.stage != 0, _ZERO_FEATURE),
+    Pending("fp16.enabled", lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling"),
+    Pending("bf16.enabled", lambda c: c.bf16.enabled, "bf16 mixed precision"),
+    Pending(f"{_Z}.offload_optimizer.device", lambda c: c.zero_optimization.offload_optimizer_device != "none",
+            "ZeRO-Offload: optimizer states on CPU/NVMe"),
+    Pending(f"{_Z}.offload_param.device", lambda c: c.zero_optimization.offload_param_device != "none",
+            "ZeRO-Infinity: parameters on CPU/NVMe"),
+    Pending(f"{_Z}.zero_hpz_partition_size", lambda c: c.zero_optimization.zero_hpz_partition_size > 1,
+            "ZeRO++ hierarchical partitioning (hpZ)"),
+    Pending(f"{_Z}.zero_quantized_weights", lambda c: c.zero_optimization.zero_quantized_weights,
+            "ZeRO++ quantized weight all-gather (qwZ)"),
+    Pending(f"{_Z}.zero_quantized_nontrainable_weights",
+            lambda c: c.zero_optimization.zero_quantized_nontrainable_weights, "ZeRO++ quantized frozen weights"),
+    Pending(f"{_Z}.zero_quantized_gradients", lambda c: c.zero_optimization.zero_quantized_gradients,
+            "ZeRO++ quantized gradients (qgZ)"),
+    Pending(f"{_Z}.zeropp_loco_param", lambda c: c.zero_optimization.zeropp_loco_param is not None,
+            "ZeRO++ LoCo error feedback"),
+    Pending(f"{_Z}.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding"),
+    Pending(f"{_Z}.mics_hierarchical_params_gather",
+            lambda c: c.zero_optimization.mics_hierarchical_params_gather, "MiCS sharding"),
+    Pending(f"{_Z}.elastic_checkpoint", lambda c: c.zero_optimization.elastic_checkpoint,
+            "elastic ZeRO checkpoints (universal checkpoints)"),
+    Pending(f"{_Z}.legacy_stage1", lambda c: c.zero_optimization.legacy_stage1, "legacy ZeRO-1 (not planned)"),
+    Pending(f"{_Z}.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow offload"),
+    Pending(f"{_Z}.pipeline_loading_checkpoint", lambda c: c.zero_optimization.pipeline_loading_checkpoint,
+            "pipeline parallelism"),
+    Pending("comms_logger.enabled", lambda c: c.comms_logger.enabled, "comms logger"),
+    Pending("tensorboard.enabled", lambda c: c.tensorboard.enabled, "TensorBoard monitor"),
+    Pending("csv_monitor.enabled", lambda c: c.csv_monitor.enabled, "CSV monitor"),
+    Pending("wandb.enabled", lambda c: c.wandb.enabled, "Weights & Biases monitor"),
+    Pending("mlflow.enabled", lambda c: c.mlflow.enabled, "MLflow monitor"),
+    Pending("flops_profiler.enabled", lambda c: c.flops_profiler.enabled, "flops profiler"),
+    Pending("activation_checkpointing.partition_activations",
+            lambda c: c.activation_checkpointing.partition_activations, "activation checkpointing options"),
+    Pending("activation_checkpointing.contiguous_memory_optimization",
+            lambda c: c.activation_checkpointing.contiguous_memory_optimization, "activation checkpointing options"),
+    Pending("activation_checkpointing.cpu_checkpointing",
+            lambda c: c.activation_checkpointing.cpu_checkpointing, "activation checkpointing options"),
+    Pending("activation_checkpointing.number_checkpoints",
+            lambda c: bool(c.activation_checkpointing.number_checkpoints), "activation checkpointing options"),
+    Pending("activation_checkpointing.synchronize_checkpoint_boundary",
+            lambda c: c.activation_checkpointing.synchronize_checkpoint_boundary, "activation checkpointing options"),
+    Pending("activation_checkpointing.profile", lambda c: c.activation_checkpointing.profile,
+            "activation checkpointing options"),
+    Pending("memory_breakdown", lambda c: c.memory_breakdown, "memory breakdown logging"),
+    Pending("communication_data_type", lambda c: c.communication_data_type is not None,
+            "reduced-precision gradient communication"),
+    Pending("prescale_gradients", lambda c: c.prescale_gradients, "gradient pre-scaling"),
+    Pending("gradient_predivide_factor", lambda c: c.gradient_predivide_factor != 1.0, "gradient pre-division"),
+    Pending("checkpoint.load_universal", lambda c: c.checkpoint.load_universal, "universal checkpoints"),
+    Pending("checkpoint.use_node_local_storage", lambda c: c.checkpoint.use_node_local_storage,
+            "node-local checkpoint storage"),
+    Pending("checkpoint.parallel_write.pipeline_stage", lambda c: c.checkpoint.parallel_write.pipeline_stage,
+            "pipeline parallelism"),
+    Pending("checkpoint.writer", lambda c: c.checkpoint.writer is not None, "fast checkpoint writers"),
+    Pending("checkpoint.checkpoint_serialization", lambda c: not c.checkpoint.checkpoint_serialization,
+            "legacy (non-serialized) checkpoint format"),
+    Pending("sparse_gradients", lambda c: c.sparse_gradients, "sparse gradient all-reduce"),
+    Pending("dump_state", lambda c: c.dump_state, "engine state dump"),
+    Pending("disable_allgather", lambda c: c.disable_allgather, "ZeRO stages 1-3 (zerotrain.zero)"),
+    Pending("graph_harvesting", lambda c: c.graph_harvesting, "CUDA graph harvesting"),
+    Pending("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
+            "user-managed gradient accumulation"),
+    Pending("gradient_allreduce_op", lambda c: c.gradient_allreduce_op != "mean", "sum gradient all-reduce"),
+    Pending("seq_parallel_communication_data_type", lambda c: c.seq_parallel_communication_data_type != "fp32",
+            "sequence parallelism"),
+    Pending("use_data_before_expert_parallelism", lambda c: c.use_data_before_expert_parallelism,
+            "expert parallelism"),
+    Pending("log_level", lambda c: c.log_level is not None, "config-driven log level"),
+    _foreign("amp", "apex AMP (not planned: use bf16 or fp16)"),
+    _foreign("pipeline", "pipeline parallelism"),
+    _foreign("elasticity", "elastic training"),
+    _foreign("autotuning", "autotuning"),
+    _foreign("compression_training", "compression training"),
+    _foreign("data_efficiency", "data efficiency library"),
+    _foreign("curriculum_learning", "curriculum learning"),
+    _foreign("nebula", "Nebula checkpointing"),
+    _foreign("aio", "async I/O for NVMe offload"),
+    _foreign("hybrid_engine", "RLHF hybrid engine"),
+    _foreign("tensor_parallel", "tensor parallelism (AutoTP)", _tensor_parallel_on),
+    _foreign("eigenvalue", "eigenvalue computation"),
+    _foreign("progressive_layer_drop", "progressive layer drop"),
+    _foreign("sparse_attention", "sparse attention kernels"),
+    _foreign("comet", "Comet monitor"),
+    _foreign("torch_autocast", "torch.autocast mixed precision"),
+    _foreign("data_types", "non-fp32 gradient accumulation / param dtypes", _data_types_on),
+    _foreign("weight_quantization", "weight quantization"),
+    _foreign("quantize_training", "quantized training"),
+    _foreign("compile", "torch.compile / DeepCompile integration"),
+    _foreign("timers", "throughput timers"),
+    _foreign("expert_parallel", "expert parallelism (AutoEP)"),
+    _foreign("datastates_ckpt", "DataStates checkpointing"),
+)
+
+
+def unsupported(cfg: ZeroTrainConfig) -> list[str]:
+    """One line `<key>=<value> needs <feature>` per setting in `cfg` that zerotrain cannot honour yet."""
+    return [f"{row.key}={_short(_value(cfg, row.key))} needs {row.feature}" for row in PENDING if row.active(cfg)]
+
+
+def check_supported(cfg: ZeroTrainConfig) -> None:
+    """Raise NotImplementedError naming every dotted key in `cfg` that needs a feature not landed yet."""
+    lines = unsupported(cfg)
+    if lines:
+        raise NotImplementedError("zerotrain does not implement these config settings yet:\n"
+                                  + "\n".join(f"  - {line}" for line in lines)
+                                  + "\nRemove them or set them to their defaults (docs/config.md lists every key).")
+
+
+def _value(cfg: ZeroTrainConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,226 @@
+"""The training engine returned by ``zerotrain.initialize``.
+
+It wraps the user's module, optimizer and LR scheduler, and keeps the step bookkeeping
+(micro-steps, accumulation boundaries, global steps and samples). What each ZeRO stage holds and
+how it reduces gradients lives in the stage object (``self._zero``); the engine only drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+
+from zerotrain.accelerator import get_accelerator
+from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size
+from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
+                                     StepTimers)
+from zerotrain.log import log_rank0
+from zerotrain.zero import build_zero_stage
+
+
+class ZeroTrainEngine(nn.Module):
+    """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
+                 training_dataloader=None):
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self._config = config
+        self.accelerator = get_accelerator()
+        self.local_rank = get_local_rank()
+        self.global_rank = get_rank()
+        self.dp_world_size = get_world_size()
+        self.device = self.accelerator.device(self.local_rank)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._zero = build_zero_stage(config, module, optimizer)
+        self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._window_losses: list[torch.Tensor] = []
+        self._last_log = (time.perf_counter(), 0)
+
+    # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise
+
+    # -- configuration accessors --------------------------------------------------------
+    @property
+    def config(self):
+        """The validated zerotrain config (``ZeroTrainConfig``)."""
+        return self._config
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self._zero.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    # -- training loop ------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        self._timers.start(FORWARD)
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            self._timers.stop(FORWARD)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary decision (for loops that end a window early)."""
+        self._boundary_override = bool(is_boundary)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
+                 release_loss: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by the accumulation steps); gradients are reduced
+        across ranks during this call when it ends an accumulation window."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward(loss) needs a scalar loss tensor")
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = loss / self.gradient_accumulation_steps()
+        self._timers.start(BACKWARD)
+        self._zero.begin_backward(self.is_gradient_accumulation_boundary(), self._in_no_sync)
+        self._timers.start(BACKWARD_INNER)
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            self._zero.abort_backward()
+            raise
+        self._timers.stop(BACKWARD_INNER)
+        self._timers.start(BACKWARD_REDUCE)
+        self._zero.end_backward()
+        self._timers.stop(BACKWARD_REDUCE)
+        self._timers.stop(BACKWARD)
+        self._window_losses.append(loss.detach())
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Update the weights at an accumulation boundary; otherwise only count the micro-step."""
+        if self._in_no_sync:
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(): gradients there are not "
+                "reduced across ranks; leave the no_sync() block before stepping")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._timers.start(STEP)
+            self._take_model_step(lr_kwargs)
+            self._timers.stop(STEP)
+            self._log_step()
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        clip = self._config.gradient_clipping
+        self._global_grad_norm = None
+        if clip and clip > 0:
+            norm = self._zero.grad_norm()
+            self._global_grad_norm = float(norm)
+            coef = clip / (self._global_grad_norm + 1e-6)
+            if coef < 1.0:
+                self._zero.scale_grads(coef)
+        self._zero.step(self.optimizer)
+        self._zero.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._step_applied = True
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def zero_grad(self) -> None:
+        """Zero the gradients (they stay in their flat buffers)."""
+        self._zero.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without reducing them across ranks.
+
+        Works at every ZeRO stage: the next backward outside the block reduces everything
+        accumulated so far. ``step()`` inside the block is an error."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.no_sync() is not re-entrant")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # -- state accessors ----------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` call updated the weights."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """Gradient norm across all ranks at the last update (None unless clipping is on)."""
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        if self.optimizer is None:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by category, counted from the tensors actually held."""
+        return self._zero.memory_breakdown(self.module, self.optimizer)
+
+    def wall_clock_breakdown(self) -> dict[str, float]:
+        """Milliseconds per phase since the last report (with ``wall_clock_breakdown: true``)."""
+        return self._timers.pop()
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def destroy(self) -> None:
+        """Remove the hooks the engine installed on the module."""
+        self._zero.close()
+
+    # -- logging ------------------------------------------------------------------------
+    def _log_step(self) -> None:
+        every = self._config.steps_per_print
+        losses, self._window_losses = self._window_losses, []
+        if not every or self.global_steps % every:
+            return
+        now = time.perf_counter()
+        then, samples = self._last_log
+        self._last_log = (now, self.global_samples)
+        rate = (self.global_samples - samples) / max(now - then, 1e-9)
+        loss = float(torch.stack(losses).mean()) if losses else float("nan")
+        lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
+        log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f",
+                  self.global_steps, self.skipped_steps, lr, loss, rate)
+        if self._timers.enabled:
+            times = self._timers.pop()
+            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()))

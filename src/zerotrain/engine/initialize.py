@@ -1,0 +1,106 @@
+"""``zerotrain.initialize``: DeepSpeed's entry point, same signature and return value."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerotrain.accelerator import get_accelerator
+from zerotrain.comm import collectives
+from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size, init_distributed
+from zerotrain.config import check_supported, load_config
+from zerotrain.engine.data import DistributedDataLoader
+from zerotrain.engine.engine import ZeroTrainEngine
+from zerotrain.optim import build_lr_scheduler, build_optimizer
+from zerotrain.zero.flat import split_into_buckets
+
+# Parameters are broadcast from rank 0 in chunks of this many elements, so start-up needs no
+# second full copy of the model.
+_BROADCAST_CHUNK = 2**22
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
+    """Build the training engine.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the last three are
+    None when not configured. ``config`` is a dict, a JSON path, or None to read
+    ``args.deepspeed_config``/``args.zerotrain_config``. ``optimizer`` and ``lr_scheduler`` may be
+    objects or callables (``optimizer(params)``, ``lr_scheduler(optimizer)``); a client optimizer
+    takes precedence over the config's ``optimizer`` section.
+    """
+    if model is None:
+        raise ValueError("zerotrain.initialize() needs model=<torch.nn.Module>")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not supported: "
+                                  "zerotrain is data-parallel only")
+    if config is not None and config_params is not None and config is not config_params:
+        raise ValueError("pass the config once: config= and config_params= are aliases")
+    config = config if config is not None else config_params
+
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    cfg = load_config(config, args=args, world_size=get_world_size())
+    check_supported(cfg)
+
+    device = get_accelerator().device(get_local_rank())
+    model.to(device)
+    _broadcast_from_rank0(model)
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    opt = _build_optimizer(optimizer, cfg, params)
+    sched = _build_scheduler(lr_scheduler, cfg, opt)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, rank=get_rank(),
+            world_size=get_world_size(), collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+            pin_memory=device.type == "cuda")
+    engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
+                             training_dataloader=loader)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _build_optimizer(client, cfg, params):
+    if client is not None:
+        if isinstance(client, torch.optim.Optimizer):
+            return client
+        if callable(client):
+            return client(params)
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable, got {type(client)!r}")
+    if cfg.optimizer is None:
+        return None
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, params)
+
+
+def _build_scheduler(client, cfg, optimizer):
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            return client(optimizer)
+        return client
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ValueError("config has a 'scheduler' section but no optimizer: add an 'optimizer' "
+                         "section or pass optimizer= to initialize()")
+    return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    if get_world_size() == 1:
+        return
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
+    unique = list({t.data_ptr(): t for t in tensors}.values())
+    for chunk in split_into_buckets(unique, _BROADCAST_CHUNK):
+        if len(chunk) == 1:
+            collectives.broadcast(chunk[0].data, src=0)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in chunk])
+        collectives.broadcast(flat, src=0)
+        offset = 0
+        for t in chunk:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,116 @@
+"""Run a function on N local gloo ranks and collect what each returns.
+
+Used by zerotrain's own tests and benchmarks, and usable for testing user code::
+
+    def check(scale):
+        import torch.distributed as dist
+        t = torch.ones(1) * scale
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_on_ranks(check, world_size=2, args=(3,)) == [6.0, 6.0]
+
+``fn`` must be picklable (defined at module level). Each rank runs in a fresh spawned process
+with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, one intra-op thread, and a short
+collective timeout, so a bug fails instead of hanging. An exception on any rank is re-raised
+here with that rank's traceback; the other ranks are then stopped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message names the rank and carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, env, results):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        value = fn(*args, **kwargs)
+        # Plain pickle bytes: torch's queue reducers would share tensors through file
+        # descriptors that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including SystemExit from user code
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 180.0,
+    comm_timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    rank_env = {"OMP_NUM_THREADS": "1", "ZEROTRAIN_COMM_TIMEOUT": str(comm_timeout)}
+    rank_env.update(env or {})
+    procs = [
+        ctx.Process(target=_rank_main,
+                    args=(fn, r, world_size, port, args, kwargs or {}, rank_env, results),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+
+
+def _collect(procs, results, world_size, timeout) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out
+                    and p.exitcode not in (0, None)]
+            if dead:
+                r = dead[0]
+                raise RankFailed(f"rank {r} died with exit code {procs[r].exitcode}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s")
+            continue
+        if not ok:
+            raise RankFailed(f"rank {rank} raised:\n{value}")
+        out[rank] = pickle.loads(value)
+    return [out[r] for r in range(world_size)]

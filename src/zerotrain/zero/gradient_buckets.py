@@ -1,0 +1,173 @@
+"""Gradients grouped in buckets and reduced across ranks during backward.
+
+A bucket is a list of parameters with a ``FlatLayout``. In *persistent* mode (stages 0 and 1)
+each parameter's ``.grad`` is a view into the bucket's flat buffer, so autograd accumulates
+straight into the buffer the collective sends: no copy, no per-step allocation. In *staged*
+mode (stage 2) a bucket has no buffer of its own; the launch callback copies the finished
+gradients into a reusable staging buffer and frees them.
+
+A post-accumulate-grad hook counts the parameters that are done; buckets are launched as soon as
+they are complete, strictly in bucket order, so every rank issues the same collectives in the
+same sequence even when autograd finishes parameters in a different order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from zerotrain.zero.flat import FlatLayout
+
+
+class GradientBucket:
+    """Parameters whose gradients are reduced together."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], layout: FlatLayout | None = None,
+                 persistent: bool = True):
+        self.params = list(params)
+        self.layout = layout or FlatLayout(self.params)
+        self.flat = self.layout.empty() if persistent else None
+        self.views = self.layout.views(self.flat) if persistent else None
+        self.seen = [False] * len(self.params)
+        self.ready = 0
+        self.work = None
+        self.launched = False
+        self.attach()
+
+    def attach(self) -> None:
+        """Point every parameter's ``.grad`` at its view of the flat buffer (persistent mode)."""
+        if self.views is not None:
+            for p, view in zip(self.params, self.views):
+                p.grad = view
+
+    def adopt(self, index: int) -> None:
+        """Bring a ``.grad`` that autograd or the user replaced back into the buffer."""
+        if self.views is None:
+            return
+        p, view = self.params[index], self.views[index]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
+    def gather_grads_into(self, flat: torch.Tensor) -> None:
+        """Copy the parameters' gradients into ``flat`` (laid out as this bucket) and free them."""
+        for p, view in zip(self.params, self.layout.views(flat)):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+                p.grad = None
+        if self.layout.padding:
+            flat.narrow(0, self.layout.numel, self.layout.padding).zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+
+
+class BucketedGradients:
+    """Gradients of ``buckets`` (lists of parameters), reduced by ``launch(bucket)``.
+
+    ``layouts`` (default: unpadded) lets the buckets share the layout of partitioned
+    parameter units, so a bucket's shard lines up with the unit's shard. ``launch`` starts a collective on a complete bucket and returns an object with ``wait()``
+    (or None when nothing is pending). Reduction happens only in backward passes started with
+    ``sync=True``; other passes just accumulate locally.
+    """
+
+    def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]],
+                 launch: Callable[[GradientBucket], object], overlap: bool = True,
+                 layouts: Sequence[FlatLayout] | None = None, persistent: bool = True):
+        layouts = layouts or [None] * len(buckets)
+        self.buckets = [GradientBucket(b, layout, persistent) for b, layout in zip(buckets, layouts)]
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._launch = launch
+        self._overlap = overlap
+        self._next = 0
+        self._in_backward = False
+        self._sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for b in self.buckets for p in b.params]
+
+    # -- backward ------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self._in_backward, self._sync, self._next = True, sync, 0
+        for b in self.buckets:
+            b.ready, b.work, b.launched = 0, None, False
+            b.seen = [False] * len(b.params)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            raise RuntimeError(
+                "a gradient was computed outside engine.backward(): call engine.backward(loss) "
+                "instead of loss.backward(), so gradients are reduced across ranks"
+            )
+        bucket, index = self._where[id(param)]
+        if bucket.launched:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} received a second gradient after its "
+                "bucket was reduced in this backward (is it shared across reentrant activation "
+                "checkpoints?); use torch.utils.checkpoint with use_reentrant=False"
+            )
+        bucket.adopt(index)
+        if not bucket.seen[index]:
+            bucket.seen[index] = True
+            bucket.ready += 1
+        if self._sync and self._overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch_bucket(bucket)
+
+    def _launch_bucket(self, bucket: GradientBucket) -> None:
+        bucket.launched = True
+        bucket.work = self._launch(bucket)
+        self._next += 1
+
+    def end_backward(self) -> None:
+        """Launch what is left (e.g. unused parameters' buckets) and wait for all of it."""
+        try:
+            if self._sync:
+                while self._next < len(self.buckets):
+                    self._launch_bucket(self.buckets[self._next])
+        finally:
+            self._wait_all()
+
+    def abort_backward(self) -> None:
+        """Backward raised: wait for what was launched, launch nothing more."""
+        self._wait_all()
+
+    def _wait_all(self) -> None:
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        self._in_backward = False
+
+    # -- after backward ------------------------------------------------------------------
+    def flats(self) -> list[torch.Tensor]:
+        return [b.flat for b in self.buckets if b.flat is not None]
+
+    def zero(self) -> None:
+        for b in self.buckets:
+            if b.flat is not None:
+                b.flat.zero_()
+                b.attach()
+            else:
+                for p in b.params:
+                    p.grad = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,81 @@
+"""Partitioned parameters: the shared core of ZeRO stages 1-3.
+
+The trainable parameters of each optimizer param group are split into *units* of at most
+``unit_numel`` elements. A unit's parameters are flattened into one buffer (padded so it divides
+by ``world_size * align``) and each module parameter becomes a view into it. Rank ``r`` owns the
+r-th contiguous shard of every unit; the optimizer works on those shards, which are views of
+the same buffer, so in fp32 no second "master" copy exists.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zerotrain.comm import collectives
+from zerotrain.zero.flat import FlatLayout
+
+
+def shard_alignment(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: shards start 16-byte aligned, as vectorised kernels and NCCL like."""
+    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+
+
+class FlatParamUnit:
+    """Parameters flattened into one buffer; this rank's shard is an ``nn.Parameter`` view."""
+
+    def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int):
+        self.params = list(params)
+        self.layout = FlatLayout(self.params, world_size, shard_alignment(self.params[0].dtype))
+        self.flat = self.layout.empty()
+        with torch.no_grad():
+            self.layout.copy_in(self.flat, self.params)
+        for p, view in zip(self.params, self.layout.views(self.flat)):
+            p.data = view
+        self.shard = nn.Parameter(self.layout.shard(self.flat, rank))
+
+    def all_gather(self, group=None):
+        """Start gathering every rank's updated shard into the full buffer."""
+        return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
+                                           async_op=True)
+
+
+def plan_units(param_groups: Sequence[dict], unit_numel: int,
+               backward_order: Sequence[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
+    """Split each param group's trainable parameters into units, ordered by when backward is
+    expected to complete them.
+
+    Parameters are walked in ``backward_order``; each goes into its group's open unit, and a
+    unit closes when adding the next parameter would exceed ``unit_numel``. Units are then sorted
+    by the position of their last parameter, so a unit mixing early and late parameters (say all
+    biases of a no-decay group) does not hold back the reduction of units that finish before it.
+    """
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in more than one optimizer param group")
+            group_of[id(p)] = g
+    units: list[tuple[int, list[nn.Parameter], int]] = []
+    open_unit: dict[int, tuple[list[nn.Parameter], int, int]] = {}
+    for position, p in enumerate(backward_order):
+        g = group_of.get(id(p))
+        if g is None or not p.requires_grad:
+            continue
+        params, size, index = open_unit.get(g, (None, 0, -1))
+        if params is None or (params and size + p.numel() > unit_numel):
+            params, size, index = [], 0, len(units)
+            units.append((g, params, position))
+        params.append(p)
+        units[index] = (g, params, position)
+        open_unit[g] = (params, size + p.numel(), index)
+    in_model = {id(p) for p in backward_order}
+    missing = [p for group in param_groups for p in group["params"]
+               if p.requires_grad and id(p) not in in_model]
+    if missing:
+        raise ValueError(f"{len(missing)} optimizer parameters are not parameters of the model "
+                         "passed to initialize(); ZeRO can only partition the model's parameters")
+    units.sort(key=lambda u: u[2])
+    return [(g, params) for g, params, _ in units]

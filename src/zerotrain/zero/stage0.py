@@ -1,0 +1,73 @@
+"""ZeRO stage 0: plain data parallelism.
+
+Every rank holds the whole model, all gradients and the whole optimizer state. Gradients are
+averaged with bucketed all-reduces launched during backward (overlapping the rest of it), and
+only in the backward pass that ends an accumulation window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.comm import collectives
+from zerotrain.zero.flat import split_into_buckets
+from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
+
+
+class ReplicatedGradients:
+    """Stage 0's gradient handling; the engine drives it through the same calls every stage has."""
+
+    stage = 0
+
+    def __init__(self, params, bucket_numel: int, overlap: bool = True, group=None):
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.params = [p for p in params if p.requires_grad]
+        # Reverse registration order approximates the order backward produces gradients.
+        buckets = split_into_buckets(self.params[::-1], bucket_numel)
+        self.grads = BucketedGradients(buckets, self._all_reduce, overlap)
+
+    def _all_reduce(self, bucket: GradientBucket):
+        if self.world_size == 1:
+            return None
+        # Dividing before the sum keeps the launch inside backward, off the critical path.
+        bucket.flat.div_(self.world_size)
+        return collectives.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        # Replicated gradients can wait: reduce once per accumulation window.
+        self.grads.begin_backward(sync=boundary and not no_sync)
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+
+    def abort_backward(self) -> None:
+        self.grads.abort_backward()
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the (already averaged, replicated) gradients."""
+        norms = torch._foreach_norm(self.grads.flats())
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        torch._foreach_mul_(self.grads.flats(), factor)
+
+    def step(self, optimizer) -> None:
+        if optimizer is not None:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def memory_breakdown(self, module: torch.nn.Module, optimizer) -> dict[str, int]:
+        return {
+            "parameters": tensor_bytes(module.parameters()),
+            "gradients": self.grads.nbytes,
+            "optimizer_state": optimizer_state_bytes(optimizer),
+            "communication_buffers": 0,
+        }
+
+    def close(self) -> None:
+        self.grads.remove_hooks()

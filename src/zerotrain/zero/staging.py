@@ -1,0 +1,60 @@
+"""A small pool of reusable staging buffers for stage 2's gradient reduce-scatters.
+
+Reusing a fixed number of buffers (two when communication overlaps backward, one otherwise)
+bounds the full-size gradient memory to one or two buckets however large the model is, and
+allocates nothing per step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class _Pending:
+    """A launched collective plus what to do with its result once it has finished."""
+
+    def __init__(self, work, then: Callable[[], object]):
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._then()
+
+
+class StagingSlot:
+    def __init__(self, numel: int, world_size: int, dtype: torch.dtype, device):
+        self.flat = torch.zeros(numel, dtype=dtype, device=device)
+        self.shard = torch.zeros(numel // world_size, dtype=dtype, device=device)
+        self.pending: _Pending | None = None
+
+    def track(self, work, then: Callable[[], object]) -> _Pending:
+        self.pending = _Pending(work, then)
+        return self.pending
+
+    def release(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+class StagingPool:
+    """``count`` slots used round-robin; acquiring a busy slot waits for its collective."""
+
+    def __init__(self, count: int, numel: int, world_size: int, dtype: torch.dtype, device):
+        self.slots = [StagingSlot(numel, world_size, dtype, device) for _ in range(count)]
+        self._next = 0
+
+    def acquire(self) -> StagingSlot:
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        slot.release()
+        return slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.flat.numel() * s.flat.element_size() + s.shard.numel() * s.shard.element_size()
+                   for s in self.slots)

@@ -1,0 +1,99 @@
+"""check_supported: one table of settings that need features zerotrain has not landed yet."""
+
+import pytest
+
+from zerotrain.config import PENDING, check_supported, load_config, unsupported
+
+BASE = {"train_batch_size": 8}
+
+SUPPORTED = [
+    {},
+    {"zero_optimization": {"stage": 0, "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6}},
+    {"gradient_clipping": 0.0, "gradient_accumulation_steps": 2, "steps_per_print": 10,
+     "wall_clock_breakdown": True, "dataloader_drop_last": True},
+    {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {}}},
+    {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": "false"}},
+    {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}},
+    {"tensorboard": {"enabled": False, "output_path": "/tmp/tb"}, "wandb": {"enabled": False}},
+    {"amp": {"enabled": False, "opt_level": "O1"}, "pipeline": {}, "elasticity": {"enabled": "false"},
+     "autotuning": {"enabled": False}, "comet": {"enabled": False}, "sparse_gradients": False,
+     "data_types": {"grad_accum_dtype": "fp32"}, "tensor_parallel": {"autotp_size": 1}},
+    {"checkpoint": {"tag_validation": "Fail"}, "gradient_predivide_factor": 1.0, "prescale_gradients": False},
+]
+
+
+@pytest.mark.parametrize("extra", SUPPORTED)
+def test_supported_configs_pass(extra):
+    check_supported(load_config({**BASE, **extra}))
+
+
+UNSUPPORTED = [
+    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage=1"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled=True"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled=True"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     "zero_optimization.offload_param.device='nvme'"),
+    ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size=8"),
+    ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+    ({"zero_optimization": {"mics_shard_size": 8}}, "zero_optimization.mics_shard_size=8"),
+    ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
+    ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
+    ({"tensorboard": {"enabled": True}}, "tensorboard.enabled"),
+    ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled"),
+    ({"wandb": {"enabled": True}}, "wandb.enabled"),
+    ({"mlflow": {"enabled": True}}, "mlflow.enabled"),
+    ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
+    ({"activation_checkpointing": {"number_checkpoints": 4}}, "activation_checkpointing.number_checkpoints=4"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
+    ({"memory_breakdown": True}, "memory_breakdown=True"),
+    ({"communication_data_type": "fp16"}, "communication_data_type='fp16'"),
+    ({"prescale_gradients": True}, "prescale_gradients=True"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0"),
+    ({"amp": {"enabled": True}}, "amp="),
+    ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline="),
+    ({"elasticity": {"enabled": True}}, "elasticity="),
+    ({"autotuning": {"enabled": True}}, "autotuning="),
+    ({"compression_training": {"weight_quantization": {}}}, "compression_training="),
+    ({"data_efficiency": {"enabled": True}}, "data_efficiency="),
+    ({"curriculum_learning": {"enabled": True}}, "curriculum_learning="),
+    ({"nebula": {"enabled": True}}, "nebula="),
+    ({"aio": {"block_size": 1048576}}, "aio="),
+    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine="),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
+    ({"eigenvalue": {"enabled": True}}, "eigenvalue="),
+    ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop="),
+    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention="),
+    ({"comet": {"enabled": True}}, "comet="),
+    ({"sparse_gradients": True}, "sparse_gradients=True"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types="),
+]
+
+
+@pytest.mark.parametrize("extra, key", UNSUPPORTED, ids=[key for _, key in UNSUPPORTED])
+def test_unsupported_settings_raise_naming_the_key(extra, key):
+    cfg = load_config({**BASE, **extra})
+    with pytest.raises(NotImplementedError) as info:
+        check_supported(cfg)
+    assert key in str(info.value) and "needs " in str(info.value)
+
+
+def test_every_problem_is_listed():
+    cfg = load_config({**BASE, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True},
+                       "wandb": {"enabled": True}})
+    lines = unsupported(cfg)
+    assert [line.split("=")[0] for line in lines] == ["zero_optimization.stage", "fp16.enabled", "wandb.enabled"]
+
+
+def test_table_rows_name_real_keys():
+    cfg = load_config(BASE)
+    for row in PENDING:
+        node = cfg
+        for part in row.key.split("."):
+            if node is None:
+                break
+            node = getattr(node, part)  # AttributeError here means a row names a key the schema lacks
+        assert row.feature

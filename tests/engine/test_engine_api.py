@@ -1,0 +1,148 @@
+"""Engine bookkeeping and API: boundaries, no_sync, misuse errors, accessors, dataloader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.workloads import adamw_config, global_batches, make_model
+from zerotrain.testing import RankFailed, run_on_ranks
+
+
+def _no_sync_equals_accumulation():
+    """Two micro-batches under no_sync plus one synced backward == GA 3 without no_sync."""
+    import torch.distributed as dist
+
+    import zerotrain
+
+    zerotrain.init_distributed()
+    rank = dist.get_rank()
+    data = global_batches(1, 12)[0]
+    out = []
+    for use_no_sync in (True, False):
+        model = make_model()
+        cfg = adamw_config(2, gas=1 if use_no_sync else 3)
+        engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
+        for m in range(3):
+            batch = data[(m * 2 + rank) * 2:(m * 2 + rank) * 2 + 2]
+            loss = engine(batch, labels=batch).loss
+            if use_no_sync and m < 2:
+                with engine.no_sync():
+                    engine.backward(loss / 3)
+            elif use_no_sync:
+                engine.backward(loss / 3)
+                engine.step()
+            else:
+                engine.backward(loss)
+                engine.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        engine.destroy()
+    return out
+
+
+def test_no_sync_accumulates_then_reduces():
+    for with_no_sync, with_ga in run_on_ranks(_no_sync_equals_accumulation, 2):
+        torch.testing.assert_close(with_no_sync, with_ga, rtol=1e-5, atol=1e-7)
+
+
+def _misuse(kind: str):
+    import zerotrain
+
+    model = make_model()
+    engine, _, _, _ = zerotrain.initialize(model=model, config=adamw_config(2))
+    batch = global_batches(1, 2)[0]
+    loss = engine(batch, labels=batch).loss
+    if kind == "raw_backward":
+        loss.backward()
+    elif kind == "step_in_no_sync":
+        with engine.no_sync():
+            engine.backward(loss)
+            engine.step()
+    elif kind == "nested_no_sync":
+        with engine.no_sync():
+            with engine.no_sync():
+                pass
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("raw_backward", "call engine.backward(loss) instead of loss.backward()"),
+    ("step_in_no_sync", "inside engine.no_sync()"),
+    ("nested_no_sync", "not re-entrant"),
+])
+def test_misuse_gives_clear_error(kind, message):
+    with pytest.raises(RankFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_on_ranks(_misuse, 1, args=(kind,))
+
+
+def _bookkeeping():
+    import zerotrain
+
+    model = make_model()
+    cfg = adamw_config(2, gas=2, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    engine, opt, loader, sched = zerotrain.initialize(model=model, config=cfg)
+    record = []
+    data = global_batches(6, 2)
+    for i in range(6):
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.backward(engine(data[i], labels=data[i]).loss)
+        engine.step()
+        record.append((boundary, engine.was_step_applied(), engine.global_steps, engine.get_lr()[0]))
+    engine.set_gradient_accumulation_boundary(True)
+    forced = engine.is_gradient_accumulation_boundary()
+    return {
+        "record": record, "forced": forced, "stage": engine.zero_optimization_stage(),
+        "tbs": engine.train_batch_size(), "loader": loader, "opt_is_engine_opt": opt is engine.optimizer,
+        "sched_is_engine_sched": sched is engine.lr_scheduler, "world": engine.dp_world_size,
+        "rank": engine.global_rank, "device": str(engine.device),
+        "module_attr": engine.config is not None and engine.wte is model.wte,
+    }
+
+
+def test_bookkeeping_and_accessors():
+    results = run_on_ranks(_bookkeeping, 2)
+    r0 = results[0]
+    booleans = [(b, applied) for b, applied, _, _ in r0["record"]]
+    assert booleans == [(False, False), (True, True)] * 3
+    assert [g for _, _, g, _ in r0["record"]] == [0, 1, 1, 2, 2, 3]
+    # DeepSpeed's linear WarmupLR over 4 steps from 0 to 0.01: after k scheduler steps the
+    # iteration is k - 1, so the lr is 0.01 * (k - 1) / 4.
+    lrs = [lr for _, applied, _, lr in r0["record"] if applied]
+    assert lrs == pytest.approx([0.0, 0.0025, 0.005])
+    assert r0["forced"] is True
+    assert r0["stage"] == 0 and r0["tbs"] == 8 and r0["loader"] is None
+    assert r0["opt_is_engine_opt"] and r0["sched_is_engine_sched"]
+    assert [r["rank"] for r in results] == [0, 1] and r0["world"] == 2
+    assert r0["device"] == "cpu" and r0["module_attr"]
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return i
+
+
+def _collate(items):
+    return torch.tensor(items) * 100
+
+
+def _dataloader():
+    import zerotrain
+
+    model = make_model()
+    _, _, loader, _ = zerotrain.initialize(model=model, config=adamw_config(2),
+                                           training_data=_Squares(), collate_fn=_collate)
+    epochs = [[b.tolist() for b in loader] for _ in range(2)]
+    return epochs, len(loader)
+
+
+def test_training_data_gives_sharded_micro_batches():
+    (e0, n0), (e1, n1) = run_on_ranks(_dataloader, 2)
+    assert n0 == n1 == 3
+    for epoch in range(2):
+        seen = [x for b in e0[epoch] + e1[epoch] for x in b]
+        assert sorted(seen) == [i * 100 for i in range(10)]  # disjoint, complete, collated
+        assert all(len(b) <= 2 for b in e0[epoch])
+    assert e0[0] != e0[1]  # reshuffled each epoch
