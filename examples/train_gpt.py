@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -23,7 +24,7 @@ from zerotrain.models import GPT, GPTConfig, PythonSourceText, TokenBlocks
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps to train")
+    parser.add_argument("--steps", type=int, default=800, help="optimizer steps to train")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
@@ -33,6 +34,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser = zerotrain.add_config_arguments(parser)
     return parser.parse_args()
+
+
+class _LineWriter:
+    """tqdm output as whole lines when stdout is not a terminal (e.g. under `zerotrain launch`,
+    which forwards complete lines only), so the progress bar still shows as it advances."""
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            sys.stdout.write(text + "\n")
+
+    def flush(self) -> None:
+        sys.stdout.flush()
 
 
 def main() -> None:
@@ -53,7 +67,9 @@ def main() -> None:
               f"{args.seq_len} bytes | ranks: {engine.dp_world_size} | ZeRO stage "
               f"{engine.zero_optimization_stage()} | global batch {engine.train_batch_size()}")
 
-    progress = tqdm(total=args.steps, disable=not rank0, unit="step", dynamic_ncols=True)
+    tty = sys.stdout.isatty()
+    progress = tqdm(total=args.steps, disable=not rank0, unit="step", dynamic_ncols=tty,
+                    file=sys.stdout if tty else _LineWriter(), mininterval=0.1 if tty else 10)
     start, first_loss, recent = time.perf_counter(), None, []
     while engine.global_steps < args.steps:
         for batch in loader:
@@ -66,7 +82,7 @@ def main() -> None:
             if engine.was_step_applied():
                 first_loss = first_loss if first_loss is not None else loss.item()
                 progress.update(1)
-                progress.set_postfix(loss=f"{sum(recent) / len(recent):.3f}",
+                progress.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", refresh=False,
                                      lr=f"{engine.get_lr()[0]:.2e}")
             if engine.global_steps >= args.steps:
                 break

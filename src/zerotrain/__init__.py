@@ -8,17 +8,36 @@ A DeepSpeed script runs after ``import zerotrain as deepspeed``::
         loss = engine(batch["input_ids"], labels=batch["labels"]).loss
         engine.backward(loss)
         engine.step()
+
+Public names are imported on first use, so ``import zerotrain.config`` or the ``zerotrain`` CLI
+do not pay for importing the engine (and torch) up front.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from zerotrain import comm  # noqa: E402  (``zerotrain.comm`` mirrors ``deepspeed.comm``)
-from zerotrain.comm.distributed import init_distributed  # noqa: E402
-from zerotrain.config import add_config_arguments  # noqa: E402
-from zerotrain.engine import ZeroTrainEngine, initialize  # noqa: E402
+_EXPORTS = {
+    "initialize": "zerotrain.engine.initialize",
+    "ZeroTrainEngine": "zerotrain.engine.engine",
+    "init_distributed": "zerotrain.comm.distributed",
+    "add_config_arguments": "zerotrain.config",
+}
+# DeepSpeed's names for the same things, for code written against deepspeed.*
+_ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
+_SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher"}
 
-# DeepSpeed's class name, for code that checks isinstance(engine, deepspeed.DeepSpeedEngine).
-DeepSpeedEngine = ZeroTrainEngine
+__all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "ZeroTrainEngine",
-           "DeepSpeedEngine", "comm", "__version__"]
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zerotrain.{name}")
+    target = _ALIASES.get(name, name)
+    if target in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[target]), target)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zerotrain' has no attribute {name!r}")

@@ -1,0 +1,251 @@
+"""Single-node launch of one process per device on torch's elastic agent.
+
+`launch_local(opts)` is the programmatic equivalent of ``zerotrain launch``. It turns
+`LaunchOptions` into a `torch.distributed.launcher.api.LaunchConfig` plus a
+worker command and hands both to `elastic_launch`; the agent spawns, tees,
+monitors and tears down the ranks. Argument parsing lives in `cli.py`, so a
+later multi-node runner (hostfile, pdsh, slurm) can reuse `build_launch_config`
+and `worker_command` per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch.distributed import DistNetworkError
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.api import LogsDest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from zerotrain.launcher import ports
+from zerotrain.launcher.errors import LaunchError, failure_exit_code, format_failure_report
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+# Seconds between SIGTERM and SIGKILL for surviving ranks once one rank fails
+# (torch's default is 30 s, too slow for an interactive launcher).
+DEFAULT_SHUTDOWN_TIMEOUT = 5
+_BIND_ATTEMPTS = 3
+# Run by path, not with -m, so ranks do not import the zerotrain package (and
+# torch) before the user's script has had a chance to set up its environment.
+ENTRY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local_rank_entry.py")
+
+
+@dataclasses.dataclass
+class LaunchOptions:
+    """What to run and how; mirrors the flags of ``zerotrain launch``.
+
+    Attributes:
+        script: path of the training script (a module name with ``module``,
+            a program with ``no_python``).
+        script_args: arguments given to the script (``--local_rank=N`` is
+            appended per rank unless ``no_local_rank``).
+        nproc: processes on this machine; None means one per visible
+            accelerator, or 1 on CPU.
+        master_addr, master_port: where rank 0's rendezvous store listens; a
+            busy port is replaced by a free one.
+        module: run ``script`` as ``python -m script``.
+        no_python: execute ``script`` directly as a program.
+        no_local_rank: do not append ``--local_rank=N``.
+        rank0_only: show only rank 0's output on the console.
+        log_dir: keep per-rank stdout/stderr logs here; None means a temporary
+            directory removed on exit.
+        shutdown_timeout: seconds the other ranks get between SIGTERM and
+            SIGKILL once a rank has failed.
+    """
+
+    script: str
+    script_args: list[str] = dataclasses.field(default_factory=list)
+    nproc: int | None = None
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    rank0_only: bool = False
+    log_dir: str | None = None
+    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
+
+
+class _RecordingLogsSpecs(DefaultLogsSpecs):
+    """DefaultLogsSpecs that remembers where each rank's logs went."""
+
+    last_dest: LogsDest | None = None
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self.last_dest = super().reify(envs)
+        return self.last_dest
+
+
+def note(message: str) -> None:
+    """Print a launcher message (not a rank's output) to stderr."""
+    print(f"zerotrain: {message}", file=sys.stderr, flush=True)
+
+
+def quiet_agent_bookkeeping() -> None:
+    """Hide the agent's kill/exit/signal log lines (the launcher reports these itself).
+
+    Setting LOGLEVEL, torchelastic's own knob, keeps them.
+    """
+    if "LOGLEVEL" not in os.environ:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+
+
+def default_nproc() -> int:
+    """Number of visible accelerators, or 1 when there is none (CPU)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.device_count()
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def set_omp_num_threads(nproc: int, environ: dict[str, str] = os.environ) -> None:
+    """Give each rank an even share of the CPUs unless the user chose already."""
+    if "OMP_NUM_THREADS" in environ:
+        return
+    threads = max(1, _cpu_count() // nproc)
+    environ["OMP_NUM_THREADS"] = str(threads)
+    note(
+        f"OMP_NUM_THREADS is not set; using OMP_NUM_THREADS={threads} for each of the "
+        f"{nproc} process(es) ({_cpu_count()} CPUs). Set it yourself to override."
+    )
+
+
+def worker_command(opts: LaunchOptions) -> tuple[str, list[str]]:
+    """The (entrypoint, args) every rank runs: the per-rank entry shim."""
+    mode = "exec" if opts.no_python else "module" if opts.module else "script"
+    args = ["-u", ENTRY_SCRIPT, f"--mode={mode}"]
+    if opts.no_local_rank:
+        args.append("--no_local_rank")
+    return sys.executable, [*args, "--", opts.script, *opts.script_args]
+
+
+def build_logs_specs(opts: LaunchOptions, log_dir: str) -> _RecordingLogsSpecs:
+    """Tee every rank to files under ``log_dir`` and to the console."""
+    console = {0} if opts.rank0_only else None
+    return _RecordingLogsSpecs(log_dir=log_dir, tee=Std.ALL, local_ranks_filter=console)
+
+
+def build_launch_config(
+    opts: LaunchOptions, nproc: int, master_port: int, logs_specs: DefaultLogsSpecs
+) -> LaunchConfig:
+    """LaunchConfig for one node hosting the rendezvous at master_addr:master_port.
+
+    The static backend is used (as torchrun does when given a master port)
+    because it makes the workers' MASTER_ADDR/MASTER_PORT the requested ones,
+    as with DeepSpeed; c10d would hand workers a second, random port.
+    """
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        logs_specs=logs_specs,
+        run_id=f"zerotrain-{uuid.uuid4().hex[:12]}",
+        role="trainer",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{opts.master_addr}:{master_port}",
+        rdzv_configs={"rank": 0},
+        max_restarts=0,
+        log_line_prefix_template="[rank${rank}]: ",
+        shutdown_timeout=opts.shutdown_timeout,
+    )
+
+
+@contextmanager
+def _log_root(log_dir: str | None) -> Iterator[str]:
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        yield log_dir
+        return
+    tmp = tempfile.mkdtemp(prefix="zerotrain_logs_")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resolve_port(opts: LaunchOptions) -> int:
+    if ports.is_port_free(opts.master_addr, opts.master_port):
+        return opts.master_port
+    port = ports.free_port(opts.master_addr)
+    note(f"master port {opts.master_port} is busy on {opts.master_addr}; using free port {port} instead")
+    return port
+
+
+def launch_local(opts: LaunchOptions) -> int:
+    """Run ``opts.script`` on ``opts.nproc`` local processes; return the exit code.
+
+    0 when every rank succeeds; otherwise the failed rank's exit code (128+N
+    for signal N, or 1) after the other ranks have been stopped and a report
+    naming the failed rank with the tail of its stderr has been printed.
+    Raises LaunchError for a configuration problem found before launching.
+    """
+    nproc = opts.nproc if opts.nproc is not None else default_nproc()
+    if nproc <= 0:
+        raise LaunchError("--nproc", f"must be a positive number of processes, got {nproc}")
+    master_port = _resolve_port(opts)
+    if opts.nproc is None:
+        note(f"--num_gpus/--nproc not given; launching {nproc} process(es)")
+    set_omp_num_threads(nproc)
+    quiet_agent_bookkeeping()
+    with _log_root(opts.log_dir) as log_root:
+        return _run_with_port_retry(opts, nproc, master_port, log_root)
+
+
+def _run_with_port_retry(opts: LaunchOptions, nproc: int, master_port: int, log_root: str) -> int:
+    entrypoint, args = worker_command(opts)
+    attempt = 1
+    while True:
+        logs_specs = build_logs_specs(opts, log_root)
+        config = build_launch_config(opts, nproc, master_port, logs_specs)
+        try:
+            return _run_agent(config, entrypoint, args, logs_specs, logs_kept=bool(opts.log_dir))
+        except DistNetworkError as err:
+            # Another process took the port between our check and the store's bind.
+            if "EADDRINUSE" not in str(err) or attempt == _BIND_ATTEMPTS:
+                raise
+        attempt += 1
+        lost, master_port = master_port, ports.free_port(opts.master_addr)
+        note(f"master port {lost} was taken before the launch; retrying on free port {master_port}")
+
+
+def _run_agent(
+    config: LaunchConfig,
+    entrypoint: str,
+    args: list[str],
+    logs_specs: _RecordingLogsSpecs,
+    logs_kept: bool,
+) -> int:
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as err:
+        stderrs = logs_specs.last_dest.stderrs if logs_specs.last_dest else {}
+        report = format_failure_report(err, stderrs, config.nproc_per_node, logs_kept)
+        print(report, file=sys.stderr, flush=True)
+        return failure_exit_code(err)
+    except SignalException as err:
+        note(f"received {err.sigval.name}; stopped all ranks")
+        return 128 + int(err.sigval)
+    except KeyboardInterrupt:
+        note("interrupted; stopped all ranks")
+        return 130
+    return 0

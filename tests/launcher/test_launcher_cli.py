@@ -1,0 +1,92 @@
+"""Fast, in-process tests of the `zerotrain` command line and launcher helpers."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from zerotrain.launcher import cli
+
+
+def cli_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return "train.py"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["launch"], "user_script"),
+        (["launch", "missing.py"], "user_script"),
+        (["--nproc", "0", "train.py"], "--nproc"),
+        (["--num_gpus=-1", "train.py"], "--num_gpus"),
+        (["--master_port", "70000", "train.py"], "--master_port"),
+        (["--master_port", "http", "train.py"], "--master_port"),
+        (["--module", "--no_python", "train.py"], "--no_python"),
+        (["--hostfile", "hosts", "train.py"], "--hostfile"),
+        (["-i", "worker-0:0", "train.py"], "--include"),
+        (["--exclude", "worker-1", "train.py"], "--exclude"),
+        (["--num_nodes", "2", "train.py"], "--num_nodes"),
+        (["--launcher", "pdsh", "train.py"], "--launcher"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_flag(capsys, script, argv, flag):
+    err = cli_error(capsys, *argv)
+    assert flag in err.splitlines()[-1]
+    if flag in cli.MULTINODE_FLAGS:
+        assert "multi-node launch is not available yet" in err
+
+
+def test_master_addr_must_be_local(capsys, script):
+    err = cli_error(capsys, "--master_addr", "192.0.2.1", "train.py")
+    assert "--master_addr" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, expected", [("--help", "launch"), ("--version", "zerotrain ")])
+def test_help_lists_subcommands_and_version(capsys, flag, expected):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([flag])
+    assert exc.value.code == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_script_args_are_not_parsed_as_launcher_flags(script):
+    args = cli.build_parser().parse_args(["launch", "--nproc", "2", script, "--nproc", "5", "-h"])
+    assert (args.nproc, args.user_script, args.user_args) == (2, script, ["--nproc", "5", "-h"])
+
+
+def test_busy_master_port_is_replaced(capsys):
+    from zerotrain.launcher.launch import LaunchOptions, _resolve_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        chosen = _resolve_port(LaunchOptions(script="x.py", master_port=port))
+    assert chosen != port
+    assert f"master port {port} is busy" in capsys.readouterr().err
+
+
+def test_port_taken_after_the_check_is_retried(tmp_path, monkeypatch, capsys):
+    from zerotrain.launcher import launch, ports
+
+    (tmp_path / "ok.py").write_text("pass\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(ports, "is_port_free", lambda addr, port: True)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        opts = launch.LaunchOptions(script=str(tmp_path / "ok.py"), nproc=1, master_port=port)
+        assert launch.launch_local(opts) == 0
+    assert f"master port {port} was taken before the launch; retrying" in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""End-to-end tests of `zerotrain launch`: each one starts real rank processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+RECORD_SCRIPT = """
+import json, os, sys
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS"]
+record = {k: os.environ.get(k) for k in keys}
+record["argv"] = sys.argv[1:]
+with open(os.path.join(os.path.dirname(__file__), f"rank{record['RANK']}.json"), "w") as f:
+    json.dump(record, f)
+print(f"hello from rank {record['RANK']}")
+"""
+
+FAILING_SCRIPT = """
+import os, time
+if os.environ["RANK"] == "1":
+    raise RuntimeError("boom from rank 1")
+time.sleep(60)
+"""
+
+ALL_REDUCE_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+with open(os.path.join(os.path.dirname(__file__), f"sum{dist.get_rank()}.txt"), "w") as f:
+    f.write(str(t.item()))
+dist.destroy_process_group()
+"""
+
+
+def run_cli(*args: str, cwd, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "zerotrain.launcher.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_script(tmp_path, source: str, name: str = "script.py") -> str:
+    (tmp_path / name).write_text(textwrap.dedent(source))
+    return name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_records(tmp_path) -> dict[int, dict]:
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.parametrize("form", [["launch", "--nproc", "2"], ["--num_gpus=2"]], ids=["launch", "deepspeed-style"])
+def test_ranks_get_env_and_local_rank(tmp_path, form):
+    script = write_script(tmp_path, RECORD_SCRIPT)
+    port = free_port()
+    result = run_cli(*form, "--master_port", str(port), script, "--foo", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # Another process on a busy machine may grab the port first; the launcher then says so.
+    switched = re.search(r"free port (\d+)", result.stderr)
+    port = int(switched.group(1)) if switched else port
+    for rank, record in read_records(tmp_path).items():
+        assert record["LOCAL_RANK"] == str(rank)
+        assert record["WORLD_SIZE"] == record["LOCAL_WORLD_SIZE"] == record["LOCAL_SIZE"] == "2"
+        assert (record["MASTER_ADDR"], record["MASTER_PORT"]) == ("127.0.0.1", str(port)), result.stderr
+        assert (record["CROSS_RANK"], record["CROSS_SIZE"]) == ("0", "1")
+        assert record["argv"] == ["--foo", "1", f"--local_rank={rank}"]
+    assert "[rank0]: hello from rank 0" in result.stdout, result.stdout
+    assert "[rank1]: hello from rank 1" in result.stdout, result.stdout
+
+
+def test_no_local_rank_and_rank0_only(tmp_path):
+    script = write_script(tmp_path, RECORD_SCRIPT)
+    result = run_cli("--nproc", "2", "--no_local_rank", "--rank0_only", script, "--foo", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert all(record["argv"] == ["--foo", "1"] for record in read_records(tmp_path).values())
+    assert "[rank0]: hello from rank 0" in result.stdout
+    assert "[rank1]" not in result.stdout + result.stderr
+
+
+def test_failing_rank_stops_the_others_and_is_reported(tmp_path):
+    script = write_script(tmp_path, FAILING_SCRIPT)
+    start = time.monotonic()
+    result = run_cli("--nproc", "2", script, cwd=tmp_path, timeout=45)
+    assert time.monotonic() - start < 30
+    assert result.returncode == 1
+    assert "zerotrain: rank 1 (pid" in result.stderr
+    assert "failed with exit code 1" in result.stderr
+    report = result.stderr[result.stderr.index("zerotrain: rank 1"):]
+    assert "RuntimeError: boom from rank 1" in report
+    # The traceback starts in the user's script, not in the launcher's shim.
+    assert "local_rank_entry" not in result.stderr
+
+
+def test_torch_distributed_all_reduce(tmp_path):
+    script = write_script(tmp_path, ALL_REDUCE_SCRIPT)
+    result = run_cli("launch", "--nproc", "2", "--no_local_rank", script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [(tmp_path / f"sum{r}.txt").read_text() for r in (0, 1)] == ["3.0", "3.0"]
