@@ -59,10 +59,10 @@ def _foreign(name: str, feature: str, active: Callable[[Any], bool] = _section_o
 
 
 _Z = "zero_optimization"
-_ZERO_FEATURE = "ZeRO stages 1-3 (zerotrain.zero); only stage 0 (plain data parallel) runs today"
+_ZERO_FEATURE = "ZeRO stage 3 (partitioned parameters); stages 0, 1 and 2 run today"
 
 PENDING: tuple[Pending, ...] = (
-    Pending(f"{_Z}.stage", lambda c: c.zero_optimization.stage != 0, _ZERO_FEATURE),
+    Pending(f"{_Z}.stage", lambda c: c.zero_optimization.stage == 3, _ZERO_FEATURE),
     Pending("fp16.enabled", lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling"),
     Pending("bf16.enabled", lambda c: c.bf16.enabled, "bf16 mixed precision"),
     Pending(f"{_Z}.offload_optimizer.device", lambda c: c.zero_optimization.offload_optimizer_device != "none",

@@ -1,0 +1,156 @@
+"""ZeRO stages 1 and 2 compute what stage 0 computes, while holding 1/N of the state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, global_batches, make_model
+from zerotrain.testing import run_on_ranks
+
+STEPS = 20
+
+
+def _model_and_params(variant: str):
+    if variant == "odd":
+        model = make_model(vocab_size=67, n_embd=27, n_head=3)  # 20,493 parameters
+    else:
+        model = make_model()
+    params = model.parameters()
+    if variant == "frozen":
+        model.wpe.requires_grad_(False)
+        model.blocks[0].ln_1.requires_grad_(False)
+    if variant == "groups":
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+        params = [{"params": decay, "weight_decay": 0.1},
+                  {"params": rest, "weight_decay": 0.0, "lr": 3 * LR}]
+    return model, params
+
+
+def _config(variant: str, stage: int, bucket: int | None) -> dict:
+    cfg = adamw_config(2, gas=3 if variant == "ga3" else 1, clip=0.05 if variant == "clip" else 0.0)
+    if variant == "sgd":
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    cfg["zero_optimization"] = {"stage": stage}
+    if bucket:
+        cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+    return cfg
+
+
+def _train_stages(variant: str, stages=(0, 1, 2), steps: int = STEPS, bucket: int | None = None):
+    """On each rank: train the same model once per stage; return each run's trajectory."""
+    import torch.distributed as dist
+
+    import zerotrain
+
+    zerotrain.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in stages:
+        model, params = _model_and_params(variant)
+        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=params,
+                                                 config=_config(variant, stage, bucket))
+        micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        data = global_batches(steps, micro * gas * world)
+        losses = []
+        for step in range(steps):
+            total = torch.zeros(())
+            for m in range(gas):
+                lo = (m * world + rank) * micro
+                batch = data[step, lo:lo + micro]
+                loss = engine(batch, labels=batch).loss
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach() / gas
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        state_tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        units = getattr(engine._zero, "units", [])
+        out[stage] = {
+            "losses": losses,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "memory": engine.memory_breakdown(),
+            "state_bytes": sum(t.numel() * t.element_size() for t in state_tensors),
+            "unit_numels": [u.layout.numel for u in units],
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "grad_norm": engine.get_global_grad_norm(),
+            "largest_param": max(p.numel() for p in model.parameters()),
+        }
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("variant", ["plain", "odd", "frozen", "groups", "ga3", "clip", "sgd"])
+def test_stages_1_and_2_reproduce_stage_0_on_two_ranks(variant):
+    results = run_on_ranks(_train_stages, 2, args=(variant,), kwargs={"bucket": 6000})
+    for rank_result in results:
+        ref = rank_result[0]
+        for stage in (1, 2):
+            assert_close_trajectory(rank_result[stage]["losses"], ref["losses"])
+    if variant == "odd":
+        assert results[0][0]["trainable"] % 2 == 1
+    if variant == "clip":
+        assert results[0][2]["grad_norm"] == pytest.approx(results[0][0]["grad_norm"], rel=1e-5)
+    # Frozen parameters stay exactly as initialised.
+    if variant == "frozen":
+        init = make_model().wpe.weight
+        for stage in (0, 1, 2):
+            assert torch.equal(results[0][stage]["params"]["wpe.weight"], init)
+
+
+def test_four_ranks_several_units_match_stage_0():
+    results = run_on_ranks(_train_stages, 4, args=("odd",), kwargs={"bucket": 5000, "steps": 10})
+    for rank_result in results:
+        for stage in (1, 2):
+            assert_close_trajectory(rank_result[stage]["losses"], rank_result[0]["losses"])
+    assert len(results[0][2]["unit_numels"]) > 2
+
+
+def test_two_rank_parameters_bit_identical_to_stage_0():
+    # With 2 ranks a sum of two addends does not depend on the reduction's order, and AdamW is
+    # elementwise, so sharding must not change a single bit (no clipping: the norm is summed
+    # in a different order).
+    results = run_on_ranks(_train_stages, 2, args=("plain",), kwargs={"bucket": 6000})
+    for rank_result in results:
+        for stage in (1, 2):
+            for name, p in rank_result[stage]["params"].items():
+                assert torch.equal(p, rank_result[0]["params"][name]), (stage, name)
+
+
+def _padded_shard(numel: int, world: int, align: int = 4) -> int:
+    """Elements of one unit's shard: the unit is padded to a multiple of world * 4 (16 bytes)."""
+    return math.ceil(numel / (world * align)) * align
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_per_rank_matches_formula(world):
+    bucket = 6000
+    results = run_on_ranks(_train_stages, world, args=("plain",),
+                           kwargs={"bucket": bucket, "steps": 1})
+    for r in results:
+        s0, s1, s2 = r[0], r[1], r[2]
+        p = s0["trainable"]
+        assert s0["state_bytes"] == s0["memory"]["optimizer_state"]
+        shards = {}
+        for stage in (1, 2):
+            units = r[stage]["unit_numels"]
+            assert sum(units) == p
+            shard = shards[stage] = sum(_padded_shard(n, world) for n in units)
+            # Shards cover ceil(P/N) plus at most 3 padding elements per unit.
+            assert math.ceil(p / world) <= shard <= math.ceil(p / world) + 3 * len(units)
+            mem = r[stage]["memory"]
+            # AdamW: exp_avg + exp_avg_sq in fp32 per shard element + one fp32 step per unit.
+            assert r[stage]["state_bytes"] == mem["optimizer_state"] == 8 * shard + 4 * len(units)
+            assert mem["parameters"] == 4 * shard * world  # full, padded flat buffers
+        assert s1["memory"]["gradients"] == 4 * shards[1] * world  # full (padded) gradients
+        assert s2["memory"]["gradients"] == 4 * shards[2]          # only this rank's shard
+        # Stage 2's staging pool: two slots of the largest unit (each <= bucket / 2) plus their
+        # shard-sized outputs, i.e. at most one bucket of full-size gradient (unless a single
+        # parameter is larger than half a bucket: it then forms a unit of its own).
+        largest = max(_padded_shard(n, world) * world for n in s2["unit_numels"])
+        assert largest <= max(bucket // 2, s2["largest_param"]) + 4 * world
+        assert s2["memory"]["communication_buffers"] == 4 * 2 * (largest + largest // world)
+        assert s0["memory"]["parameters"] == 4 * p
