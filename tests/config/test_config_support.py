@@ -19,6 +19,7 @@ SUPPORTED = [
      "autotuning": {"enabled": False}, "comet": {"enabled": False}, "sparse_gradients": False,
      "data_types": {"grad_accum_dtype": "fp32"}, "tensor_parallel": {"autotp_size": 1}},
     {"checkpoint": {"tag_validation": "Fail"}, "gradient_predivide_factor": 1.0, "prescale_gradients": False},
+    {"comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "prof_ops": ["all_reduce"]}},
 ]
 
 
@@ -40,7 +41,6 @@ UNSUPPORTED = [
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"zero_optimization": {"mics_shard_size": 8}}, "zero_optimization.mics_shard_size=8"),
     ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
-    ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
     ({"tensorboard": {"enabled": True}}, "tensorboard.enabled"),
     ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled"),
     ({"wandb": {"enabled": True}}, "wandb.enabled"),

@@ -5,14 +5,87 @@ One place picks the right torch API for the installed version (torch 2.13 rename
 names) and the fastest form per backend: on gloo, gathering into a list of views of the output
 and reduce-scattering a list of views ran faster than the single-tensor forms. Timeouts come from
 the process group (see ``zerotrain.comm.distributed.default_timeout``).
+
+Each call takes the next sequence number of its process group; when a collective times out or a
+peer dies, the error names the op, its size, that number and the ranks that had not arrived
+(``zerotrain.comm.hang``). The comms logger (``zerotrain.comm.logger``) replaces these functions
+with timed wrappers while it is enabled, and puts these back when it is disabled.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm.hang import diagnose
+
 ReduceOp = dist.ReduceOp
+
+# Last sequence number issued per process group (None = the default group).
+_seq: dict = {}
+
+
+def _next_seq(group) -> int:
+    if group is not None and group is dist.GroupMember.WORLD:
+        group = None
+    n = _seq.get(group, 0) + 1
+    _seq[group] = n
+    return n
+
+
+def last_seq(group=None) -> int:
+    """The sequence number of the last collective issued on ``group`` by this rank."""
+    if group is not None and group is dist.GroupMember.WORLD:
+        group = None
+    return _seq.get(group, 0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class PendingCollective:
+    """The handle of an async collective: ``wait()`` turns a timeout into a ``CollectiveError``."""
+
+    __slots__ = ("work", "op", "seq", "group", "tensor", "started")
+
+    def __init__(self, work, op: str, seq: int, group, tensor: torch.Tensor, started: float):
+        self.work, self.op, self.seq, self.group = work, op, seq, group
+        self.tensor, self.started = tensor, started
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.tensor)
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self.work.wait(*args, **kwargs)
+        except RuntimeError as exc:
+            raise diagnose(exc, self.op, self.nbytes, self.seq, self.group, self.started) from exc
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def get_future(self):
+        return self.work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _run(name: str, tensor: torch.Tensor, group, async_op: bool, fn, *args, **kwargs):
+    """Issue ``fn`` as collective ``name`` (``tensor`` is the full buffer, for its size)."""
+    seq = _next_seq(group)
+    started = time.monotonic()
+    try:
+        work = fn(*args, group=group, async_op=async_op, **kwargs)
+    except RuntimeError as exc:
+        raise diagnose(exc, name, _nbytes(tensor), seq, group, started) from exc
+    if async_op:
+        return PendingCollective(work, name, seq, group, tensor, started)
+    return work
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -24,12 +97,12 @@ def _is_gloo(group) -> bool:
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor``."""
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _run("all_reduce", tensor, group, async_op, dist.all_reduce, tensor, op=op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In-place broadcast of ``tensor`` from global rank ``src``."""
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _run("broadcast", tensor, group, async_op, dist.broadcast, tensor, src=src)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
@@ -42,8 +115,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
         )
     if _is_gloo(group):
         views = list(output.view(world, -1).unbind(0))
-        return dist.all_gather(views, shard.reshape(-1), group=group, async_op=async_op)
-    return _all_gather_single(output, shard, group=group, async_op=async_op)
+        return _run("all_gather_into_tensor", output, group, async_op, dist.all_gather, views,
+                    shard.reshape(-1))
+    return _run("all_gather_into_tensor", output, group, async_op, _all_gather_single, output, shard)
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -57,9 +131,14 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SU
         )
     if _is_gloo(group):
         views = list(flat.view(world, -1).unbind(0))
-        return dist.reduce_scatter(output, views, op=op, group=group, async_op=async_op)
-    return _reduce_scatter_single(output, flat, op=op, group=group, async_op=async_op)
+        return _run("reduce_scatter_tensor", flat, group, async_op, dist.reduce_scatter, output,
+                    views, op=op)
+    return _run("reduce_scatter_tensor", flat, group, async_op, _reduce_scatter_single, output, flat,
+                op=op)
+
+
+_NO_BYTES = torch.empty(0)
 
 
 def barrier(group=None) -> None:
-    dist.barrier(group=group)
+    _run("barrier", _NO_BYTES, group, False, dist.barrier)

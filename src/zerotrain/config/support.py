@@ -88,7 +88,6 @@ PENDING: tuple[Pending, ...] = (
     Pending(f"{_Z}.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow offload"),
     Pending(f"{_Z}.pipeline_loading_checkpoint", lambda c: c.zero_optimization.pipeline_loading_checkpoint,
             "pipeline parallelism"),
-    Pending("comms_logger.enabled", lambda c: c.comms_logger.enabled, "comms logger"),
     Pending("tensorboard.enabled", lambda c: c.tensorboard.enabled, "TensorBoard monitor"),
     Pending("csv_monitor.enabled", lambda c: c.csv_monitor.enabled, "CSV monitor"),
     Pending("wandb.enabled", lambda c: c.wandb.enabled, "Weights & Biases monitor"),

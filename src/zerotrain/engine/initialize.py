@@ -7,6 +7,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
+from zerotrain.comm import logger as comms_logging
 from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size, init_distributed
 from zerotrain.config import check_supported, load_config
 from zerotrain.engine.data import DistributedDataLoader
@@ -43,6 +44,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     cfg = load_config(config, args=args, world_size=get_world_size())
     check_supported(cfg)
+    if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
+        comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
 
     device = get_accelerator().device(get_local_rank())
     model.to(device)

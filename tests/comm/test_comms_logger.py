@@ -1,0 +1,173 @@
+"""The comms logger: what it records for real ZeRO steps, its table, and that off means off."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from tests.engine.workloads import adamw_config, global_batches, make_model
+from zerotrain.comm import collectives, logger as comm_logger
+from zerotrain.comm.logger import CommsLogger, calc_bw_log, convert_size, trim_mean
+from zerotrain.testing import run_on_ranks
+
+BUCKET = 3000  # elements: the tiny GPT (~31k parameters) then has many gradient buckets
+
+
+def _one_step(engine, rank: int) -> None:
+    batch = global_batches(1, 4)[0][rank * 2:rank * 2 + 2]
+    loss = engine(batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def _logged_steps():
+    """A stage-0 and a stage-2 step with the comms logger on; what each logged."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.comm import comms_logger
+
+    rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    for stage in (0, 2):
+        model = make_model()
+        cfg = adamw_config(2, zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET},
+                           comms_logger={"enabled": True, "prof_all": True})
+        engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
+        rank = dist.get_rank()
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        broadcast = comms_logger.summary()["ops"].get("broadcast", {})
+        comms_logger.reset()
+        _one_step(engine, rank)
+        summary = zerotrain.comm.log_summary()
+        out[stage] = {
+            "n_params": n_params,
+            "broadcast_bytes": sum(size * row["count"] for size, row in broadcast.items()),
+            "model_bytes": sum(t.numel() * t.element_size() for t in
+                               {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()),
+            "summary": summary,
+            "padded_numel": (sum(u.layout.padded_numel for u in engine._zero.units)
+                             if stage == 2 else None),
+            "units": len(engine._zero.units) if stage == 2 else None,
+            "original_after_disable": None,
+        }
+        engine.destroy()
+    zerotrain.comm.configure(enabled=False)
+    out["restored"] = collectives.all_reduce is comm_logger.ORIGINALS["all_reduce"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def logged():
+    return run_on_ranks(_logged_steps, 2)
+
+
+def _bytes(summary, op):
+    return sum(size * row["count"] for size, row in summary["ops"].get(op, {}).items())
+
+
+def test_stage0_all_reduces_exactly_the_gradient_bytes(logged):
+    for rank_out in logged:
+        s0 = rank_out[0]
+        rows = s0["summary"]["ops"]["all_reduce"]
+        assert sum(row["count"] for row in rows.values()) > 3, "expected several gradient buckets"
+        assert _bytes(s0["summary"], "all_reduce") == 4 * s0["n_params"]
+        assert set(s0["summary"]["ops"]) == {"all_reduce"}
+        # initialize() broadcast rank 0's parameters and buffers once, each byte once
+        assert s0["broadcast_bytes"] == s0["model_bytes"]
+        assert rank_out["restored"]
+
+
+def test_stage2_reduce_scatters_and_gathers_the_padded_units(logged):
+    for rank_out in logged:
+        s2 = rank_out[2]
+        padded_bytes = 4 * s2["padded_numel"]
+        assert padded_bytes >= 4 * s2["n_params"]
+        assert s2["padded_numel"] - s2["n_params"] < s2["units"] * 2 * 4  # 16-byte shard alignment
+        assert _bytes(s2["summary"], "reduce_scatter_tensor") == padded_bytes
+        assert _bytes(s2["summary"], "all_gather_into_tensor") == padded_bytes
+        assert "all_reduce" not in s2["summary"]["ops"]  # no clipping: no norm all-reduce
+
+
+def test_rows_follow_the_bandwidth_formulas(logged):
+    summary = logged[0][0]["summary"]
+    for size, row in summary["ops"]["all_reduce"].items():
+        lats = row["latencies_ms"]
+        assert row["count"] == len(lats) and row["total_latency_ms"] == pytest.approx(sum(lats))
+        algbw = trim_mean([size / lat * 8 / 1e6 for lat in lats], 0.1)
+        assert row["algbw_gbps"] == pytest.approx(algbw)
+        assert row["busbw_gbps"] == pytest.approx(algbw * 2 * (2 - 1) / 2)  # n = 2
+    assert 0 < summary["wait_ms"] < summary["wall_ms"]
+    assert summary["wait_share"] == pytest.approx(summary["wait_ms"] / summary["wall_ms"])
+    assert "Waiting in collectives:" in summary["table"]
+
+
+def test_nccl_tests_bus_bandwidth_factors():
+    size, ms = 2**30, 100.0  # 1 GiB in 100 ms = 85.9 Gbps algorithmic
+    algbw = size / ms * 8 / 1e6
+    assert calc_bw_log("all_reduce", size, ms, 4) == pytest.approx((algbw, algbw * 2 * 3 / 4))
+    assert calc_bw_log("all_gather_into_tensor", size, ms, 4) == pytest.approx((algbw, algbw * 3 / 4))
+    assert calc_bw_log("reduce_scatter_tensor", size, ms, 8) == pytest.approx((algbw, algbw * 7 / 8))
+    assert calc_bw_log("broadcast", size, ms, 4) == pytest.approx((algbw, algbw))
+    assert calc_bw_log("barrier", 0, ms, 4) == (0.0, 0.0)
+
+
+def test_table_has_deepspeeds_layout_and_numbers(capsys):
+    log = CommsLogger()
+    size = 4 * 2**20
+    for latency in (1.0, 2.0, 3.0):
+        log.append("broadcast", "broadcast", latency, size)
+    log.append("all_reduce", "all_reduce", 0.5, 4096)
+    data = log.log_all(print_log=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("Comm. Op            Message Size        Count               Total Latency(ms)   "
+                        "Avg Latency(ms)     tput_avg (Gbps)     busbw_avg (Gbps)    ")
+    assert lines[1] == "broadcast"
+    cols = [lines[2][i:i + 20].strip() for i in range(0, 140, 20)]
+    algbw = sum(size / lat * 8 / 1e6 for lat in (1.0, 2.0, 3.0)) / 3
+    assert cols == ["", "4.0 MB", "3", "6.00", "2.00", f"{algbw:.2f}", f"{algbw:.2f}"]
+    assert lines[3] == "all_reduce" and lines[4][20:40].strip() == "4.0 KB"
+    assert data["ops"]["broadcast"][size]["algbw_gbps"] == pytest.approx(algbw)
+    assert [convert_size(n) for n in (0, 1023, 113.27 * 2**10, 1.24 * 2**30)] == [
+        "0B", "1023.0 B", "113.27 KB", "1.24 GB"]
+    assert trim_mean(list(range(10)), 0.1) == pytest.approx(4.5)  # drops 0 and 9
+
+
+def test_disabled_logger_leaves_the_undecorated_functions():
+    from zerotrain import comm
+
+    names = list(comm_logger.ORIGINALS)
+    for name in names:
+        fn = getattr(collectives, name)
+        assert fn is comm_logger.ORIGINALS[name] and fn.__module__ == "zerotrain.comm.collectives"
+        assert getattr(comm, name) is fn
+    comm.configure(enabled=True)
+    try:
+        for name in names:
+            assert getattr(collectives, name) is comm_logger._WRAPPERS[name]
+            assert getattr(comm, name) is comm_logger._WRAPPERS[name]
+    finally:
+        comm.configure(enabled=False)
+    for name in names:
+        assert getattr(collectives, name) is comm_logger.ORIGINALS[name]
+        assert getattr(comm, name) is comm_logger.ORIGINALS[name]
+
+
+def test_prof_ops_filters_and_verbose_prints_each_op():
+    log = CommsLogger()
+    log.configure({"enabled": False, "prof_all": False, "prof_ops": ["all_gather_into"], "verbose": True})
+    assert log.prof_ops == ["all_gather_into_tensor"]  # zerotrain's name maps to DeepSpeed's
+    calls = []
+    log.timed(lambda *a: calls.append(a), "broadcast", 8, None, False, (1,))
+    assert calls == [(1,)] and log.comms_dict == {}
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("zerotrain").addHandler(handler)
+    try:
+        log.timed(lambda *a: None, "all_gather_into_tensor", 2048, None, False, ())
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    assert log.comms_dict["all_gather_into_tensor"][2048][0] == 1
+    assert "comm op: all_gather_into_tensor | time (ms): " in stream.getvalue()
+    assert "msg size: 2.0 KB" in stream.getvalue()
