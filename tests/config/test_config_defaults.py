@@ -32,7 +32,7 @@ DEFAULTS = [
     ("fp16.consecutive_hysteresis", False),
     ("fp16.min_loss_scale", 1),
     ("fp16.fp16_master_weights_and_grads", False),
-    ("fp16.raise_error_at_min_scale", True),
+    ("fp16.raise_error_at_min_scale", False),
     ("bf16.enabled", False),
     ("bf16.immediate_grad_update", False),
     ("zero_optimization.stage", 0),

@@ -20,6 +20,11 @@ SUPPORTED = [
      "data_types": {"grad_accum_dtype": "fp32"}, "tensor_parallel": {"autotp_size": 1}},
     {"checkpoint": {"tag_validation": "Fail"}, "gradient_predivide_factor": 1.0, "prescale_gradients": False},
     {"comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "prof_ops": ["all_reduce"]}},
+    {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True}, "mlflow": {"enabled": True}},
+    # Landed features: ZeRO 1/2, mixed precision and its dtype knobs.
+    {"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}},
+    {"fp16": {"enabled": True, "auto_cast": True}}, {"bf16": {"enabled": True}},
+    {"communication_data_type": "fp32"}, {"data_types": {"grad_accum_dtype": "bf16"}},
 ]
 
 
@@ -29,10 +34,7 @@ def test_supported_configs_pass(extra):
 
 
 UNSUPPORTED = [
-    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage=1"),
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled=True"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled=True"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_param.device='nvme'"),
@@ -41,16 +43,12 @@ UNSUPPORTED = [
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"zero_optimization": {"mics_shard_size": 8}}, "zero_optimization.mics_shard_size=8"),
     ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
-    ({"tensorboard": {"enabled": True}}, "tensorboard.enabled"),
-    ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled"),
     ({"wandb": {"enabled": True}}, "wandb.enabled"),
-    ({"mlflow": {"enabled": True}}, "mlflow.enabled"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"activation_checkpointing": {"number_checkpoints": 4}}, "activation_checkpointing.number_checkpoints=4"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
     ({"memory_breakdown": True}, "memory_breakdown=True"),
-    ({"communication_data_type": "fp16"}, "communication_data_type='fp16'"),
     ({"prescale_gradients": True}, "prescale_gradients=True"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0"),
     ({"amp": {"enabled": True}}, "amp="),
@@ -69,7 +67,10 @@ UNSUPPORTED = [
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention="),
     ({"comet": {"enabled": True}}, "comet="),
     ({"sparse_gradients": True}, "sparse_gradients=True"),
-    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types="),
+    ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types="),
+    ({"data_types": {"param_dtype": "bf16"}}, "data_types="),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update"),
 ]
 
 
@@ -82,10 +83,11 @@ def test_unsupported_settings_raise_naming_the_key(extra, key):
 
 
 def test_every_problem_is_listed():
-    cfg = load_config({**BASE, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True},
+    cfg = load_config({**BASE, "zero_optimization": {"stage": 3}, "sparse_gradients": True,
                        "wandb": {"enabled": True}})
     lines = unsupported(cfg)
-    assert [line.split("=")[0] for line in lines] == ["zero_optimization.stage", "fp16.enabled", "wandb.enabled"]
+    assert [line.split("=")[0] for line in lines] == ["zero_optimization.stage", "wandb.enabled",
+                                                      "sparse_gradients"]
 
 
 def test_table_rows_name_real_keys():

@@ -51,7 +51,9 @@ class FP16Config(Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: Int = 1
     fp16_master_weights_and_grads: bool = False
-    raise_error_at_min_scale: bool = True
+    # DeepSpeed raises at the minimum scale by default and the run dies (its most reported fp16
+    # failure); zerotrain keeps skipping with a warning unless this is set to true.
+    raise_error_at_min_scale: bool = False
 
     @model_validator(mode="after")
     def _dynamic_scaling_bounds(self):

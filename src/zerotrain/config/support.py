@@ -34,9 +34,10 @@ def _section_on(value: Any) -> bool:
 
 
 def _data_types_on(value: Any) -> bool:
-    # fp32 accumulation is what zerotrain does anyway, so only other dtypes need the feature.
+    # data_types.grad_accum_dtype is implemented (zerotrain.precision); any other key is not.
     if isinstance(value, dict):
-        return any(v not in (None, "fp32") for v in value.values())
+        return any(v is not None for k, v in value.items() if k != "grad_accum_dtype") or (
+            value.get("grad_accum_dtype") not in (None, "fp32", "fp16", "bf16"))
     return _truthy(value)
 
 
@@ -63,8 +64,13 @@ _ZERO_FEATURE = "ZeRO stage 3 (partitioned parameters); stages 0, 1 and 2 run to
 
 PENDING: tuple[Pending, ...] = (
     Pending(f"{_Z}.stage", lambda c: c.zero_optimization.stage == 3, _ZERO_FEATURE),
-    Pending("fp16.enabled", lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling"),
-    Pending("bf16.enabled", lambda c: c.bf16.enabled, "bf16 mixed precision"),
+    Pending("fp16.fp16_master_weights_and_grads", lambda c: c.fp16.fp16_master_weights_and_grads,
+            "fp16 master weights (zerotrain always keeps fp32 masters)"),
+    Pending("bf16.immediate_grad_update", lambda c: c.bf16.immediate_grad_update,
+            "immediate bf16 gradient updates"),
+    Pending("bf16.bf16_master_weights_and_grads", lambda c: c.bf16.bf16_master_weights_and_grads,
+            "bf16 master weights (zerotrain always keeps fp32 masters)"),
+    Pending("bf16.bf16_optimizer_states", lambda c: c.bf16.bf16_optimizer_states, "bf16 optimizer states"),
     Pending(f"{_Z}.offload_optimizer.device", lambda c: c.zero_optimization.offload_optimizer_device != "none",
             "ZeRO-Offload: optimizer states on CPU/NVMe"),
     Pending(f"{_Z}.offload_param.device", lambda c: c.zero_optimization.offload_param_device != "none",
@@ -88,10 +94,7 @@ PENDING: tuple[Pending, ...] = (
     Pending(f"{_Z}.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow offload"),
     Pending(f"{_Z}.pipeline_loading_checkpoint", lambda c: c.zero_optimization.pipeline_loading_checkpoint,
             "pipeline parallelism"),
-    Pending("tensorboard.enabled", lambda c: c.tensorboard.enabled, "TensorBoard monitor"),
-    Pending("csv_monitor.enabled", lambda c: c.csv_monitor.enabled, "CSV monitor"),
     Pending("wandb.enabled", lambda c: c.wandb.enabled, "Weights & Biases monitor"),
-    Pending("mlflow.enabled", lambda c: c.mlflow.enabled, "MLflow monitor"),
     Pending("flops_profiler.enabled", lambda c: c.flops_profiler.enabled, "flops profiler"),
     Pending("activation_checkpointing.partition_activations",
             lambda c: c.activation_checkpointing.partition_activations, "activation checkpointing options"),
@@ -106,8 +109,6 @@ PENDING: tuple[Pending, ...] = (
     Pending("activation_checkpointing.profile", lambda c: c.activation_checkpointing.profile,
             "activation checkpointing options"),
     Pending("memory_breakdown", lambda c: c.memory_breakdown, "memory breakdown logging"),
-    Pending("communication_data_type", lambda c: c.communication_data_type is not None,
-            "reduced-precision gradient communication"),
     Pending("prescale_gradients", lambda c: c.prescale_gradients, "gradient pre-scaling"),
     Pending("gradient_predivide_factor", lambda c: c.gradient_predivide_factor != 1.0, "gradient pre-division"),
     Pending("checkpoint.load_universal", lambda c: c.checkpoint.load_universal, "universal checkpoints"),
@@ -146,7 +147,7 @@ PENDING: tuple[Pending, ...] = (
     _foreign("sparse_attention", "sparse attention kernels"),
     _foreign("comet", "Comet monitor"),
     _foreign("torch_autocast", "torch.autocast mixed precision"),
-    _foreign("data_types", "non-fp32 gradient accumulation / param dtypes", _data_types_on),
+    _foreign("data_types", "data_types keys other than grad_accum_dtype", _data_types_on),
     _foreign("weight_quantization", "weight quantization"),
     _foreign("quantize_training", "quantized training"),
     _foreign("compile", "torch.compile / DeepCompile integration"),

@@ -8,6 +8,7 @@ how it reduces gradients lives in the stage object (``self._zero``); the engine 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -18,6 +19,9 @@ from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
 from zerotrain.log import log_rank0
+from zerotrain.monitor import MonitorMaster
+from zerotrain.runtime.utils import register_engine
+from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
 
 
@@ -41,8 +45,13 @@ class ZeroTrainEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._zero = build_zero_stage(config, module, optimizer)
+        self.precision = PrecisionPolicy.from_config(config)
+        _check_device_supports(self.precision, self.device)
+        self.loss_scaler = build_loss_scaler(config)
+        self._zero = build_zero_stage(config, module, optimizer, self.precision)
         self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
+        self.monitor = MonitorMaster(config)  # rank 0 writes; closed by destroy() or at exit
+        register_engine(self)  # weakly, for zerotrain.memory_status()
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._step_applied = False
@@ -83,6 +92,8 @@ class ZeroTrainEngine(nn.Module):
 
     # -- training loop ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self.precision.auto_cast:
+            inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         self._timers.start(FORWARD)
         try:
             return self.module(*inputs, **kwargs)
@@ -106,6 +117,8 @@ class ZeroTrainEngine(nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         scaled = loss
+        if self.loss_scaler.loss_scale != 1.0:
+            scaled = loss.float() * self.loss_scaler.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = loss / self.gradient_accumulation_steps()
         self._timers.start(BACKWARD)
@@ -140,20 +153,41 @@ class ZeroTrainEngine(nn.Module):
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         clip = self._config.gradient_clipping
-        self._global_grad_norm = None
+        scale = self.loss_scaler.loss_scale
+        norm = None
+        if (clip and clip > 0) or self.precision.check_overflow:
+            norm = float(self._zero.grad_norm()) / scale
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.precision.check_overflow and not math.isfinite(norm):
+            self._skip_step(scale)
+            return
+        self._global_grad_norm = norm if clip and clip > 0 else None
+        grad_scale = 1.0 / scale  # unscale once, together with clipping
         if clip and clip > 0:
-            norm = self._zero.grad_norm()
-            self._global_grad_norm = float(norm)
-            coef = clip / (self._global_grad_norm + 1e-6)
+            coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                self._zero.scale_grads(coef)
-        self._zero.step(self.optimizer)
+                grad_scale *= coef
+        self._zero.step(self.optimizer, grad_scale)
         self._zero.zero_grad()
+        self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = True
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+
+    def _skip_step(self, scale: float) -> None:
+        """Gradients overflowed on some rank: drop them, keep weights, optimizer and LR."""
+        self._zero.zero_grad()
+        self.loss_scaler.update(overflow=True)
+        self.skipped_steps += 1
+        self._global_grad_norm = None
+        log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
+                  self.global_steps, scale, self.loss_scaler.loss_scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.loss_scaler.loss_scale
 
     def zero_grad(self) -> None:
         """Zero the gradients (they stay in their flat buffers)."""
@@ -206,11 +240,14 @@ class ZeroTrainEngine(nn.Module):
     def destroy(self) -> None:
         """Remove the hooks the engine installed on the module."""
         self._zero.close()
+        self.monitor.close()
 
     # -- logging ------------------------------------------------------------------------
     def _log_step(self) -> None:
         every = self._config.steps_per_print
         losses, self._window_losses = self._window_losses, []
+        if self.monitor.enabled:
+            self.monitor.write_step(self, losses)
         if not every or self.global_steps % every:
             return
         now = time.perf_counter()
@@ -224,3 +261,23 @@ class ZeroTrainEngine(nn.Module):
         if self._timers.enabled:
             times = self._timers.pop()
             log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()))
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    """``fp16.auto_cast``: floating tensors in the inputs to the training dtype."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+
+
+def _check_device_supports(precision: PrecisionPolicy, device: torch.device) -> None:
+    """Fail at initialize, not with NaNs later, when the device cannot compute in the dtype."""
+    if not precision.mixed:
+        return
+    try:
+        a = torch.ones(4, 4, dtype=precision.param_dtype, device=device)
+        torch.nn.functional.layer_norm(a @ a, (4,))
+    except RuntimeError as error:
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[precision.param_dtype]
+        raise ValueError(f"{name} training was requested but {device} cannot compute in "
+                         f"{precision.param_dtype} ({error}); use the other 16-bit type or fp32") from None

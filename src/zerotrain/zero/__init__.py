@@ -3,8 +3,9 @@ the gradient buckets (``zero.gradient_buckets``); a stage differs only in what i
 
 from __future__ import annotations
 
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.optimizer import PartitionedOptimizer
 from zerotrain.zero.stage0 import ReplicatedGradients
-from zerotrain.zero.stage12 import PartitionedOptimizer
 
 # Without an explicit reduce_bucket_size, buckets hold 25 MiB (DDP's size): DeepSpeed's default
 # of 5e8 elements is larger than most models, which leaves nothing to overlap with backward and
@@ -14,24 +15,26 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 def bucket_numel(zero_config, element_size: int) -> int:
     """Elements per gradient bucket / parameter unit."""
-    explicit = [int(getattr(zero_config, key)) for key in ("reduce_bucket_size", "allgather_bucket_size")
-                if key in zero_config.model_fields_set]
-    if zero_config.stage == 0:
-        explicit = explicit[:1] if "reduce_bucket_size" in zero_config.model_fields_set else []
+    keys = ["reduce_bucket_size"] + (["allgather_bucket_size"] if zero_config.stage else [])
+    explicit = [int(getattr(zero_config, k)) for k in keys if k in zero_config.model_fields_set]
     return max(1, min(explicit)) if explicit else DEFAULT_BUCKET_BYTES // element_size
 
 
-def build_zero_stage(config, module, optimizer):
-    """The stage object for ``config.zero_optimization.stage`` over ``module``'s parameters."""
+def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy):
+    """The stage object for ``config.zero_optimization.stage`` over ``module``'s parameters.
+
+    With 16-bit precision the module's parameters and buffers end up in that dtype."""
     zero = config.zero_optimization
     params = [p for p in module.parameters() if p.requires_grad]
-    numel = bucket_numel(zero, params[0].element_size() if params else 4)
+    numel = bucket_numel(zero, precision.param_dtype.itemsize)
     overlap = zero.overlap_comm is not False
-    if zero.stage == 0:
+    if zero.stage == 0 and not precision.mixed:
         return ReplicatedGradients(params, numel, overlap=overlap)
-    if zero.stage in (1, 2):
-        if zero.stage == 2 and overlap:
-            numel = max(1, numel // 2)  # two staging buffers together stay within one bucket
-        return PartitionedOptimizer(zero.stage, module, optimizer, numel, overlap=overlap,
-                                    use_reduce_scatter=zero.reduce_scatter)
-    raise NotImplementedError(f"zero_optimization.stage={zero.stage} is not implemented yet")
+    if zero.stage not in (0, 1, 2):
+        raise NotImplementedError(f"zero_optimization.stage={zero.stage} is not implemented yet")
+    if zero.stage == 2 and overlap:
+        numel = max(1, numel // 2)  # two staging buffers together stay within one bucket
+    stage = PartitionedOptimizer(zero.stage, module, optimizer, numel, precision, overlap=overlap,
+                                 use_reduce_scatter=zero.reduce_scatter)
+    module.to(precision.param_dtype)  # frozen parameters and floating buffers
+    return stage

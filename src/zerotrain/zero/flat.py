@@ -56,6 +56,12 @@ class FlatLayout:
         self.padded_numel = -(-offset // unit) * unit
         self.shard_numel = self.padded_numel // world_size
 
+    def with_dtype(self, dtype: torch.dtype) -> "FlatLayout":
+        """The same offsets for a buffer of another dtype."""
+        other = object.__new__(FlatLayout)
+        other.__dict__.update(self.__dict__, dtype=dtype)
+        return other
+
     @property
     def padding(self) -> int:
         return self.padded_numel - self.numel

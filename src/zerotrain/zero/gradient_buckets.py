@@ -24,11 +24,14 @@ class GradientBucket:
     """Parameters whose gradients are reduced together."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], layout: FlatLayout | None = None,
-                 persistent: bool = True):
+                 persistent: bool = True, dtype: torch.dtype | None = None):
         self.params = list(params)
         self.layout = layout or FlatLayout(self.params)
-        self.flat = self.layout.empty() if persistent else None
+        self.flat = self.layout.empty(dtype=dtype) if persistent else None
         self.views = self.layout.views(self.flat) if persistent else None
+        # A buffer of another dtype than the parameters (e.g. fp32 accumulation of bf16
+        # gradients) cannot be autograd's .grad: each backward's gradient is added into it.
+        self.accumulates = persistent and self.flat.dtype != self.params[0].dtype
         self.seen = [False] * len(self.params)
         self.ready = 0
         self.work = None
@@ -37,7 +40,7 @@ class GradientBucket:
 
     def attach(self) -> None:
         """Point every parameter's ``.grad`` at its view of the flat buffer (persistent mode)."""
-        if self.views is not None:
+        if self.views is not None and not self.accumulates:
             for p, view in zip(self.params, self.views):
                 p.grad = view
 
@@ -46,6 +49,11 @@ class GradientBucket:
         if self.views is None:
             return
         p, view = self.params[index], self.views[index]
+        if self.accumulates:
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+            return
         if p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
@@ -79,9 +87,11 @@ class BucketedGradients:
 
     def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]],
                  launch: Callable[[GradientBucket], object], overlap: bool = True,
-                 layouts: Sequence[FlatLayout] | None = None, persistent: bool = True):
+                 layouts: Sequence[FlatLayout] | None = None, persistent: bool = True,
+                 dtype: torch.dtype | None = None):
         layouts = layouts or [None] * len(buckets)
-        self.buckets = [GradientBucket(b, layout, persistent) for b, layout in zip(buckets, layouts)]
+        self.buckets = [GradientBucket(b, layout, persistent, dtype)
+                        for b, layout in zip(buckets, layouts)]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launch = launch
         self._overlap = overlap
@@ -159,6 +169,9 @@ class BucketedGradients:
             if b.flat is not None:
                 b.flat.zero_()
                 b.attach()
+                if b.accumulates:
+                    for p in b.params:
+                        p.grad = None
             else:
                 for p in b.params:
                     p.grad = None

@@ -26,15 +26,29 @@ def shard_alignment(dtype: torch.dtype) -> int:
 class FlatParamUnit:
     """Parameters flattened into one buffer; this rank's shard is an ``nn.Parameter`` view."""
 
-    def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int):
+    def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int,
+                 dtype: torch.dtype | None = None):
+        # ``dtype``: what the buffer will hold after ``cast`` (shards are aligned for it).
         self.params = list(params)
-        self.layout = FlatLayout(self.params, world_size, shard_alignment(self.params[0].dtype))
+        align = shard_alignment(dtype or self.params[0].dtype)
+        self.layout = FlatLayout(self.params, world_size, align)
         self.flat = self.layout.empty()
         with torch.no_grad():
             self.layout.copy_in(self.flat, self.params)
         for p, view in zip(self.params, self.layout.views(self.flat)):
             p.data = view
+        self._rank = rank
         self.shard = nn.Parameter(self.layout.shard(self.flat, rank))
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Move the flat buffer (and so every module parameter) to ``dtype``, freeing the old one."""
+        if dtype == self.flat.dtype:
+            return
+        self.flat = self.flat.to(dtype)
+        self.layout = self.layout.with_dtype(dtype)
+        for p, view in zip(self.params, self.layout.views(self.flat)):
+            p.data = view
+        self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank))
 
     def all_gather(self, group=None):
         """Start gathering every rank's updated shard into the full buffer."""

@@ -17,7 +17,11 @@ from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
 
 
 class ReplicatedGradients:
-    """Stage 0's gradient handling; the engine drives it through the same calls every stage has."""
+    """Stage 0 in fp32; the engine drives it through the same calls every stage has.
+
+    The user's optimizer runs untouched on the model's own parameters (so any optimizer works,
+    shape-dependent ones included). 16-bit training at stage 0 goes through
+    ``PartitionedOptimizer`` instead, which keeps the fp32 master weights."""
 
     stage = 0
 
@@ -48,13 +52,13 @@ class ReplicatedGradients:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the (already averaged, replicated) gradients."""
-        norms = torch._foreach_norm(self.grads.flats())
+        norms = torch._foreach_norm(self.grads.flats(), 2, dtype=torch.float32)
         return torch.linalg.vector_norm(torch.stack(norms))
 
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        torch._foreach_mul_(self.grads.flats(), factor)
-
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, grad_scale: float = 1.0) -> None:
+        """Update from the gradients multiplied by ``grad_scale`` (the clipping factor)."""
+        if grad_scale != 1.0:
+            torch._foreach_mul_(self.grads.flats(), grad_scale)
         if optimizer is not None:
             optimizer.step()
 

@@ -1,0 +1,181 @@
+"""The partitioned optimizer behind ZeRO stages 1 and 2 (and mixed precision at stage 0).
+
+Trainable parameters are flattened into ``FlatParamUnit``s. The user's optimizer keeps its
+param groups and hyperparameters, but its ``params`` become this rank's shards: the shards of
+the flat parameter buffers themselves in fp32 (no second copy), or fp32 master copies of them
+when the model trains in fp16/bf16. After each step the updated shards are all-gathered.
+The stages differ only in what they shard:
+
+- stage 0 (16-bit only): nothing; every rank steps the whole (fp32 master) model;
+- stage 1: optimizer state; full gradients live in persistent flat buffers and are all-reduced
+  once per accumulation window;
+- stage 2: also gradients; every backward reduce-scatters finished units through a small
+  staging pool straight into shard-sized gradients and frees the full-size ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerotrain.comm import collectives
+from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
+from zerotrain.zero.partition import FlatParamUnit, plan_units
+from zerotrain.zero.staging import StagingPool
+
+# Optimizers whose update depends on a parameter's shape: on flat shards they would silently
+# compute something else.
+_SHAPE_DEPENDENT = ("Adafactor", "LBFGS", "Muon", "SparseAdam")
+
+
+class PartitionedOptimizer:
+    """Stage 0-2 state for ``module``'s parameters and ``optimizer``'s param groups."""
+
+    def __init__(self, stage: int, module: nn.Module, optimizer, unit_numel: int,
+                 precision: PrecisionPolicy = PrecisionPolicy(), overlap: bool = True,
+                 use_reduce_scatter: bool = True, group=None):
+        _check_optimizer(stage, optimizer, precision)
+        self.stage = stage
+        self.precision = precision
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        shard_world, self.shard_rank = (self.world_size, self.rank) if stage >= 1 else (1, 0)
+        self._use_reduce_scatter = use_reduce_scatter
+
+        plan = plan_units(optimizer.param_groups, unit_numel, list(module.parameters())[::-1])
+        self.units = [FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype)
+                      for _, params in plan]
+        if precision.mixed:
+            # fp32 masters copied before the cast, so they start from the exact fp32 weights.
+            self.masters = [nn.Parameter(u.shard.detach().clone()) for u in self.units]
+            for u in self.units:
+                u.cast(precision.param_dtype)
+        else:
+            self.masters = [u.shard for u in self.units]
+        for g, group_dict in enumerate(optimizer.param_groups):
+            group_dict["params"] = [m for (ug, _), m in zip(plan, self.masters) if ug == g]
+
+        buckets = [u.params for u in self.units]
+        layouts = [u.layout for u in self.units]
+        largest = max(u.layout.padded_numel for u in self.units)
+        device = self.units[0].flat.device
+        if stage == 2:
+            self.grads = BucketedGradients(buckets, self._reduce_scatter, overlap, layouts,
+                                           persistent=False)
+            self.shard_grads = [torch.zeros(u.layout.shard_numel, dtype=precision.grad_accum_dtype,
+                                            device=device) for u in self.units]
+            self.staging = StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device,
+                                       shard_numel=largest // shard_world)
+        else:
+            self.grads = BucketedGradients(buckets, self._all_reduce, overlap, layouts,
+                                           persistent=True, dtype=precision.grad_accum_dtype)
+            self.shard_grads = [b.layout.shard(b.flat, self.shard_rank) for b in self.grads.buckets]
+            needs_cast = precision.comm_dtype != precision.grad_accum_dtype
+            self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
+                            if needs_cast and self.world_size > 1 else None)
+        self._unit_of = {id(b): i for i, b in enumerate(self.grads.buckets)}
+
+    # -- gradient reduction -------------------------------------------------------------
+    def _all_reduce(self, bucket: GradientBucket):
+        if self.world_size == 1:
+            return None
+        if self.staging is None:
+            bucket.flat.div_(self.world_size)
+            return collectives.all_reduce(bucket.flat, group=self.group, async_op=True)
+        slot = self.staging.acquire()
+        wire = slot.flat.narrow(0, 0, bucket.flat.numel())
+        wire.copy_(bucket.flat).div_(self.world_size)
+        work = collectives.all_reduce(wire, group=self.group, async_op=True)
+        return slot.track(work, lambda: bucket.flat.copy_(wire))
+
+    def _reduce_scatter(self, bucket: GradientBucket):
+        shard_grad = self.shard_grads[self._unit_of[id(bucket)]]
+        slot = self.staging.acquire()
+        wire = slot.flat.narrow(0, 0, bucket.layout.padded_numel)
+        bucket.gather_grads_into(wire)
+        if self.world_size == 1:
+            shard_grad.add_(wire)
+            return None
+        wire.div_(self.world_size)
+        if self._use_reduce_scatter:
+            out = slot.shard.narrow(0, 0, bucket.layout.shard_numel)
+            work = collectives.reduce_scatter_into(out, wire, group=self.group, async_op=True)
+            return slot.track(work, lambda: shard_grad.add_(out))
+        work = collectives.all_reduce(wire, group=self.group, async_op=True)
+        return slot.track(work, lambda: shard_grad.add_(bucket.layout.shard(wire, self.rank)))
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        # Stage 2 cannot hold full gradients across micro-steps, so it reduces every backward
+        # (except under no_sync, where full local gradients accumulate until the next one).
+        self.grads.begin_backward(sync=(not no_sync) and (boundary or self.stage == 2))
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+
+    def abort_backward(self) -> None:
+        self.grads.abort_backward()
+
+    # -- step ---------------------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        """fp32 L2 norm of the whole averaged gradient (inf/NaN if any rank overflowed)."""
+        norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
+        squares = torch.stack(norms).square().sum()
+        if self.stage >= 1 and self.world_size > 1:
+            collectives.all_reduce(squares, group=self.group)
+        return squares.sqrt()
+
+    def step(self, optimizer, grad_scale: float = 1.0) -> None:
+        """Update the weights from the gradients multiplied by ``grad_scale`` (loss-scale and
+        clipping factors, applied once here)."""
+        for master, grad in zip(self.masters, self.shard_grads):
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        if grad_scale != 1.0:
+            torch._foreach_mul_([m.grad for m in self.masters], grad_scale)
+        optimizer.step()
+        if self.precision.mixed:
+            for unit, master in zip(self.units, self.masters):
+                unit.shard.data.copy_(master.detach())
+                master.grad = None  # the fp32 copies of 16-bit gradients live only for the step
+        if self.stage >= 1 and self.world_size > 1:
+            for work in [u.all_gather(self.group) for u in self.units]:
+                work.wait()
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+        if self.stage == 2:
+            for g in self.shard_grads:
+                g.zero_()
+
+    # -- accounting ---------------------------------------------------------------------
+    def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
+        grads = self.grads.nbytes if self.stage < 2 else tensor_bytes(self.shard_grads)
+        masters = tensor_bytes(self.masters) if self.precision.mixed else 0
+        return {
+            "parameters": tensor_bytes(module.parameters()),
+            "master_parameters": masters,
+            "gradients": grads,
+            "optimizer_state": optimizer_state_bytes(optimizer),
+            "communication_buffers": self.staging.nbytes if self.staging else 0,
+        }
+
+    def close(self) -> None:
+        self.grads.remove_hooks()
+
+
+def _check_optimizer(stage: int, optimizer, precision: PrecisionPolicy) -> None:
+    what = f"zero_optimization.stage={stage}" if stage else "fp16/bf16 training"
+    if optimizer is None:
+        raise ValueError(f"{what} keeps the optimizer's state partitioned, so it needs an "
+                         "optimizer: add an 'optimizer' section or pass optimizer=")
+    if optimizer.state:
+        raise ValueError("the optimizer already holds state; ZeRO must partition it before the "
+                         "first step (load checkpoints through the engine instead)")
+    name = type(optimizer).__name__
+    if name in _SHAPE_DEPENDENT:
+        raise ValueError(f"{name} updates depend on each parameter's shape, but {what} gives the "
+                         "optimizer flat shards: use stage 0 in fp32, or an elementwise optimizer "
+                         "(Adam, AdamW, SGD, Adagrad, Lion, ...)")
