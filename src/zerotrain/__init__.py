@@ -24,10 +24,14 @@ _EXPORTS = {
     "ZeroTrainEngine": "zerotrain.engine.engine",
     "init_distributed": "zerotrain.comm.distributed",
     "add_config_arguments": "zerotrain.config",
+    "memory_status": "zerotrain.runtime.utils",
+    "see_memory_usage": "zerotrain.runtime.utils",
+    "MonitorMaster": "zerotrain.monitor",
 }
 # DeepSpeed's names for the same things, for code written against deepspeed.*
 _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
-_SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher"}
+_SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher", "monitor",
+               "runtime"}
 
 __all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
 

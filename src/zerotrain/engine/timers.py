@@ -21,6 +21,7 @@ class StepTimers:
         self._accelerator = accelerator
         self._started: dict[str, float] = {}
         self.elapsed_ms: dict[str, float] = defaultdict(float)
+        self.step_ms: dict[str, float] = defaultdict(float)
 
     def start(self, name: str) -> None:
         if self.enabled:
@@ -30,10 +31,18 @@ class StepTimers:
     def stop(self, name: str) -> None:
         if self.enabled and name in self._started:
             self._accelerator.synchronize()
-            self.elapsed_ms[name] += (time.perf_counter() - self._started.pop(name)) * 1e3
+            ms = (time.perf_counter() - self._started.pop(name)) * 1e3
+            self.elapsed_ms[name] += ms
+            self.step_ms[name] += ms
 
     def pop(self) -> dict[str, float]:
-        """The totals since the last call, then reset."""
+        """The totals since the last call, then reset (the ``steps_per_print`` window)."""
         out = dict(self.elapsed_ms)
         self.elapsed_ms.clear()
+        return out
+
+    def pop_step(self) -> dict[str, float]:
+        """The totals since the last ``pop_step()`` (one optimizer step, for the monitors)."""
+        out = dict(self.step_ms)
+        self.step_ms.clear()
         return out

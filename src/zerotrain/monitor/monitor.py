@@ -1,0 +1,151 @@
+"""``MonitorMaster``: the one object the engine calls once per optimizer step."""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+
+# zerotrain.engine.timers' phase names (DeepSpeed's), in DeepSpeed's event order
+_TIMER_EVENTS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
+
+
+class Monitor:
+    """A sink for ``(name, value, step)`` events."""
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        raise NotImplementedError
+
+    def log_params(self, params: dict) -> None:
+        """Run parameters (the config), once; only MLflow records them."""
+
+    def close(self) -> None:
+        """Flush and release files/runs; safe to call more than once."""
+
+
+def missing_extra(section: str, module: str, extra: str) -> ImportError | None:
+    """An ImportError naming the extra to install when ``module`` is not importable, else None."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return ImportError(f'"{section}.enabled" needs the {module} package, which is not installed: '
+                       f'pip install "zerotrain[{extra}]"')
+
+
+def config_params(config, world_size: int) -> dict:
+    """The run's parameters: the config as the user wrote it (dotted keys), plus the resolved
+    batch sizes and the world size."""
+    flat: dict = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(dict(getattr(config, "_raw", None) or {}), "")
+    flat.update(train_batch_size=config.train_batch_size,
+                train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
+                gradient_accumulation_steps=config.gradient_accumulation_steps, world_size=world_size)
+    return flat
+
+
+def _close_all(monitors: list) -> None:
+    for monitor in monitors:
+        try:
+            monitor.close()
+        except Exception:  # closing at exit must not mask the real error, if any
+            pass
+
+
+class MonitorMaster:
+    """Every enabled monitor of the config. ``enabled`` is the same on every rank (it decides
+    whether ranks gather their hardware figures); only global rank 0 holds writers. Writers are
+    flushed and closed by ``close()``, when the master is garbage collected, or at exit."""
+
+    def __init__(self, config, rank: int | None = None, world_size: int | None = None):
+        from zerotrain.comm.distributed import get_rank, get_world_size
+
+        self.rank = get_rank() if rank is None else rank
+        self.world_size = get_world_size() if world_size is None else world_size
+        if config.wandb.enabled:
+            raise NotImplementedError('"wandb.enabled": the Weights & Biases monitor is not implemented; '
+                                      "use tensorboard, csv_monitor or mlflow")
+        sections = [("tensorboard", config.tensorboard, "tensorboard", "tensorboard"),
+                    ("csv_monitor", config.csv_monitor, None, None),
+                    ("mlflow", config.mlflow, "mlflow", "mlflow")]
+        on = [(name, cfg, module, extra) for name, cfg, module, extra in sections if cfg.enabled]
+        self.enabled = bool(on)
+        for name, _, module, extra in on:  # on every rank, so no rank goes on alone
+            if module and (error := missing_extra(name, module, extra)):
+                raise error
+        self.tb_monitor = self.csv_monitor = self.mlflow_monitor = None
+        self.monitors: list[Monitor] = []
+        self._hardware = None
+        if self.enabled:
+            from zerotrain.monitor.hardware import HardwareSampler
+
+            self._hardware = HardwareSampler()
+        if self.enabled and self.rank == 0:
+            try:
+                for name, cfg, _, _ in on:
+                    if name == "tensorboard":
+                        from zerotrain.monitor.tensorboard import TensorBoardMonitor
+
+                        self.tb_monitor = TensorBoardMonitor(cfg)
+                        self.monitors.append(self.tb_monitor)
+                    elif name == "csv_monitor":
+                        from zerotrain.monitor.csv_monitor import CSVMonitor
+
+                        self.csv_monitor = CSVMonitor(cfg)
+                        self.monitors.append(self.csv_monitor)
+                    else:
+                        from zerotrain.monitor.mlflow import MLflowMonitor
+
+                        self.mlflow_monitor = MLflowMonitor(cfg)
+                        self.monitors.append(self.mlflow_monitor)
+            except BaseException:
+                _close_all(self.monitors)
+                raise
+        self._finalizer = weakref.finalize(self, _close_all, list(self.monitors))
+        if self.monitors:
+            self.log_params(config_params(config, self.world_size))
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        for monitor in self.monitors:
+            monitor.write_events(events)
+
+    def log_params(self, params: dict) -> None:
+        for monitor in self.monitors:
+            monitor.log_params(params)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- what the engine reports after each optimizer step --------------------------------
+    def write_step(self, engine, losses) -> None:
+        """Events of the step just taken: loss, lr, loss scale, phase times (with
+        ``wall_clock_breakdown``) and every rank's hardware figures, at ``global_samples``.
+        Called on every rank (the hardware figures are gathered); only rank 0 writes."""
+        times = engine._timers.pop_step()
+        hardware = self._hardware.gather(engine.device) if self._hardware is not None else None
+        if not self.monitors:
+            return
+        import torch
+
+        step = engine.global_samples
+        events = []
+        if losses:
+            events.append(("Train/Samples/train_loss", float(torch.stack(losses).float().mean()), step))
+        lrs = engine.get_lr()
+        if lrs:
+            events.append(("Train/Samples/lr", float(lrs[0]), step))
+        fp16 = getattr(engine.config, "fp16", None)
+        if fp16 is not None and fp16.enabled and hasattr(engine, "loss_scale"):
+            events.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
+        if engine._timers.enabled:
+            for name in _TIMER_EVENTS:
+                if name in times:
+                    events.append((f"Train/Samples/elapsed_time_ms_{name}", times[name], step))
+        if hardware is not None:
+            events.extend(self._hardware.events(hardware, step))
+        self.write_events(events)

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.runtime`` names that scripts import directly (``runtime.utils``)."""
