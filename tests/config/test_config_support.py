@@ -21,7 +21,6 @@ SUPPORTED = [
     {"checkpoint": {"tag_validation": "Fail"}, "gradient_predivide_factor": 1.0, "prescale_gradients": False},
     {"comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "prof_ops": ["all_reduce"]}},
     {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True}, "mlflow": {"enabled": True}},
-    {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True}, "mlflow": {"enabled": True}},
     # Landed features: ZeRO 1/2, mixed precision and its dtype knobs.
     {"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}},
     {"fp16": {"enabled": True, "auto_cast": True}}, {"bf16": {"enabled": True}},

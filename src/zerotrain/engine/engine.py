@@ -21,8 +21,6 @@ from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, 
 from zerotrain.log import log_rank0
 from zerotrain.monitor import MonitorMaster
 from zerotrain.runtime.utils import register_engine
-from zerotrain.monitor import MonitorMaster
-from zerotrain.runtime.utils import register_engine
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
 
@@ -52,8 +50,6 @@ class ZeroTrainEngine(nn.Module):
         self.loss_scaler = build_loss_scaler(config)
         self._zero = build_zero_stage(config, module, optimizer, self.precision)
         self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
-        self.monitor = MonitorMaster(config)  # rank 0 writes; closed by destroy() or at exit
-        register_engine(self)  # weakly, for zerotrain.memory_status()
         self.monitor = MonitorMaster(config)  # rank 0 writes; closed by destroy() or at exit
         register_engine(self)  # weakly, for zerotrain.memory_status()
         self._boundary_override: bool | None = None
@@ -245,14 +241,11 @@ class ZeroTrainEngine(nn.Module):
         """Remove the hooks the engine installed on the module."""
         self._zero.close()
         self.monitor.close()
-        self.monitor.close()
 
     # -- logging ------------------------------------------------------------------------
     def _log_step(self) -> None:
         every = self._config.steps_per_print
         losses, self._window_losses = self._window_losses, []
-        if self.monitor.enabled:
-            self.monitor.write_step(self, losses)
         if self.monitor.enabled:
             self.monitor.write_step(self, losses)
         if not every or self.global_steps % every:
