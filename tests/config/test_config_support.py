@@ -23,6 +23,7 @@ SUPPORTED = [
     {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True}, "mlflow": {"enabled": True}},
     # Landed features: ZeRO 1/2, mixed precision and its dtype knobs.
     {"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}},
+    {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000}},
     {"fp16": {"enabled": True, "auto_cast": True}}, {"bf16": {"enabled": True}},
     {"communication_data_type": "fp32"}, {"data_types": {"grad_accum_dtype": "bf16"}},
 ]
@@ -34,7 +35,6 @@ def test_supported_configs_pass(extra):
 
 
 UNSUPPORTED = [
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_param.device='nvme'"),
@@ -83,11 +83,11 @@ def test_unsupported_settings_raise_naming_the_key(extra, key):
 
 
 def test_every_problem_is_listed():
-    cfg = load_config({**BASE, "zero_optimization": {"stage": 3}, "sparse_gradients": True,
+    cfg = load_config({**BASE, "zero_optimization": {"elastic_checkpoint": True}, "sparse_gradients": True,
                        "wandb": {"enabled": True}})
     lines = unsupported(cfg)
-    assert [line.split("=")[0] for line in lines] == ["zero_optimization.stage", "wandb.enabled",
-                                                      "sparse_gradients"]
+    assert [line.split("=")[0] for line in lines] == ["zero_optimization.elastic_checkpoint",
+                                                      "wandb.enabled", "sparse_gradients"]
 
 
 def test_table_rows_name_real_keys():

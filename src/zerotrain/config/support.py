@@ -60,10 +60,8 @@ def _foreign(name: str, feature: str, active: Callable[[Any], bool] = _section_o
 
 
 _Z = "zero_optimization"
-_ZERO_FEATURE = "ZeRO stage 3 (partitioned parameters); stages 0, 1 and 2 run today"
 
 PENDING: tuple[Pending, ...] = (
-    Pending(f"{_Z}.stage", lambda c: c.zero_optimization.stage == 3, _ZERO_FEATURE),
     Pending("fp16.fp16_master_weights_and_grads", lambda c: c.fp16.fp16_master_weights_and_grads,
             "fp16 master weights (zerotrain always keeps fp32 masters)"),
     Pending("bf16.immediate_grad_update", lambda c: c.bf16.immediate_grad_update,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -23,6 +24,10 @@ class GPTConfig:
     n_head: int = 4
     dropout: float = 0.0
     tie_word_embeddings: bool = True
+    # "none", "reentrant" or "non_reentrant": torch.utils.checkpoint around each block.
+    activation_checkpointing: str = "none"
+    # Each block runs this many times per forward (a module called more than once).
+    block_repeats: int = 1
 
 
 @dataclass
@@ -81,6 +86,14 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        mode = self.config.activation_checkpointing
+        if mode == "none" or not torch.is_grad_enabled():
+            return block(x)
+        if mode not in ("reentrant", "non_reentrant"):
+            raise ValueError(f"activation_checkpointing={mode!r}: use none, reentrant or non_reentrant")
+        return checkpoint(block, x, use_reentrant=mode == "reentrant")
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -95,7 +108,8 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            for _ in range(self.config.block_repeats):
+                x = self._run_block(block, x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if labels is not None:

@@ -30,11 +30,12 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy):
     overlap = zero.overlap_comm is not False
     if zero.stage == 0 and not precision.mixed:
         return ReplicatedGradients(params, numel, overlap=overlap)
-    if zero.stage not in (0, 1, 2):
-        raise NotImplementedError(f"zero_optimization.stage={zero.stage} is not implemented yet")
     if zero.stage == 2 and overlap:
         numel = max(1, numel // 2)  # two staging buffers together stay within one bucket
+    stage3 = {"param_persistence_threshold": int(zero.param_persistence_threshold),
+              "prefetch_bucket_size": int(zero.prefetch_bucket_size),
+              "max_live_parameters": int(zero.max_live_parameters)}
     stage = PartitionedOptimizer(zero.stage, module, optimizer, numel, precision, overlap=overlap,
-                                 use_reduce_scatter=zero.reduce_scatter)
+                                 use_reduce_scatter=zero.reduce_scatter, stage3=stage3)
     module.to(precision.param_dtype)  # frozen parameters and floating buffers
     return stage

@@ -88,13 +88,18 @@ class BucketedGradients:
     def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]],
                  launch: Callable[[GradientBucket], object], overlap: bool = True,
                  layouts: Sequence[FlatLayout] | None = None, persistent: bool = True,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, ordered: bool = True):
         layouts = layouts or [None] * len(buckets)
         self.buckets = [GradientBucket(b, layout, persistent, dtype)
                         for b, layout in zip(buckets, layouts)]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launch = launch
         self._overlap = overlap
+        # ordered: launch strictly in bucket order (robust to ranks finishing parameters in a
+        # different order). Stage 3 launches each bucket as soon as it is complete instead, so a
+        # finished unit's full-size gradients and parameters are freed at once; every rank runs
+        # the same graph, so autograd completes the buckets in the same order everywhere.
+        self._ordered = ordered
         self._next = 0
         self._in_backward = False
         self._sync = False
@@ -126,7 +131,10 @@ class BucketedGradients:
             bucket.seen[index] = True
             bucket.ready += 1
         if self._sync and self._overlap:
-            self._launch_ready()
+            if self._ordered:
+                self._launch_ready()
+            elif bucket.ready == len(bucket.params):
+                self._launch_bucket(bucket)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):
@@ -138,14 +146,16 @@ class BucketedGradients:
     def _launch_bucket(self, bucket: GradientBucket) -> None:
         bucket.launched = True
         bucket.work = self._launch(bucket)
-        self._next += 1
+        if self._ordered:
+            self._next += 1
 
     def end_backward(self) -> None:
         """Launch what is left (e.g. unused parameters' buckets) and wait for all of it."""
         try:
             if self._sync:
-                while self._next < len(self.buckets):
-                    self._launch_bucket(self.buckets[self._next])
+                for bucket in self.buckets[self._next:]:
+                    if not bucket.launched:
+                        self._launch_bucket(bucket)
         finally:
             self._wait_all()
 

@@ -23,7 +23,8 @@ from zerotrain.comm import collectives
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
-from zerotrain.zero.partition import FlatParamUnit, plan_units
+from zerotrain.zero.partition import FlatParamUnit, plan_module_units, plan_units
+from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.staging import StagingPool
 
 # Optimizers whose update depends on a parameter's shape: on flat shards they would silently
@@ -36,7 +37,7 @@ class PartitionedOptimizer:
 
     def __init__(self, stage: int, module: nn.Module, optimizer, unit_numel: int,
                  precision: PrecisionPolicy = PrecisionPolicy(), overlap: bool = True,
-                 use_reduce_scatter: bool = True, group=None):
+                 use_reduce_scatter: bool = True, group=None, stage3: dict | None = None):
         _check_optimizer(stage, optimizer, precision)
         self.stage = stage
         self.precision = precision
@@ -46,16 +47,23 @@ class PartitionedOptimizer:
         shard_world, self.shard_rank = (self.world_size, self.rank) if stage >= 1 else (1, 0)
         self._use_reduce_scatter = use_reduce_scatter
 
-        plan = plan_units(optimizer.param_groups, unit_numel, list(module.parameters())[::-1])
+        if stage == 3:
+            plan = plan_module_units(optimizer.param_groups, module)
+        else:
+            plan = plan_units(optimizer.param_groups, unit_numel, list(module.parameters())[::-1])
         self.units = [FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype)
                       for _, params in plan]
-        if precision.mixed:
-            # fp32 masters copied before the cast, so they start from the exact fp32 weights.
-            self.masters = [nn.Parameter(u.shard.detach().clone()) for u in self.units]
+        # fp32 masters are copied before any cast, so they start from the exact fp32 weights.
+        masters = [nn.Parameter(u.shard.detach().clone()) for u in self.units] if precision.mixed else None
+        self.coordinator = None
+        if stage == 3:
+            threshold = stage3["param_persistence_threshold"]
             for u in self.units:
-                u.cast(precision.param_dtype)
-        else:
-            self.masters = [u.shard for u in self.units]
+                if u.numel >= threshold:
+                    u.reshard()
+        for u in self.units:
+            u.cast(precision.param_dtype)
+        self.masters = masters or [u.shard for u in self.units]
         for g, group_dict in enumerate(optimizer.param_groups):
             group_dict["params"] = [m for (ug, _), m in zip(plan, self.masters) if ug == g]
 
@@ -63,9 +71,9 @@ class PartitionedOptimizer:
         layouts = [u.layout for u in self.units]
         largest = max(u.layout.padded_numel for u in self.units)
         device = self.units[0].flat.device
-        if stage == 2:
+        if stage >= 2:
             self.grads = BucketedGradients(buckets, self._reduce_scatter, overlap, layouts,
-                                           persistent=False)
+                                           persistent=False, ordered=stage == 2)
             self.shard_grads = [torch.zeros(u.layout.shard_numel, dtype=precision.grad_accum_dtype,
                                             device=device) for u in self.units]
             self.staging = StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device,
@@ -78,6 +86,11 @@ class PartitionedOptimizer:
             self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
                             if needs_cast and self.world_size > 1 else None)
         self._unit_of = {id(b): i for i, b in enumerate(self.grads.buckets)}
+        if stage == 3:
+            self.coordinator = ParameterCoordinator(
+                module, [u for u in self.units if u.resharded], group,
+                prefetch_numel=stage3["prefetch_bucket_size"],
+                max_live_numel=stage3["max_live_parameters"])
 
     # -- gradient reduction -------------------------------------------------------------
     def _all_reduce(self, bucket: GradientBucket):
@@ -93,10 +106,14 @@ class PartitionedOptimizer:
         return slot.track(work, lambda: bucket.flat.copy_(wire))
 
     def _reduce_scatter(self, bucket: GradientBucket):
-        shard_grad = self.shard_grads[self._unit_of[id(bucket)]]
+        index = self._unit_of[id(bucket)]
+        shard_grad = self.shard_grads[index]
         slot = self.staging.acquire()
         wire = slot.flat.narrow(0, 0, bucket.layout.padded_numel)
         bucket.gather_grads_into(wire)
+        if self.coordinator is not None and self.units[index].resharded:
+            # Its gradients are complete and copied out: backward needs the full unit no more.
+            self.coordinator.release(self.units[index])
         if self.world_size == 1:
             shard_grad.add_(wire)
             return None
@@ -109,20 +126,30 @@ class PartitionedOptimizer:
         return slot.track(work, lambda: shard_grad.add_(bucket.layout.shard(wire, self.rank)))
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
-        # Stage 2 cannot hold full gradients across micro-steps, so it reduces every backward
+        # Stages 2-3 cannot hold full gradients across micro-steps, so they reduce every backward
         # (except under no_sync, where full local gradients accumulate until the next one).
-        self.grads.begin_backward(sync=(not no_sync) and (boundary or self.stage == 2))
+        self.grads.begin_backward(sync=(not no_sync) and (boundary or self.stage >= 2))
+        if self.coordinator is not None:
+            self.coordinator.begin_backward()
 
     def end_backward(self) -> None:
-        self.grads.end_backward()
+        try:
+            self.grads.end_backward()
+        finally:
+            if self.coordinator is not None:
+                self.coordinator.end_backward()
 
     def abort_backward(self) -> None:
         self.grads.abort_backward()
+        if self.coordinator is not None:
+            self.coordinator.end_backward()
 
     # -- step ---------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """fp32 L2 norm of the whole averaged gradient (inf/NaN if any rank overflowed)."""
         norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
+        if not norms:
+            norms = [torch.zeros((), device=self.units[0].shard.device)]
         squares = torch.stack(norms).square().sum()
         if self.stage >= 1 and self.world_size > 1:
             collectives.all_reduce(squares, group=self.group)
@@ -141,12 +168,13 @@ class PartitionedOptimizer:
                 unit.shard.data.copy_(master.detach())
                 master.grad = None  # the fp32 copies of 16-bit gradients live only for the step
         if self.stage >= 1 and self.world_size > 1:
-            for work in [u.all_gather(self.group) for u in self.units]:
+            # Stage 3's partitioned units are gathered when next used; the rest right away.
+            for work in [u.all_gather(self.group) for u in self.units if not u.resharded]:
                 work.wait()
 
     def zero_grad(self) -> None:
         self.grads.zero()
-        if self.stage == 2:
+        if self.stage >= 2:
             for g in self.shard_grads:
                 g.zero_()
 
@@ -154,16 +182,26 @@ class PartitionedOptimizer:
     def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
         grads = self.grads.nbytes if self.stage < 2 else tensor_bytes(self.shard_grads)
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
-        return {
-            "parameters": tensor_bytes(module.parameters()),
+        shards = [u.shard for u in self.units if u.resharded]
+        gathered = [p for u in self.units if u.resharded and u.gathered for p in u.params]
+        persistent = [p for p in module.parameters() if not any(p is q for q in gathered)]
+        out = {
+            "parameters": tensor_bytes(persistent) + tensor_bytes(shards),
             "master_parameters": masters,
             "gradients": grads,
             "optimizer_state": optimizer_state_bytes(optimizer),
             "communication_buffers": self.staging.nbytes if self.staging else 0,
         }
+        if self.coordinator is not None:
+            element = self.units[0].shard.element_size()
+            out["gathered_parameters"] = self.coordinator.live_numel * element
+            out["peak_gathered_parameters"] = self.coordinator.peak_live_numel * element
+        return out
 
     def close(self) -> None:
         self.grads.remove_hooks()
+        if self.coordinator is not None:
+            self.coordinator.close()
 
 
 def _check_optimizer(stage: int, optimizer, precision: PrecisionPolicy) -> None:

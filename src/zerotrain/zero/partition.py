@@ -24,7 +24,12 @@ def shard_alignment(dtype: torch.dtype) -> int:
 
 
 class FlatParamUnit:
-    """Parameters flattened into one buffer; this rank's shard is an ``nn.Parameter`` view."""
+    """Parameters flattened into one buffer; this rank's shard is an ``nn.Parameter``.
+
+    Normally the shard is a view of the full buffer. After ``reshard()`` (stage 3) the shard is
+    the only storage kept: the full buffer exists only between ``start_gather``/``finish_gather``
+    and ``release``, and the module parameters are empty placeholders otherwise.
+    """
 
     def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int,
                  dtype: torch.dtype | None = None):
@@ -35,25 +40,64 @@ class FlatParamUnit:
         self.flat = self.layout.empty()
         with torch.no_grad():
             self.layout.copy_in(self.flat, self.params)
-        for p, view in zip(self.params, self.layout.views(self.flat)):
-            p.data = view
+        self._point_params_at(self.flat)
         self._rank = rank
         self.shard = nn.Parameter(self.layout.shard(self.flat, rank))
 
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat is not None
+
     def cast(self, dtype: torch.dtype) -> None:
-        """Move the flat buffer (and so every module parameter) to ``dtype``, freeing the old one."""
-        if dtype == self.flat.dtype:
+        """Move the buffers (and so every module parameter) to ``dtype``, freeing the old ones."""
+        if dtype == self.shard.dtype:
+            return
+        self.layout = self.layout.with_dtype(dtype)
+        if self.resharded:
+            self.shard = nn.Parameter(self.shard.detach().to(dtype))
             return
         self.flat = self.flat.to(dtype)
-        self.layout = self.layout.with_dtype(dtype)
-        for p, view in zip(self.params, self.layout.views(self.flat)):
-            p.data = view
+        self._point_params_at(self.flat)
         self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank))
 
     def all_gather(self, group=None):
         """Start gathering every rank's updated shard into the full buffer."""
         return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
                                            async_op=True)
+
+    # -- stage 3 ------------------------------------------------------------------------
+    resharded = False
+
+    def reshard(self) -> None:
+        """Keep only this rank's shard (a private copy) and free the full buffer."""
+        self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank).clone())
+        self.resharded = True
+        self.release()
+
+    def release(self) -> None:
+        """Drop the full buffer; module parameters become empty placeholders."""
+        empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+        for p in self.params:
+            p.data = empty
+        self.flat = None
+
+    def start_gather(self, group=None):
+        """Allocate the full buffer and start gathering the shards into it."""
+        self.flat = self.layout.empty(zero=False)
+        return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
+                                           async_op=True)
+
+    def finish_gather(self) -> None:
+        """After the gather has completed: point the module parameters at the full buffer."""
+        self._point_params_at(self.flat)
+
+    def _point_params_at(self, flat: torch.Tensor) -> None:
+        for p, view in zip(self.params, self.layout.views(flat)):
+            p.data = view
 
 
 def plan_units(param_groups: Sequence[dict], unit_numel: int,
@@ -93,3 +137,28 @@ def plan_units(param_groups: Sequence[dict], unit_numel: int,
                          "passed to initialize(); ZeRO can only partition the model's parameters")
     units.sort(key=lambda u: u[2])
     return [(g, params) for g, params, _ in units]
+
+
+def plan_module_units(param_groups: Sequence[dict], module: nn.Module
+                      ) -> list[tuple[int, list[nn.Parameter]]]:
+    """Stage 3's units: each module's own trainable parameters (per param group), so a unit is
+    gathered exactly when its module runs. Modules are walked in reverse registration order,
+    which approximates the order backward completes them; a parameter shared by several modules
+    (tied weights) belongs to the first module that registers it."""
+    group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
+    first_owner: dict[int, nn.Module] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                first_owner.setdefault(id(p), m)
+    units = []
+    for m in reversed(list(module.modules())):
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for p in m._parameters.values():
+            if p is None or not p.requires_grad or first_owner[id(p)] is not m:
+                continue
+            if id(p) not in group_of:
+                continue
+            by_group.setdefault(group_of[id(p)], []).append(p)
+        units.extend(sorted(by_group.items()))
+    return units

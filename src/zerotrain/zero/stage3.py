@@ -1,0 +1,225 @@
+"""ZeRO stage 3: gather partitioned parameters just before a module uses them, free them after.
+
+``ParameterCoordinator`` installs forward hooks on every module that owns partitioned units:
+before the module runs, its units are all-gathered (the module's parameters become views of the
+full buffers); after it, they are released again, and a hook on the module's outputs gathers them
+once more when backward reaches the module. A unit's full buffer is released in backward as soon
+as its gradients have been reduce-scattered.
+
+Parameters used outside their own module (tied weights, ``other.weight`` in a forward) are caught
+where they are read: each module's ``_parameters`` dict gathers a released parameter on access
+during a forward pass.
+
+The order in which units are used is recorded on the first pass (forward and backward
+separately); later passes start gathering the next units ahead of use (up to
+``stage3_prefetch_bucket_size`` elements, and never beyond ``stage3_max_live_parameters`` live
+elements), overlapping communication with compute. A pass that departs from the record
+re-records it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from zerotrain.zero.partition import FlatParamUnit
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UseOrder:
+    """The recorded order of unit uses in one kind of pass, and where the current pass is."""
+
+    def __init__(self):
+        self.order: list[FlatParamUnit] = []
+        self.recording = True
+        self.pos = 0
+
+    def start(self) -> None:
+        self.pos = 0
+
+    def see(self, unit: FlatParamUnit) -> bool:
+        """Note a use; True when it matches the record (so prefetching ahead is meaningful)."""
+        if self.recording:
+            if unit not in self.order:
+                self.order.append(unit)
+            return False
+        if self.pos < len(self.order) and self.order[self.pos] is unit:
+            self.pos += 1
+            return True
+        if unit in self.order[:self.pos]:
+            return True  # a repeated use (module called twice): the record still holds
+        self.order, self.recording, self.pos = [unit], True, 0  # new path: record it again
+        return False
+
+    def finish(self) -> None:
+        if self.recording and self.order:
+            self.recording = False
+
+    def upcoming(self):
+        return self.order[self.pos:]
+
+
+class _GatheringParameters(dict):
+    """A module's ``_parameters`` that gathers a partitioned parameter when read in a forward."""
+
+    def __init__(self, coordinator: "ParameterCoordinator", params: dict):
+        super().__init__(params)
+        self._coordinator = coordinator
+
+    def __getitem__(self, name):
+        param = super().__getitem__(name)
+        if param is not None:
+            self._coordinator.on_access(param)
+        return param
+
+
+class ParameterCoordinator:
+    """Fetches and releases the partitioned units of ``module``'s parameters around their use."""
+
+    def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
+                 prefetch_numel: int = 0, max_live_numel: int | None = None):
+        self.units = list(units)
+        self.group = group
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._inflight: dict[FlatParamUnit, object] = {}
+        self._stack: list[tuple[nn.Module, set]] = []
+        self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
+        self._handles = []
+        self._module_units: dict[nn.Module, list[FlatParamUnit]] = {}
+        for m in module.modules():
+            own = _unique(self._unit_of.get(id(p)) for p in m._parameters.values() if p is not None)
+            if own:
+                self._module_units[m] = own
+                m._parameters = _GatheringParameters(self, m._parameters)
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+        self._root = module
+
+    # -- gathering ----------------------------------------------------------------------
+    def fetch(self, unit: FlatParamUnit) -> None:
+        """Make ``unit``'s full parameters available (waiting for a prefetch if one is running)."""
+        work = self._inflight.pop(unit, None)
+        if work is not None:
+            work.wait()
+            unit.finish_gather()
+            return
+        if unit.gathered:
+            return
+        self._count(unit.layout.padded_numel)
+        unit.start_gather(self.group).wait()
+        unit.finish_gather()
+
+    def _prefetch(self, order: _UseOrder) -> None:
+        budget = self.prefetch_numel
+        for unit in order.upcoming():
+            if budget <= 0:
+                return
+            if unit.gathered or unit in self._inflight:
+                continue
+            numel = unit.layout.padded_numel
+            if self.max_live_numel is not None and self.live_numel + numel > self.max_live_numel:
+                return
+            budget -= numel
+            self._count(numel)
+            self._inflight[unit] = unit.start_gather(self.group)
+
+    def release(self, unit: FlatParamUnit) -> None:
+        work = self._inflight.pop(unit, None)
+        if work is not None:
+            work.wait()
+        if unit.gathered:
+            unit.release()
+            self.live_numel -= unit.layout.padded_numel
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    def _count(self, numel: int) -> None:
+        self.live_numel += numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _use(self, unit: FlatParamUnit) -> None:
+        order = self._backward_order if in_backward() else self._forward_order
+        matched = order.see(unit)
+        self.fetch(unit)
+        if matched and self.prefetch_numel:
+            self._prefetch(order)
+
+    # -- hooks --------------------------------------------------------------------------
+    def on_access(self, param: nn.Parameter) -> None:
+        unit = self._unit_of.get(id(param))
+        if unit is None or not self._stack:
+            return  # outside a forward: use zerotrain.zero.GatheredParameters
+        self._stack[-1][1].add(unit)
+        self._use(unit)
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self._root and not in_backward():
+            self._forward_order.start()
+        own = self._module_units.get(module, ())
+        self._stack.append((module, set(own)))
+        for unit in own:
+            self._use(unit)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        _, used = self._stack.pop()
+        backward = in_backward()
+        if used and torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads, units=tuple(used): self._pre_backward(units),
+                                         mode="any")
+        if not backward:
+            still_used = set().union(*(u for _, u in self._stack)) if self._stack else set()
+            for unit in used - still_used:
+                self.release(unit)
+        if module is self._root and not backward:
+            self._forward_order.finish()
+            for unit in list(self._inflight):  # prefetched but not used on this path
+                self.release(unit)
+        return None
+
+    def _pre_backward(self, units) -> None:
+        for unit in units:
+            self._use(unit)
+
+    # -- backward boundaries ------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._backward_order.start()
+
+    def end_backward(self) -> None:
+        self._backward_order.finish()
+        self.release_all()
+
+    def close(self) -> None:
+        self.release_all()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _unique(items) -> list:
+    out = []
+    for item in items:
+        if item is not None and all(item is not o for o in out):
+            out.append(item)
+    return out
+
+
+def _tensors(output):
+    from torch.utils._pytree import tree_leaves
+
+    if hasattr(output, "__dataclass_fields__") or hasattr(output, "to_tuple"):
+        output = output.to_tuple() if hasattr(output, "to_tuple") else vars(output)
+    return [t for t in tree_leaves(output) if torch.is_tensor(t)]
