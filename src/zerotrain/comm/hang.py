@@ -42,6 +42,9 @@ class CollectiveError(RuntimeError):
         super().__init__(message)
         self.op, self.seq, self.nbytes, self.missing, self.reports = op, seq, nbytes, missing, reports
 
+    def __reduce__(self):  # picklable, e.g. to send to a parent process
+        return type(self), (str(self), self.op, self.seq, self.nbytes, self.missing, self.reports)
+
 
 def convert_size(size_bytes: int | float) -> str:
     """DeepSpeed's size formatting: ``0B``, ``4.0 KB``, ``1.24 GB``."""

@@ -133,6 +133,7 @@ class CommsLogger:
         self._enabled_since: float | None = None
         self._enabled_s = 0.0
         self._sync = None
+        self._world_sizes: dict = {}  # group -> size, refreshed whenever the logger is enabled
 
     # -- configuration --------------------------------------------------------------------
     def configure(self, comms_config=None, *, enabled=None, prof_all=None, prof_ops=None,
@@ -162,6 +163,7 @@ class CommsLogger:
 
         accelerator = get_accelerator()
         self._sync = accelerator.synchronize if accelerator.name != "cpu" else None
+        self._world_sizes = {}
         if not self.enabled:
             self.enabled = True
             self._enabled_since = time.perf_counter()
@@ -179,6 +181,7 @@ class CommsLogger:
         self.comms_dict = {}
         self.wait_ms = 0.0
         self._enabled_s = 0.0
+        self._world_sizes = {}
         if self.enabled:
             self._enabled_since = time.perf_counter()
 
@@ -228,7 +231,9 @@ class CommsLogger:
 
     def append(self, raw_name: str, record_name: str, latency_ms: float, msg_size: int,
                group=None) -> None:
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        world = self._world_sizes.get(group)
+        if world is None:
+            world = self._world_sizes[group] = dist.get_world_size(group) if dist.is_initialized() else 1
         algbw, busbw = calc_bw_log(raw_name, msg_size, latency_ms, world)
         sizes = self.comms_dict.setdefault(record_name, {})
         entry = sizes.get(msg_size)
