@@ -26,7 +26,7 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
     import torch.distributed as dist
 
     import zerotrain
-    from zerotrain.comm import collectives, comms_logger
+    from zerotrain.comm import comms_logger
     from zerotrain.models import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -62,8 +62,54 @@ def test_skipped_collective_names_the_missing_rank():
         assert "Timed out" in message  # the backend's own error is kept
 
 
-def test_without_debug_the_error_still_names_the_rank():
-    r = run_on_ranks(_skip_one, 2, args=(False,), comm_timeout=TIMEOUT)[0]
-    assert r["missing"] == [1], r["message"]
-    assert "rank 1 had not arrived" in r["message"]
-    assert '"debug": true' in r["message"]  # says how to get more
+def _diagnose_with_reports(monkeypatch, reports: dict, progress: dict | None = None, **kw):
+    """``diagnose`` on rank 0 of 4 against an in-memory store holding the other ranks' reports."""
+    import json
+
+    import torch.distributed as dist
+
+    from zerotrain.comm import hang
+
+    store = dist.HashStore()
+    for r, report in reports.items():
+        store.set(f"zerotrain/failed/world/{r}", json.dumps(report))
+    for r, report in (progress or {}).items():
+        store.set(f"zerotrain/progress/world/{r}", json.dumps(report))
+    monkeypatch.setattr(hang, "_store", lambda: store)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1, 2, 3])
+    exc = RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+    return hang.diagnose(exc, "reduce_scatter_tensor", 2**20, 7, None, time.monotonic() - 2.0,
+                         grace=0.1, **kw)
+
+
+def test_each_rank_is_classified_from_its_report(monkeypatch):
+    error = _diagnose_with_reports(monkeypatch, {
+        1: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},  # arrived
+        2: {"seq": 5, "op": "all_gather_into_tensor", "bytes": 64},   # stuck earlier
+        3: {"seq": 7, "op": "all_reduce", "bytes": 4}})               # issued something else
+    message = str(error)
+    assert error.missing == [2, 3] and error.seq == 7
+    assert message.startswith("reduce_scatter_tensor #7 (1.0 MB) on the default group of 4 ranks "
+                              "failed on rank 0 after 2.0 s: ranks 2, 3 had not arrived.")
+    assert "rank 1: arrived" in message
+    assert "rank 2: still blocked in an earlier collective, all_gather_into_tensor #5" in message
+    assert "rank 3: blocked in all_reduce #7 (4.0 B) instead: ranks issued different collectives" in message
+    assert "backend error: Timed out" in message and "debug" not in message
+
+
+def test_without_reports_or_debug_the_error_says_how_to_learn_more(monkeypatch):
+    error = _diagnose_with_reports(monkeypatch, {}, progress={3: {"seq": 6, "op": "all_reduce", "bytes": 8}})
+    message = str(error)
+    assert error.missing == [1, 2, 3]
+    assert "rank 1: no report within 0.1 s" in message
+    assert "rank 3: no report" in message and "its last completed collective is all_reduce #6" in message
+    assert '"debug": true' in message  # ranks 1 and 2 left no progress
+
+
+def test_argument_errors_are_not_diagnosed(monkeypatch):
+    from zerotrain.comm import hang
+
+    exc = RuntimeError("Tensors must be contiguous")
+    assert hang.diagnose(exc, "all_reduce", 4, 1, None, time.monotonic()) is exc

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -132,40 +128,6 @@ def test_mlflow_run(run, monkeypatch):
     assert "Hardware/rank1/cpu_percent" in found.data.metrics
 
 
-EXIT_SCRIPT = textwrap.dedent("""
-    import sys
-    import zerotrain
-    from tests.engine.workloads import adamw_config, global_batches, make_model
-    out = sys.argv[1]
-    cfg = adamw_config(2, tensorboard={"enabled": True, "output_path": out, "job_name": "tb"})
-    if sys.argv[2] == "1":
-        cfg["mlflow"] = {"enabled": True, "experiment_name": "exit"}  # URI from MLFLOW_TRACKING_URI
-    model = make_model()
-    engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
-    for batch in global_batches(2, 2):
-        engine.backward(engine(batch, labels=batch).loss)
-        engine.step()
-    # no destroy(), no close(): the monitors must still be flushed and closed at exit
-""")
-
-
-def test_monitors_are_closed_at_exit_without_any_call(tmp_path):
-    env = {**os.environ, **MLFLOW_ENV, "MLFLOW_TRACKING_URI": f"file://{tmp_path}/mlruns",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
-    subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), "1" if HAS_MLFLOW else "0"],
-                   check=True, env=env, cwd=Path(__file__).parents[2], timeout=120)
-    scalars = _scalars(tmp_path / "tb")
-    assert [s for s, _ in scalars["Train/Samples/train_loss"]] == [2, 4]
-    if HAS_MLFLOW:
-        from mlflow.tracking import MlflowClient
-
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
-        (found,) = client.search_runs([client.get_experiment_by_name("exit").experiment_id])
-        assert found.info.status == "FINISHED"  # the run was ended at exit
-        assert [m.step for m in client.get_metric_history(found.info.run_id, "Train/Samples/lr")] == [2, 4]
-
-
 def _config(**sections):
     from zerotrain.config import load_config
 
@@ -184,6 +146,35 @@ def test_missing_extra_names_what_to_install(monkeypatch, tmp_path):
     with pytest.raises(NotImplementedError, match="wandb"):
         MonitorMaster(_config(wandb={"enabled": True}), rank=0, world_size=1)
     assert not MonitorMaster(_config(), rank=0, world_size=1).enabled
+
+
+def test_writers_are_closed_when_dropped_or_at_exit(tmp_path, monkeypatch):
+    """A script that never calls destroy(): the master's finalizer closes the writers when it is
+    garbage collected, and runs at interpreter exit otherwise."""
+    import gc
+
+    from zerotrain.monitor import MonitorMaster
+
+    sections = {"tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}}
+    if HAS_MLFLOW:
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")  # URI from the environment
+        sections["mlflow"] = {"enabled": True, "experiment_name": "exit"}
+    master = MonitorMaster(_config(**sections), rank=0, world_size=1)
+    assert master._finalizer.atexit and master._finalizer.alive
+    writer = master.tb_monitor.summary_writer
+    run_id = master.mlflow_monitor.run_id if HAS_MLFLOW else None
+    master.write_events([("Train/Samples/lr", 0.5, 2), ("Train/Samples/lr", 0.25, 4)])
+    del master
+    gc.collect()
+    assert writer.all_writers is None  # SummaryWriter.close() ran
+    assert _scalars(tmp_path / "tb")["Train/Samples/lr"] == [(2, 0.5), (4, 0.25)]
+    if HAS_MLFLOW:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+        assert client.get_run(run_id).info.status == "FINISHED"  # the run was ended
+        assert [m.step for m in client.get_metric_history(run_id, "Train/Samples/lr")] == [2, 4]
 
 
 def test_csv_appends_without_repeating_the_header(tmp_path):

@@ -175,7 +175,7 @@ def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started:
                f"rank {rank} after {waited:.1f} s: {head}.\n" + "\n".join(lines))
     if store_error is not None:
         message += f"\n  (could not consult the rendezvous store: {store_error})"
-    elif not progress and any(r not in reports for r in ranks):
+    elif any(r not in reports and r not in progress for r in ranks):
         message += ('\n  Set "comms_logger": {"enabled": true, "debug": true} to record every '
                     "rank's last completed collective.")
     message += f"\nbackend error: {exc}"

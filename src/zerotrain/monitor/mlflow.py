@@ -27,7 +27,6 @@ class MLflowMonitor(Monitor):
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        self._mlflow = mlflow
         self.tracking_uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         active = mlflow.active_run()
