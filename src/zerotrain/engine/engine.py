@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zerotrain.accelerator import get_accelerator
+from zerotrain.checkpoint import full_state_dict, save_16bit_model
 from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
@@ -234,8 +235,29 @@ class ZeroTrainEngine(nn.Module):
         """Milliseconds per phase since the last report (with ``wall_clock_breakdown: true``)."""
         return self._timers.pop()
 
-    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False):
+        """The module's state dict; at stage 3 with every parameter gathered (on rank 0; collective)."""
+        coordinator = getattr(self._zero, "coordinator", None)
+        if coordinator is None:
+            return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        state = full_state_dict(self.module, coordinator, exclude_frozen_parameters)
+        return {prefix + k: v for k, v in state.items()}
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole model in its training dtype from rank 0 (every rank must call this).
+
+        At stage 3 it needs ``stage3_gather_16bit_weights_on_model_save: true`` and raises
+        otherwise (DeepSpeed silently returns False). ``*.safetensors`` names are written as
+        safetensors, others with ``torch.save``. Returns True."""
+        coordinator = getattr(self._zero, "coordinator", None)
+        if coordinator is not None and not self._config.zero_optimization.gather_16bit_weights_on_model_save:
+            raise ValueError(
+                "save_16bit_model at ZeRO stage 3 gathers the partitioned weights, which "
+                "needs \"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization")
+        save_16bit_model(self.module, save_dir, save_filename, coordinator, exclude_frozen_parameters)
+        return True
 
     def destroy(self) -> None:
         """Remove the hooks the engine installed on the module."""

@@ -4,8 +4,11 @@ the gradient buckets (``zero.gradient_buckets``); a stage differs only in what i
 from __future__ import annotations
 
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.init import GatheredParameters, Init, is_partitioned, materialize
 from zerotrain.zero.optimizer import PartitionedOptimizer
 from zerotrain.zero.stage0 import ReplicatedGradients
+
+__all__ = ["Init", "GatheredParameters", "build_zero_stage"]
 
 # Without an explicit reduce_bucket_size, buckets hold 25 MiB (DDP's size): DeepSpeed's default
 # of 5e8 elements is larger than most models, which leaves nothing to overlap with backward and
@@ -25,6 +28,10 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy):
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
     zero = config.zero_optimization
+    if zero.stage != 3:  # zero.Init was used without stage 3: make every parameter whole
+        for p in module.parameters():
+            if is_partitioned(p):
+                materialize(p)
     params = [p for p in module.parameters() if p.requires_grad]
     numel = bucket_numel(zero, precision.param_dtype.itemsize)
     overlap = zero.overlap_comm is not False
@@ -37,5 +44,8 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy):
               "max_live_parameters": int(zero.max_live_parameters)}
     stage = PartitionedOptimizer(zero.stage, module, optimizer, numel, precision, overlap=overlap,
                                  use_reduce_scatter=zero.reduce_scatter, stage3=stage3)
+    for p in module.parameters():  # frozen (or optimizer-less) parameters stay whole
+        if is_partitioned(p):
+            materialize(p)
     module.to(precision.param_dtype)  # frozen parameters and floating buffers
     return stage

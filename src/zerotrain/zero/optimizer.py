@@ -22,6 +22,7 @@ from torch import nn
 from zerotrain.comm import collectives
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.init import is_partitioned, materialize
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.partition import FlatParamUnit, plan_module_units, plan_units
 from zerotrain.zero.stage3 import ParameterCoordinator
@@ -51,26 +52,29 @@ class PartitionedOptimizer:
             plan = plan_module_units(optimizer.param_groups, module)
         else:
             plan = plan_units(optimizer.param_groups, unit_numel, list(module.parameters())[::-1])
-        self.units = [FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype)
-                      for _, params in plan]
-        # fp32 masters are copied before any cast, so they start from the exact fp32 weights.
-        masters = [nn.Parameter(u.shard.detach().clone()) for u in self.units] if precision.mixed else None
-        self.coordinator = None
-        if stage == 3:
-            threshold = stage3["param_persistence_threshold"]
-            for u in self.units:
-                if u.numel >= threshold:
-                    u.reshard()
-        for u in self.units:
-            u.cast(precision.param_dtype)
+        threshold = stage3["param_persistence_threshold"] if stage == 3 else None
+        self.units, masters = [], []
+        for _, params in plan:  # one unit at a time: with zero.Init only one is ever whole
+            for p in params:
+                if is_partitioned(p):
+                    materialize(p, group)
+            unit = FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype)
+            if precision.mixed:  # fp32 master copied before the cast: the exact fp32 weights
+                unit.master = nn.Parameter(unit.shard.detach().clone())
+                masters.append(unit.master)
+            if threshold is not None and unit.numel >= threshold:
+                unit.reshard()
+            unit.cast(precision.param_dtype)
+            self.units.append(unit)
         self.masters = masters or [u.shard for u in self.units]
+        self.coordinator = None
         for g, group_dict in enumerate(optimizer.param_groups):
             group_dict["params"] = [m for (ug, _), m in zip(plan, self.masters) if ug == g]
 
         buckets = [u.params for u in self.units]
         layouts = [u.layout for u in self.units]
         largest = max(u.layout.padded_numel for u in self.units)
-        device = self.units[0].flat.device
+        device = self.units[0].shard.device
         if stage >= 2:
             self.grads = BucketedGradients(buckets, self._reduce_scatter, overlap, layouts,
                                            persistent=False, ordered=stage == 2)

@@ -71,6 +71,17 @@ class FlatParamUnit:
 
     # -- stage 3 ------------------------------------------------------------------------
     resharded = False
+    coordinator = None  # the ParameterCoordinator that gathers this unit (stage 3)
+    master = None       # the optimizer's fp32 copy of the shard, when training in 16 bits
+
+    @torch.no_grad()
+    def adopt_full_values(self) -> None:
+        """The gathered full buffer was changed in place: make this rank's shard (and master)
+        match it."""
+        new = self.layout.shard(self.flat, self._rank)
+        self.shard.data.copy_(new)
+        if self.master is not None:
+            self.master.data.copy_(new)
 
     def reshard(self) -> None:
         """Keep only this rank's shard (a private copy) and free the full buffer."""

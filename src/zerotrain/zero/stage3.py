@@ -91,6 +91,10 @@ class ParameterCoordinator:
         self.live_numel = 0
         self.peak_live_numel = 0
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        for u in self.units:
+            u.coordinator = self
+            for p in u.params:
+                setattr(p, "_zerotrain_unit", u)  # for zerotrain.zero.GatheredParameters
         self._inflight: dict[FlatParamUnit, object] = {}
         self._stack: list[tuple[nn.Module, set]] = []
         self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
