@@ -10,7 +10,7 @@ Used by zerotrain's own tests and benchmarks, and usable for testing user code::
 
     assert run_on_ranks(check, world_size=2, args=(3,)) == [6.0, 6.0]
 
-``fn`` must be picklable (defined at module level). Each rank runs in a fresh spawned process
+``fn`` must be picklable (defined at module level). Each rank runs in a fresh process
 with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, one intra-op thread, and a short
 collective timeout, so a bug fails instead of hanging. An exception on any rank is re-raised
 here with that rank's traceback; the other ranks are then stopped.
@@ -61,6 +61,15 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, env, results):
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks start from a fork server that has already imported torch and zerotrain, so each
+    rank starts in milliseconds instead of re-importing torch. The server never runs torch ops
+    (no thread pools exist when it forks), which keeps forking safe."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotrain.engine", "zerotrain.zero"])
+    return ctx
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -71,7 +80,7 @@ def run_on_ranks(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results ordered by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     rank_env = {"OMP_NUM_THREADS": "1", "ZEROTRAIN_COMM_TIMEOUT": str(comm_timeout)}

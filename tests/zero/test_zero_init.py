@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +20,20 @@ def _mlp():
     return torch.nn.Sequential(*layers)
 
 
+def _peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM; unlike ru_maxrss it is not inherited from
+    the parent process)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return _peak_rss()
+
+
 def _build_and_train(use_init: bool):
     import torch.distributed as dist
 
@@ -27,13 +41,13 @@ def _build_and_train(use_init: bool):
 
     zerotrain.init_distributed()
     torch.manual_seed(0)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _reset_peak_rss()
     if use_init:
         with zerotrain.zero.Init():
             model = _mlp()
     else:
         model = _mlp()
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    built = _peak_rss()
     full_bytes = 4 * sum(layer.in_features * layer.out_features + layer.out_features
                          for layer in model if isinstance(layer, torch.nn.Linear))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,

@@ -60,16 +60,29 @@ class GradientBucket:
             view.copy_(p.grad)
         p.grad = view
 
-    def gather_grads_into(self, flat: torch.Tensor) -> None:
-        """Copy the parameters' gradients into ``flat`` (laid out as this bucket) and free them."""
-        for p, view in zip(self.params, self.layout.views(flat)):
-            if p.grad is None:
-                view.zero_()
+    def copy_grad_range(self, out: torch.Tensor, start: int, end: int) -> None:
+        """Copy elements ``[start, end)`` of this bucket's flat gradient (as laid out, padding
+        included) into ``out``, reading the parameters' own ``.grad`` tensors."""
+        filled = start
+        for slot in self.layout.slots:
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo >= hi:
+                continue
+            if lo > filled:
+                out.narrow(0, filled - start, lo - filled).zero_()
+            grad = self.params[slot.index].grad
+            piece = out.narrow(0, lo - start, hi - lo)
+            if grad is None:
+                piece.zero_()
             else:
-                view.copy_(p.grad)
-                p.grad = None
-        if self.layout.padding:
-            flat.narrow(0, self.layout.numel, self.layout.padding).zero_()
+                piece.copy_(grad.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+            filled = hi
+        if filled < end:
+            out.narrow(0, filled - start, end - filled).zero_()
+
+    def free_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
 
     @property
     def nbytes(self) -> int:

@@ -80,8 +80,10 @@ class PartitionedOptimizer:
                                            persistent=False, ordered=stage == 2)
             self.shard_grads = [torch.zeros(u.layout.shard_numel, dtype=precision.grad_accum_dtype,
                                             device=device) for u in self.units]
-            self.staging = StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device,
-                                       shard_numel=largest // shard_world)
+            # Slots hold one bucket (or the largest unit, if smaller); bigger units go in chunks.
+            slot = min(largest, max(unit_numel, shard_world))
+            self.staging = StagingPool(2 if overlap else 1, slot, precision.comm_dtype, device,
+                                       shard_numel=slot // shard_world)
         else:
             self.grads = BucketedGradients(buckets, self._all_reduce, overlap, layouts,
                                            persistent=True, dtype=precision.grad_accum_dtype)
@@ -110,24 +112,37 @@ class PartitionedOptimizer:
         return slot.track(work, lambda: bucket.flat.copy_(wire))
 
     def _reduce_scatter(self, bucket: GradientBucket):
+        """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
+        staging slots (so a huge parameter, e.g. an embedding, needs no model-sized buffer)."""
         index = self._unit_of[id(bucket)]
         shard_grad = self.shard_grads[index]
-        slot = self.staging.acquire()
-        wire = slot.flat.narrow(0, 0, bucket.layout.padded_numel)
-        bucket.gather_grads_into(wire)
+        world, shard = self.world_size, bucket.layout.shard_numel
+        chunk = self.staging.chunk_numel(world)
+        pending = []
+        for c0 in range(0, shard, chunk):
+            n = min(chunk, shard - c0)
+            slot = self.staging.acquire()
+            wire = slot.flat.narrow(0, 0, n * world)
+            for r in range(world):  # row r: the part of rank r's shard in this chunk
+                bucket.copy_grad_range(wire.narrow(0, r * n, n), r * shard + c0, r * shard + c0 + n)
+            target = shard_grad.narrow(0, c0, n)
+            if world == 1:
+                target.add_(wire)
+                continue
+            wire.div_(world)
+            if self._use_reduce_scatter:
+                out = slot.shard.narrow(0, 0, n)
+                work = collectives.reduce_scatter_into(out, wire, group=self.group, async_op=True)
+                pending.append(slot.track(work, lambda t=target, o=out: t.add_(o)))
+            else:
+                mine = wire.narrow(0, self.rank * n, n)
+                work = collectives.all_reduce(wire, group=self.group, async_op=True)
+                pending.append(slot.track(work, lambda t=target, m=mine: t.add_(m)))
+        bucket.free_grads()
         if self.coordinator is not None and self.units[index].resharded:
             # Its gradients are complete and copied out: backward needs the full unit no more.
             self.coordinator.release(self.units[index])
-        if self.world_size == 1:
-            shard_grad.add_(wire)
-            return None
-        wire.div_(self.world_size)
-        if self._use_reduce_scatter:
-            out = slot.shard.narrow(0, 0, bucket.layout.shard_numel)
-            work = collectives.reduce_scatter_into(out, wire, group=self.group, async_op=True)
-            return slot.track(work, lambda: shard_grad.add_(out))
-        work = collectives.all_reduce(wire, group=self.group, async_op=True)
-        return slot.track(work, lambda: shard_grad.add_(bucket.layout.shard(wire, self.rank)))
+        return _WaitAll(pending) if pending else None
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Stages 2-3 cannot hold full gradients across micro-steps, so they reduce every backward
@@ -221,3 +236,14 @@ def _check_optimizer(stage: int, optimizer, precision: PrecisionPolicy) -> None:
         raise ValueError(f"{name} updates depend on each parameter's shape, but {what} gives the "
                          "optimizer flat shards: use stage 0 in fp32, or an elementwise optimizer "
                          "(Adam, AdamW, SGD, Adagrad, Lion, ...)")
+
+
+class _WaitAll:
+    """The chunks of one unit's reduction, waited for together."""
+
+    def __init__(self, pending):
+        self._pending = pending
+
+    def wait(self) -> None:
+        for p in self._pending:
+            p.wait()

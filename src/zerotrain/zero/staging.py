@@ -51,6 +51,10 @@ class StagingPool:
         self.slots = [StagingSlot(numel, shard_numel, dtype, device) for _ in range(count)]
         self._next = 0
 
+    def chunk_numel(self, world_size: int) -> int:
+        """Elements of each rank's shard that one slot can reduce at a time."""
+        return max(1, self.slots[0].flat.numel() // world_size)
+
     def acquire(self) -> StagingSlot:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
