@@ -171,3 +171,38 @@ def test_prof_ops_filters_and_verbose_prints_each_op():
     assert log.comms_dict["all_gather_into_tensor"][2048][0] == 1
     assert "comm op: all_gather_into_tensor | time (ms): " in stream.getvalue()
     assert "msg size: 2.0 KB" in stream.getvalue()
+
+
+def _logged_stage3_step():
+    """One ZeRO-3 step of the tiny GPT (tied embeddings) with the comms logger on."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.comm import comms_logger
+
+    model = make_model()
+    cfg = adamw_config(2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100,
+                                             "stage3_prefetch_bucket_size": 0},
+                       comms_logger={"enabled": True, "prof_all": True})
+    engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
+    comms_logger.reset()
+    _one_step(engine, dist.get_rank())
+    summary = zerotrain.comm.log_summary()
+    units = engine._zero.units
+    wte_unit = model.wte.weight._zerotrain_unit
+    zerotrain.comm.configure(enabled=False)
+    return {"summary": summary,
+            "partitioned": sum(u.layout.padded_numel for u in units if u.resharded),
+            "persistent": sum(u.layout.padded_numel for u in units if not u.resharded),
+            "wte": wte_unit.layout.padded_numel}
+
+
+def test_stage3_gathers_each_unit_for_forward_and_backward():
+    for out in run_on_ranks(_logged_stage3_step, 2):
+        s = out["summary"]
+        # Every unit's gradients are reduce-scattered once, partitioned or not.
+        assert _bytes(s, "reduce_scatter_tensor") == 4 * (out["partitioned"] + out["persistent"])
+        # Partitioned units are gathered for forward and again for backward; the tied embedding
+        # once more, when lm_head reads it in forward; persistent units after the step.
+        expected = 2 * out["partitioned"] + out["wte"] + out["persistent"]
+        assert _bytes(s, "all_gather_into_tensor") == 4 * expected

@@ -50,6 +50,23 @@ def engine_trajectory(config: dict, steps: int, model_kwargs: dict | None = None
     model = make_model(**(model_kwargs or {}))
     engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
+    losses = train_steps(engine, steps)
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grad_norm": engine.get_global_grad_norm(),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "memory": engine.memory_breakdown(),
+    }
+
+
+def train_steps(engine, steps: int) -> list[float]:
+    """Train ``steps`` optimizer steps on this rank's rows of the shared global batches; returns
+    each step's loss averaged over the global batch (all ranks, all micro-batches)."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     data = global_batches(steps, micro * gas * world)
@@ -62,18 +79,10 @@ def engine_trajectory(config: dict, steps: int, model_kwargs: dict | None = None
             loss = engine(batch, labels=batch).loss
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach() / gas
+            step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
-    return {
-        "losses": losses,
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "grad_norm": engine.get_global_grad_norm(),
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps,
-        "memory": engine.memory_breakdown(),
-    }
+    return losses
 
 
 def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, global_batches, make_model
+from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, make_model, train_steps
 from zerotrain.testing import run_on_ranks
 
 STEPS = 20
@@ -42,31 +42,15 @@ def _config(variant: str, stage: int, bucket: int | None) -> dict:
 
 def _train_stages(variant: str, stages=(0, 1, 2), steps: int = STEPS, bucket: int | None = None):
     """On each rank: train the same model once per stage; return each run's trajectory."""
-    import torch.distributed as dist
-
     import zerotrain
 
     zerotrain.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for stage in stages:
         model, params = _model_and_params(variant)
         engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=params,
                                                  config=_config(variant, stage, bucket))
-        micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-        data = global_batches(steps, micro * gas * world)
-        losses = []
-        for step in range(steps):
-            total = torch.zeros(())
-            for m in range(gas):
-                lo = (m * world + rank) * micro
-                batch = data[step, lo:lo + micro]
-                loss = engine(batch, labels=batch).loss
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach() / gas
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+        losses = train_steps(engine, steps)
         state_tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         units = getattr(engine._zero, "units", [])
         out[stage] = {
