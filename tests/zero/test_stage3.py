@@ -32,10 +32,30 @@ class ExternalUse(torch.nn.Module):
         return type("Out", (), {"loss": loss, "logits": logits})()
 
 
+class Branchy(torch.nn.Module):
+    """Runs its layers in a different order on every other call: prefetch must re-record."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+        self.calls = 0
+
+    def forward(self, input_ids, labels=None):
+        self.calls += 1
+        x = self.embed(input_ids)
+        for layer in (self.layers if self.calls % 2 else reversed(self.layers)):
+            x = torch.tanh(layer(x))
+        logits = self.head(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+        return type("Out", (), {"loss": loss, "logits": logits})()
+
+
 def _make(variant: str):
-    if variant == "external":
+    if variant in ("external", "branchy"):
         torch.manual_seed(0)
-        return ExternalUse()
+        return ExternalUse() if variant == "external" else Branchy()
     kwargs = {"plain": {}, "repeat": {"block_repeats": 2},
               "reentrant": {"activation_checkpointing": "reentrant"},
               "non_reentrant": {"activation_checkpointing": "non_reentrant"}}[variant]
@@ -97,6 +117,12 @@ def test_stage3_reproduces_stage0_on_two_ranks(variant):
     assert state0.keys() == state3.keys()
     for name in state0:
         torch.testing.assert_close(state3[name], state0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_prefetch_follows_a_model_that_changes_path():
+    extra = {"stage3_prefetch_bucket_size": 2500}
+    for r in run_on_ranks(_train, 2, args=("branchy",), kwargs={"steps": 8, "zero_extra": extra}):
+        assert_close_trajectory(r[3]["losses"], r[0]["losses"])
 
 
 def test_stage3_four_ranks_with_prefetch_and_live_limit():
