@@ -112,3 +112,37 @@ def test_torch_distributed_all_reduce(tmp_path):
     result = run_cli("launch", "--nproc", "2", "--no_local_rank", script, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert [(tmp_path / f"sum{r}.txt").read_text() for r in (0, 1)] == ["3.0", "3.0"]
+
+
+ZEROTRAIN_SCRIPT = """
+import argparse, os
+import torch
+import zerotrain
+from zerotrain.models import GPT, GPTConfig
+
+parser = zerotrain.add_config_arguments(argparse.ArgumentParser())
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+engine, _, _, _ = zerotrain.initialize(args=args, model=model)
+ids = torch.randint(0, 64, (2, 16))
+for _ in range(2):
+    engine.backward(engine(ids, labels=ids).loss)
+    engine.step()
+print(f"rank {engine.global_rank} trained {engine.global_steps} steps")
+# No destroy_process_group(): zerotrain tears down what it set up.
+"""
+
+
+def test_zerotrain_script_without_teardown_exits_0_on_every_rank(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb")}}))
+    script = write_script(tmp_path, ZEROTRAIN_SCRIPT)
+    result = run_cli("--num_gpus=2", script, "--deepspeed", "--deepspeed_config", "ds.json",
+                     cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} trained 2 steps" in result.stdout
