@@ -72,9 +72,12 @@ def test_init_never_materialises_the_full_model_and_trains():
     full = plain[0]["full_bytes"]
     for r in plain:
         assert r["growth"] > 0.9 * full  # without Init every rank builds all 100 MB
-    for r in with_init:
-        # Half of the model (this rank's shards) plus one layer at a time.
-        assert r["growth"] < 0.65 * full, (r["growth"], full)
+    for r, p in zip(with_init, plain):
+        # With Init a rank holds half the model (its shards) plus one layer at a time: it must
+        # save at least 30% of the model against the plain build (theory: 46%). Compared with
+        # the plain run rather than absolutely, because both pay the same copy-on-write growth
+        # of the interpreter pages a forked rank touches.
+        assert r["growth"] < p["growth"] - 0.3 * full, (r["growth"], p["growth"], full)
         assert r["held"] <= full / 2 + 4 * 4 * DEPTH * 2
     # Same seed, constructor-only initialisation: the same model, so the same training.
     for a, b in zip(with_init, plain):
