@@ -29,6 +29,11 @@ import time
 import psutil
 
 RSS_AT: dict[str, float] = {}
+T_AT: dict[str, float] = {}  # seconds since the launcher started (env BENCH_T0)
+
+
+def since_launch() -> float:
+    return time.time() - float(os.environ.get("BENCH_T0", time.time()))
 
 
 def rss_mib() -> float:
@@ -86,6 +91,7 @@ class RssSampler:
 
 
 RSS_AT["python"] = rss_mib()
+T_AT["python"] = since_launch()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -93,6 +99,7 @@ import torch.distributed as dist  # noqa: E402
 from zerotrain.models import GPT, GPTConfig  # noqa: E402
 
 RSS_AT["torch"] = rss_mib()
+T_AT["torch"] = since_launch()
 
 PRESETS = {
     # ~17M parameters: the size the foundation issue measured DeepSpeed at.
@@ -222,16 +229,17 @@ def main():
     args = parse_args()
     if args.interleave:
         return interleave(args)
-    t_start = time.time() - float(os.environ.get("BENCH_T0", time.time()))
     sampler = RssSampler(args.rss_sample_ms / 1000) if args.rss_sample_ms > 0 else None
     mark = sampler.phase if sampler else (lambda label: None)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**PRESETS[args.preset]))
     n_params = sum(p.numel() for p in model.parameters())
     RSS_AT["model"] = rss_mib()
+    T_AT["model"] = since_launch()
     mark("initialize")
     step = build(args, model, args.mode, args.stage, args.fused)
     RSS_AT["initialized"] = rss_mib()
+    T_AT["initialized"] = since_launch()
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
     vocab = PRESETS[args.preset]["vocab_size"]
@@ -253,7 +261,7 @@ def main():
         times.append(t3 - t0)
         phases.append([t1 - t0, t2 - t1, t3 - t2])
         if first_step_at is None:
-            first_step_at = time.time() - float(os.environ.get("BENCH_T0", time.time()))
+            first_step_at = since_launch()
         losses.append(loss.item())
         rss.append(rss_mib())
         heap.append(malloc_mib())
@@ -263,7 +271,7 @@ def main():
               "torch": torch.__version__, "losses": losses, "step_s": times,
               "phase_s": phases, "rss_mib": rss, "rss_at_mib": RSS_AT, "malloc_mib": heap,
               "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
-              "first_step_s": first_step_at, "python_start_s": t_start,
+              "first_step_s": first_step_at, "t_at_s": T_AT,
               "peak_rss_mib": peak_rss_mib(), "params": n_params, **step.extra()}
     if args.mode == "deepspeed":
         import deepspeed

@@ -64,11 +64,13 @@ class System:
     launcher: str  # "torchrun" | "zerotrain" | "deepspeed" (torchrun under the DeepSpeed python)
     sharded: str = ""  # "" | "opt" (optimizer state) | "opt+grad"
     fused: bool = False  # ddp / zero_redundancy: AdamW(fused=True)
+    own: bool = True  # also launched on its own (memory, start-up); else interleaved run only
 
 
 SYSTEMS = [
     System("ddp", "torch DDP", "ddp", 0, "torchrun"),
-    System("ddp_fused", "torch DDP, AdamW(fused=True)", "ddp", 0, "torchrun", fused=True),
+    System("ddp_fused", "torch DDP, AdamW(fused=True)", "ddp", 0, "torchrun", fused=True,
+           own=False),
     System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", "zero_redundancy", 0,
            "torchrun", "opt"),
     System("zt0", "zerotrain stage 0", "zerotrain", 0, "zerotrain"),
@@ -177,6 +179,8 @@ def summarize_own(records: list[dict], skip: int) -> dict:
         "heap_retained_last_mib": max((r["malloc_mib"][-1] or {}).get("heap_free_retained", 0)
                                       for r in records),
         "first_step_s": max(r["first_step_s"] for r in records),
+        **{f"t_{k}_s": max(r["t_at_s"][k] for r in records)
+           for k in ("python", "torch", "model", "initialized")},
         "losses": records[0]["losses"],
         "params": records[0]["params"],
         "memory_breakdown": records[0].get("memory_breakdown"),
@@ -208,24 +212,25 @@ def fmt_ratio(xs: list[float]) -> str:
 
 def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta: dict) -> dict:
     keys = [k for k in own if own[k]]
-    fused = "ddp_fused" in keys
+    ikeys = list(inter) if inter else []
+    fused = "ddp_fused" in ikeys
     fields = ("step_s", "peak_rss_mib", "rss_torch_mib", "rss_model_mib", "rss_init_mib",
-              "rss_step1_mib", "rss_last_mib", "heap_retained_last_mib", "first_step_s")
+              "rss_step1_mib", "rss_last_mib", "heap_retained_last_mib", "first_step_s",
+              "t_python_s", "t_torch_s", "t_model_s", "t_initialized_s")
     med = {k: {f: median([r[f] for r in own[k]]) for f in fields} for k in keys}
-    P = own["ddp"][0]["params"]
-    theory = {"opt": 8 * P * (1 - 1 / NPROC) / MIB, "opt+grad": 12 * P * (1 - 1 / NPROC) / MIB}
-    summary: dict = {"meta": meta, "params": P, "theoretical_saving_mib": theory, "systems": {}}
+    P = own["ddp"][0]["params"] if keys else None
+    summary: dict = {"meta": meta, "params": P, "systems": {}}
+    for k in dict.fromkeys(ikeys + keys):
+        summary["systems"][k] = {"label": BY_KEY[k].label}
     for k in keys:
-        summary["systems"][k] = {"label": BY_KEY[k].label, **med[k],
-                                 "memory_breakdown": own[k][0]["memory_breakdown"]}
+        summary["systems"][k].update(med[k], memory_breakdown=own[k][0]["memory_breakdown"])
 
     def paired_own(k, f, base="ddp"):
-        return [a[f] / b[f] for a, b in zip(own[k], own[base])]
+        return [a[f] / b[f] for a, b in zip(own.get(k, []), own.get(base, []))]
 
-    repeats = len(own["ddp"])
-    print(f"\nGPT {P / 1e6:.2f}M parameters ({args.preset}: micro-batch {args.micro} x seq "
-          f"{args.seq} per rank), {NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, "
-          "no clipping, fp32")
+    print(f"\nGPT workload {args.preset} (micro-batch {args.micro} x seq {args.seq} per rank), "
+          f"{NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping, fp32"
+          + (f"; {P:,} parameters" if P else ""))
     print(f"zerotrain {meta['zerotrain']}; torch {meta['torch']}; DeepSpeed {meta['deepspeed']}; "
           f"Python {meta['python']}; {meta['cpus']} CPUs")
 
@@ -241,15 +246,16 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
         head += " CPU s | CPU / DDP | fwd / bwd / opt s | own launches: step / DDP |"
         print(head)
         print("|---" * (head.count("|") - 1) + "|")
-        for k in keys:
+        for k in ikeys:
             it, base = inter[k], inter["ddp"]
             r = [a / b for a, b in zip(it["step_s"], base["step_s"])]
             c = [a / b for a, b in zip(it["cpu_s"], base["cpu_s"])]
             entry = summary["systems"][k]
+            own_r = paired_own(k, "step_s")
             entry.update(step_s=median(it["step_s"]), cpu_s=median(it["cpu_s"]),
                          step_ratio=median(r), step_ratio_q=quartiles(r), cpu_ratio=median(c),
                          phase_s=[median(x) for x in it["phase_s"]],
-                         own_step_ratio=median(paired_own(k, "step_s")))
+                         own_step_ratio=median(own_r) if own_r else None)
             row = f"| {BY_KEY[k].label} | {median(it['step_s']):.3f} | {fmt_ratio(r)} |"
             if fused:
                 rf = [a / b for a, b in zip(it["step_s"], inter["ddp_fused"]["step_s"])]
@@ -257,8 +263,18 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
                 row += f" {fmt_ratio(rf)} |"
             ph = " / ".join(f"{median(x):.3f}" for x in it["phase_s"])
             row += (f" {median(it['cpu_s']):.3f} | {median(c):.3f} | {ph} | "
-                    f"{median(paired_own(k, 'step_s')):.3f} |")
+                    + (f"{median(own_r):.3f} |" if own_r else "– |"))
             print(row)
+        worst = max(abs(a - b) for k in ikeys
+                    for a, b in zip(inter[k]["losses"], inter["ddp"]["losses"]))
+        print(f"\nLosses in the interleaved run: largest difference to DDP's over "
+              f"{args.interleave_steps} steps {worst:.1e}.")
+
+    if not keys:
+        return _goals(summary, fused)
+    theory = {"opt": 8 * P * (1 - 1 / NPROC) / MIB, "opt+grad": 12 * P * (1 - 1 / NPROC) / MIB}
+    summary["theoretical_saving_mib"] = theory
+    repeats = len(own["ddp"])
 
     # Memory and start-up.
     print(f"\n### Peak memory and start-up: one launch per system ({repeats} repeats of "
@@ -276,6 +292,16 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
         print(f"| {BY_KEY[k].label} | {m['peak_rss_mib']:.0f} ({ranks}) | "
               f"{m['peak_rss_mib'] / med['ddp']['peak_rss_mib']:.3f} | "
               f"{m['first_step_s']:.1f} | {median(start):.2f} | {own[k][0]['losses'][0]:.6f} |")
+
+    print("\nStart-up: seconds from the launch command to each point on the slower rank "
+          "(medians): the rank's interpreter running the script, `import torch` done, model "
+          "built, initialize() done, end of step 1\n")
+    print("| system | script starts | torch imported | model built | initialized | step 1 done |")
+    print("|---|---|---|---|---|---|")
+    for k in keys:
+        m = med[k]
+        print(f"| {BY_KEY[k].label} | {m['t_python_s']:.1f} | {m['t_torch_s']:.1f} | "
+              f"{m['t_model_s']:.1f} | {m['t_initialized_s']:.1f} | {m['first_step_s']:.1f} |")
 
     print("\nWhere the memory is: RSS in MiB (larger rank, medians) after `import torch`, after "
           "building the model, after initialize, after step 1, after the last step, glibc's "
@@ -322,19 +348,16 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
     print(f"\nStep-1 loss (rank 0): {first['ddp']:.6f} for every system, spread {spread:.1e} "
           f"({'same init and data everywhere' if spread < 1e-5 else 'MISMATCH'}); step-"
           f"{args.steps} loss spread {max(last.values()) - min(last.values()):.1e}.")
-    if inter:
-        il = {k: inter[k]["losses"] for k in keys}
-        worst = max(abs(a - b) for k in keys for a, b in zip(il[k], il["ddp"]))
-        print(f"Interleaved run: largest loss difference to DDP over {args.interleave_steps} "
-              f"steps {worst:.1e}.")
     summary["losses_step1"] = first
+    return _goals(summary, fused)
 
-    # Goals.
+
+def _goals(summary: dict, fused: bool) -> dict:
     z = summary["systems"]
     goals = []
 
     def goal(name, k, field, target, ok):
-        if k in z and field in z[k]:
+        if k in z and z[k].get(field) is not None:
             alt = z[k].get(field + "_fused")
             goals.append((name, z[k][field], alt, target, ok(z[k][field])))
 
@@ -385,7 +408,7 @@ def export_revision(rev: str) -> tuple[tempfile.TemporaryDirectory, str, str]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2, help="own launches per system")
-    p.add_argument("--steps", type=int, default=5, help="steps per own launch")
+    p.add_argument("--steps", type=int, default=4, help="steps per own launch")
     p.add_argument("--interleave-steps", type=int, default=8,
                    help="rounds of the interleaved step-time launch (0: skip it)")
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of step times")
@@ -401,8 +424,8 @@ def main(argv=None) -> dict:
                         "temporary directory, so uncommitted work in the tree is not measured")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed tiny launches (prime the page cache; build "
-                        "DeepSpeed's JIT op once)")
+                   help="skip the untimed tiny DeepSpeed launch (DeepSpeed builds a JIT op on "
+                        "its first run on a machine; this keeps that out of its start-up time)")
     p.add_argument("--json", default=None, help="also write every record here")
     args = p.parse_args(argv)
 
@@ -446,19 +469,20 @@ def main(argv=None) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if not args.no_warmup:
-                for launcher in dict.fromkeys(s.launcher for s in systems if s.launcher != "torchrun"):
-                    s = next(x for x in systems if x.launcher == launcher)
-                    run_own(s, args, ds_python, Path(tmp) / f"warmup-{s.key}.jsonl", steps=1,
+                ds = [x for x in systems if x.launcher == "deepspeed"]
+                if ds:
+                    run_own(ds[0], args, ds_python, Path(tmp) / "warmup.jsonl", steps=1,
                             preset="tiny", seq=32)
-                progress("warm-up launches done")
+                    progress("DeepSpeed warm-up launch done")
             if args.interleave_steps > 0:
                 records = run_interleaved(systems, args, ds_python, Path(tmp) / "interleaved.jsonl")
                 raw["interleaved"] = records
                 inter = summarize_interleaved(records, args.skip)
                 progress("interleaved step-time launch: " + ", ".join(
                     f"{k} {median(v['step_s']):.3f} s" for k, v in inter.items()))
+            alone = [s for s in systems if s.own]
             for i in range(args.repeats):
-                order = systems[i % len(systems):] + systems[:i % len(systems)]
+                order = alone[i % len(alone):] + alone[:i % len(alone)]
                 for s in order:
                     records = run_own(s, args, ds_python, Path(tmp) / f"{s.key}-{i}.jsonl",
                                       steps=args.steps)
