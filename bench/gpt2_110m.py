@@ -1,0 +1,268 @@
+"""Issue 6's workload: a 110M-parameter HF GPT-2, torch DDP vs zerotrain ZeRO 1/2/3, one run.
+
+    python bench/gpt2_110m.py [--systems ddp,zt1,zt2,zt3,zt3_bf16] [--steps 6] [--repeats 1]
+                              [--json out.json]
+
+`transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256,
+dropouts 0)`, random init (torch.manual_seed(0)), micro-batch 2 x seq 128 per rank, 2 gloo
+ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, gradient_clipping 0.0, fp32 (and bf16 at stage 3).
+Each system is its own process pair — DDP under `torchrun`, zerotrain under `zerotrain launch` —
+run one after another, alternating across repeats. zerotrain stage 3 builds the model under
+`zerotrain.zero.Init`.
+
+Per rank: peak RSS (VmHWM of /proc/self/status — `ru_maxrss` would include the launcher's
+pre-exec peak), RSS after each step (VmRSS), median step time (steps 2..N), the losses (step 1
+compared with DDP's), and zerotrain's `engine.memory_breakdown()` live bytes, so the gap
+peak RSS - live bytes is reported. The machine is shared: compare ratios, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NPROC = 2
+MIB = 2**20
+SYSTEMS = {  # key: (label, mode, stage, dtype)
+    "ddp": ("torch DDP", "ddp", 0, "fp32"),
+    "zt1": ("zerotrain stage 1", "zerotrain", 1, "fp32"),
+    "zt2": ("zerotrain stage 2", "zerotrain", 2, "fp32"),
+    "zt3": ("zerotrain stage 3 (zero.Init)", "zerotrain", 3, "fp32"),
+    "zt3_bf16": ("zerotrain stage 3 bf16 (zero.Init)", "zerotrain", 3, "bf16"),
+}
+
+
+def proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- one rank ------------------------------------------------------------------------------
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    rss_at = {"imports": proc_status_mib("VmRSS")}
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768,
+                                  n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    mode, stage, dtype = args.mode, args.stage, args.dtype
+    torch.manual_seed(0)
+    if mode == "ddp":
+        dist.init_process_group("gloo")
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        import zerotrain
+        from zerotrain.comm.distributed import init_distributed
+
+        init_distributed()
+        if stage == 3:
+            with zerotrain.zero.Init():
+                model = transformers.GPT2LMHeadModel(cfg)
+            hf_init_weights(model)
+        else:
+            model = transformers.GPT2LMHeadModel(cfg)
+    rank = dist.get_rank()
+    rss_at["model"] = proc_status_mib("VmRSS")
+    params = sum(p._zerotrain_layout.numel if hasattr(p, "_zerotrain_layout") else p.numel()
+                 for p in model.parameters())
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        engine = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    else:
+        ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage}}
+        if dtype == "bf16":
+            ds["bf16"] = {"enabled": True}
+        engine, opt, _, _ = zerotrain.initialize(model=model,
+                                                 model_parameters=model.parameters(), config=ds)
+    rss_at["initialized"] = proc_status_mib("VmRSS")
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=gen)
+               for _ in range(args.steps)]
+    losses, step_s, rss, live = [], [], [], []
+    for ids in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if mode == "ddp":
+            loss = engine(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        else:
+            loss = engine(ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        step_s.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        rss.append(proc_status_mib("VmRSS"))
+        if mode != "ddp":
+            live.append(engine.memory_breakdown())
+    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "rss_mib": rss,
+              "rss_at_mib": rss_at, "peak_rss_mib": proc_status_mib("VmHWM"),
+              "memory_breakdown": live[-1] if live else None,
+              "peak_live_bytes": max((_live_bytes(b) for b in live), default=None)}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def hf_init_weights(model) -> None:
+    """Run HF's weight initialisation (``post_init``) again on a model built under zero.Init.
+
+    Inside ``zero.Init`` HF's post-construction init ran on empty placeholders, so the weights
+    are PyTorch's module defaults. Replaying ``_init_weights`` module by module (children first,
+    as ``post_init`` walks them) through ``GatheredParameters`` with rank 0's values gives
+    exactly the weights the other systems start from: rank 0's RNG is where DDP's is right
+    before ``post_init``. At most one module (plus its c_proj) is gathered at a time."""
+    import torch.distributed as dist
+    from zerotrain.zero import GatheredParameters
+
+    def post_order(m):
+        for c in m.children():
+            yield from post_order(c)
+        yield m
+
+    rank = dist.get_rank()
+    for m in post_order(model):
+        params = list(m.parameters(recurse=False))
+        if hasattr(m, "c_proj"):
+            params += list(m.c_proj.parameters(recurse=False))
+        for p in params:
+            if hasattr(p, "_is_hf_initialized"):
+                del p._is_hf_initialized
+        if not params:
+            if rank == 0:
+                model._init_weights(m)
+            continue
+        with GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                model._init_weights(m)
+
+
+def _live_bytes(b: dict) -> int:
+    """Bytes the engine holds at peak: persistent states + the peak of gathered parameters."""
+    keys = ("parameters", "master_parameters", "gradients", "optimizer_state",
+            "communication_buffers", "gather_pool")
+    total = sum(int(b.get(k, 0)) for k in keys)
+    return total + int(b.get("peak_gathered_parameters", 0))
+
+
+# -- driver --------------------------------------------------------------------------------
+def launch(key: str, args, out: Path) -> list[dict]:
+    label, mode, stage, dtype = SYSTEMS[key]
+    if mode == "ddp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(NPROC)]
+    else:
+        cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(NPROC)]
+    cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
+            "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
+            "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label} exited {proc.returncode}:\n"
+                           + "\n".join(proc.stderr.splitlines()[-20:]))
+    recs = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["rank"])
+    print(f"  {label}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return recs
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--json")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--mode", default="ddp")
+    ap.add_argument("--stage", type=int, default=0)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--out")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    keys = args.systems.split(",")
+    runs: dict[str, list[list[dict]]] = {k: [] for k in keys}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            order = keys if rep % 2 == 0 else keys[::-1]  # alternate the order across repeats
+            for k in order:
+                out = Path(tmp) / f"{k}_{rep}.jsonl"
+                runs[k].append(launch(k, args, out))
+    report(runs, args)
+
+
+def report(runs: dict[str, list[list[dict]]], args) -> None:
+    med = statistics.median
+    rows = {}
+    for k, reps in runs.items():
+        peak = med([max(r["peak_rss_mib"] for r in recs) for recs in reps])
+        step = med([med([max(r["step_s"][i] for r in recs)
+                         for i in range(1, len(recs[0]["step_s"]))]) for recs in reps])
+        recs = reps[0]
+        rss_steps = [max(r["rss_mib"][i] for r in recs) for i in range(len(recs[0]["rss_mib"]))]
+        live = max((r["peak_live_bytes"] or 0) for r in recs) / MIB
+        rows[k] = {"label": SYSTEMS[k][0], "peak_rss_mib": peak, "step_s": step,
+                   "peak_by_rank": [r["peak_rss_mib"] for r in recs],
+                   "rss_steps_mib": rss_steps, "losses": recs[0]["losses"],
+                   "live_mib": live, "rss_at_mib": recs[0]["rss_at_mib"],
+                   "memory_breakdown": recs[0]["memory_breakdown"], "params": recs[0]["params"]}
+    base = rows.get("ddp")
+    P = next(iter(rows.values()))["params"]
+    print(f"\nHF GPT-2 {P / 1e6:.1f}M parameters, micro-batch {args.micro} x seq {args.seq} per "
+          f"rank, {NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
+          f"{args.steps} steps, {args.repeats} launch(es) per system; peak = VmHWM, max over "
+          "ranks; step = median of steps 2.., slower rank\n")
+    print("| system | peak RSS MiB | / DDP | step s | / DDP | live MiB (engine) | peak - live | "
+          "RSS after steps 1..N (max rank) | step-1 loss | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, r in rows.items():
+        rr = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
+        sr = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        live = f"{r['live_mib']:.0f}" if r["live_mib"] else "-"
+        gap = f"{r['peak_rss_mib'] - r['live_mib']:.0f}" if r["live_mib"] else "-"
+        steps = " ".join(f"{x:.0f}" for x in r["rss_steps_mib"])
+        print(f"| {r['label']} | {r['peak_rss_mib']:.0f} | {rr} | {r['step_s']:.2f} | {sr} | "
+              f"{live} | {gap} | {steps} | {r['losses'][0]:.5f} | {r['losses'][-1]:.5f} |")
+    if base:
+        print("\nstep-1 loss difference vs DDP: " + ", ".join(
+            f"{k} {abs(r['losses'][0] - base['losses'][0]):.2e}" for k, r in rows.items()
+            if k != "ddp"))
+    print("\nRSS (MiB, rank 0) after imports / model built / initialize: " + "; ".join(
+        f"{k} {r['rss_at_mib']['imports']:.0f}/{r['rss_at_mib']['model']:.0f}/"
+        f"{r['rss_at_mib']['initialized']:.0f}" for k, r in rows.items()))
+    for k, r in rows.items():
+        if r["memory_breakdown"]:
+            mb = {n: round(v / MIB, 1) for n, v in r["memory_breakdown"].items()
+                  if isinstance(v, (int, float))}
+            print(f"memory_breakdown MiB {k}: {mb}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
