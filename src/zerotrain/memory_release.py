@@ -12,6 +12,38 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+
+# glibc's mallopt parameter, and the size from which allocations get their own mmap (returned to
+# the OS on free). glibc's default starts at 128 KiB but raises itself up to 32 MiB after the
+# first such free, after which model-sized temporaries (gloo's gather/scatter copies, autograd's
+# per-step gradients and activations) come from the heap and stay resident once freed.
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 4 * 2**20
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def configure_allocator() -> bool:
+    """Fix glibc's mmap threshold at 4 MiB (once per process; ``ZEROTRAIN_MALLOC_TUNING=0``
+    leaves the allocator alone). Allocations of 4 MiB or more are then always mmapped and go back
+    to the OS when freed, so peak RSS tracks the bytes actually live; smaller ones stay on the
+    fast heap. Returns whether the setting was applied."""
+    if os.environ.get("ZEROTRAIN_MALLOC_TUNING", "1") == "0":
+        return False
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 @functools.lru_cache(maxsize=1)

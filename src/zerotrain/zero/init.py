@@ -27,7 +27,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.comm.distributed import init_distributed
 from zerotrain.zero.flat import FlatLayout
-from zerotrain.memory_release import release_freed_memory
+from zerotrain.memory_release import configure_allocator, release_freed_memory
 from zerotrain.zero.partition import shard_alignment
 
 _SHARD = "_zerotrain_shard"      # this rank's slice of an Init-partitioned parameter
@@ -68,6 +68,8 @@ class Init:
         self.group = data_parallel_group
         self.dtype = dtype
         self._patched: dict[type, object] = {}
+        if enabled:
+            configure_allocator()  # see zerotrain.memory_release
         if module is not None and enabled:
             self._ensure_distributed()
             for m in module.modules():

@@ -215,6 +215,7 @@ class PartitionedOptimizer:
             element = self.units[0].shard.element_size()
             out["gathered_parameters"] = self.coordinator.live_numel * element
             out["peak_gathered_parameters"] = self.coordinator.peak_live_numel * element
+            out["gather_pool"] = self.coordinator.pool_nbytes  # released buffers kept for reuse
         return out
 
     def close(self) -> None:

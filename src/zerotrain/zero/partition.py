@@ -87,18 +87,21 @@ class FlatParamUnit:
         """Keep only this rank's shard (a private copy) and free the full buffer."""
         self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank).clone())
         self.resharded = True
-        self.release()
+        self.release()  # the construction-time buffer is freed, not pooled
 
-    def release(self) -> None:
-        """Drop the full buffer; module parameters become empty placeholders."""
+    def release(self) -> torch.Tensor | None:
+        """Drop the full buffer; module parameters become empty placeholders. Returns the
+        buffer (for a pool to reuse once nothing else, e.g. autograd, still refers to it)."""
         empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
         for p in self.params:
             p.data = empty
-        self.flat = None
+        flat, self.flat = self.flat, None
+        return flat
 
-    def start_gather(self, group=None):
-        """Allocate the full buffer and start gathering the shards into it."""
-        self.flat = self.layout.empty(zero=False)
+    def start_gather(self, group=None, buffer: torch.Tensor | None = None):
+        """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
+        shard's dtype), or into a newly allocated full buffer."""
+        self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
         return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
                                            async_op=True)
 

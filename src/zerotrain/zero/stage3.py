@@ -90,6 +90,13 @@ class ParameterCoordinator:
         self.max_live_numel = max_live_numel
         self.live_numel = 0
         self.peak_live_numel = 0
+        # Released full buffers kept for the next gather of the same size: steady-state steps
+        # allocate nothing. Pooled + live elements never exceed the peak of live elements.
+        # A buffer autograd still refers to (views saved for backward, e.g. nn.Linear's
+        # weight.t()) is never handed out, so such models still allocate some per step.
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self.pool_numel = 0
+        self.buffers_allocated = 0  # full buffers allocated for gathers so far (not reused)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
             u.coordinator = self
@@ -120,11 +127,13 @@ class ParameterCoordinator:
         if unit.gathered:
             return
         self._count(unit.layout.padded_numel)
-        unit.start_gather(self.group).wait()
+        unit.start_gather(self.group, self._acquire(unit)).wait()
         unit.finish_gather()
 
     def _prefetch(self, order: _UseOrder) -> None:
-        budget = self.prefetch_numel
+        # The window counts what is already in flight: without that, every use started another
+        # full window and the whole model ended up gathered ahead of use.
+        budget = self.prefetch_numel - sum(u.layout.padded_numel for u in self._inflight)
         for unit in order.upcoming():
             if budget <= 0:
                 return
@@ -135,15 +144,45 @@ class ParameterCoordinator:
                 return
             budget -= numel
             self._count(numel)
-            self._inflight[unit] = unit.start_gather(self.group)
+            self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit))
 
     def release(self, unit: FlatParamUnit) -> None:
         work = self._inflight.pop(unit, None)
         if work is not None:
             work.wait()
         if unit.gathered:
-            unit.release()
+            flat = unit.release()
             self.live_numel -= unit.layout.padded_numel
+            if flat is not None and self.pool_numel + self.live_numel + flat.numel() <= self.peak_live_numel:
+                self._pool.setdefault(_key(flat), []).append(flat)
+                self.pool_numel += flat.numel()
+
+    # -- the buffer pool ----------------------------------------------------------------
+    def _acquire(self, unit: FlatParamUnit) -> torch.Tensor:
+        """A full buffer for ``unit``: a pooled one nothing else refers to any more (autograd may
+        still hold views of a buffer released in forward), else a new one."""
+        layout = unit.layout
+        free = self._pool.get((layout.padded_numel, layout.dtype, layout.device), [])
+        for i, buf in enumerate(free):
+            if _sole_owner(buf):
+                self.pool_numel -= buf.numel()
+                return free.pop(i)
+        self.buffers_allocated += 1
+        if self.pool_numel + self.live_numel > self.peak_live_numel:
+            self._trim_pool()
+        return layout.empty(zero=False)
+
+    def _trim_pool(self) -> None:
+        """Drop pooled buffers until pooled + live elements fit in the peak again."""
+        for key in sorted(self._pool, key=lambda k: -k[0]):
+            free = self._pool[key]
+            while free and self.pool_numel + self.live_numel > self.peak_live_numel:
+                self.pool_numel -= free.pop().numel()
+        self._pool = {k: v for k, v in self._pool.items() if v}
+
+    @property
+    def pool_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for free in self._pool.values() for b in free)
 
     def release_all(self) -> None:
         for unit in self.units:
@@ -208,9 +247,22 @@ class ParameterCoordinator:
 
     def close(self) -> None:
         self.release_all()
+        self._pool, self.pool_numel = {}, 0
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _key(buf: torch.Tensor) -> tuple:
+    return buf.numel(), buf.dtype, buf.device
+
+
+def _sole_owner(buf: torch.Tensor) -> bool:
+    """True when no other tensor (e.g. a view saved for backward) shares ``buf``'s storage."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False  # cannot tell: never reuse
+    return use_count(buf.untyped_storage()._cdata) <= 2  # ``buf`` + the temporary storage object
 
 
 def _unique(items) -> list:
