@@ -22,20 +22,15 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
+from zerotrain.comm.distributed import free_port
+
 
 class RankFailed(RuntimeError):
     """A rank raised or died; the message names the rank and carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, env, results):

@@ -32,7 +32,8 @@ def default_timeout() -> datetime.timedelta:
     return DEFAULT_TIMEOUT
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A local port that was free a moment ago (chosen by the OS)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -73,7 +74,7 @@ def init_distributed(
                     f"WORLD_SIZE={world_size} but MASTER_PORT is not set: start the script with "
                     "`zerotrain launch` (or torchrun), or set MASTER_ADDR and MASTER_PORT"
                 )
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         init_method = "env://"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator.set_device(local_rank)

@@ -156,12 +156,6 @@ def materialize(param: nn.Parameter, group=None) -> None:
     delattr(param, _LAYOUT)
 
 
-@torch.no_grad()
-def _repartition(param: nn.Parameter, group=None) -> None:
-    """Take this rank's slice of a whole ``param`` again (after GatheredParameters)."""
-    _keep_shard(param, dist.get_world_size(group), dist.get_rank(group))
-
-
 class GatheredParameters(contextlib.ContextDecorator):
     """Make partitioned parameters whole inside the block (every rank must enter it).
 
@@ -203,6 +197,6 @@ class GatheredParameters(contextlib.ContextDecorator):
         for unit in self._units:
             unit.coordinator.release(unit)
         for p in self._init_params:
-            _repartition(p)
+            _keep_shard(p, dist.get_world_size(), dist.get_rank())
         return False
 

@@ -202,8 +202,8 @@ class PartitionedOptimizer:
         grads = self.grads.nbytes if self.stage < 2 else tensor_bytes(self.shard_grads)
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
         shards = [u.shard for u in self.units if u.resharded]
-        gathered = [p for u in self.units if u.resharded and u.gathered for p in u.params]
-        persistent = [p for p in module.parameters() if not any(p is q for q in gathered)]
+        gathered = {id(p) for u in self.units if u.resharded and u.gathered for p in u.params}
+        persistent = [p for p in module.parameters() if id(p) not in gathered]
         out = {
             "parameters": tensor_bytes(persistent) + tensor_bytes(shards),
             "master_parameters": masters,
