@@ -96,19 +96,32 @@ def worker(args) -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=gen)
                for _ in range(args.steps)]
+    sampler = None
+    if args.rss_sample_ms > 0:
+        from rss_sampler import RssSampler
+
+        sampler = RssSampler(args.rss_sample_ms / 1000)
+        label_modules(model, sampler)
+    mark = sampler.phase if sampler else (lambda label: None)
     losses, step_s, rss, live = [], [], [], []
-    for ids in batches:
+    for i, ids in enumerate(batches, 1):
         dist.barrier()
+        mark(f"{i} forward")
         t0 = time.perf_counter()
         if mode == "ddp":
             loss = engine(ids, labels=ids).loss
+            mark(f"{i} backward")
             loss.backward()
+            mark(f"{i} optimizer step")
             opt.step()
             opt.zero_grad(set_to_none=False)
         else:
             loss = engine(ids, labels=ids).loss
+            mark(f"{i} backward")
             engine.backward(loss)
+            mark(f"{i} optimizer step")
             engine.step()
+        mark(f"{i} after step")
         step_s.append(time.perf_counter() - t0)
         losses.append(float(loss))
         rss.append(proc_status_mib("VmRSS"))
@@ -117,11 +130,37 @@ def worker(args) -> None:
     record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "rss_mib": rss,
               "rss_at_mib": rss_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
-              "peak_live_bytes": max((_live_bytes(b) for b in live), default=None)}
+              "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
+              "rss_peak_by_phase_mib": sampler.stop() if sampler else None}
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def label_modules(model, sampler) -> None:
+    """Name the phase after the module running: forward pre-hooks on the embeddings, each block
+    and the head; in backward, a hook on each block's output fires when its gradient arrives."""
+    named = [("wte", model.transformer.wte), ("wpe", model.transformer.wpe)]
+    named += [(f"h.{i}", b) for i, b in enumerate(model.transformer.h)]
+    named += [("ln_f", model.transformer.ln_f), ("lm_head", model.lm_head)]
+
+    def pre(name):
+        def hook(module, inputs):
+            step = sampler.label.split()[0]
+            sampler.phase(f"{step} forward {name}")
+        return hook
+
+    def post(name):
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(lambda g: sampler.phase(f"{sampler.label.split()[0]} backward {name}"))
+        return hook
+
+    for name, m in named:
+        m.register_forward_pre_hook(pre(name))
+        m.register_forward_hook(post(name))
 
 
 def hf_init_weights(model) -> None:
@@ -175,7 +214,7 @@ def launch(key: str, args, out: Path) -> list[dict]:
         cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(NPROC)]
     cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
             "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
-            "--out", str(out)]
+            "--rss-sample-ms", str(args.rss_sample_ms), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -196,6 +235,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--json")
+    ap.add_argument("--rss-sample-ms", type=float, default=0.0,
+                    help="sample RSS every N ms and report the peak per phase (module running)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--mode", default="ddp")
     ap.add_argument("--stage", type=int, default=0)
@@ -260,6 +301,16 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
             mb = {n: round(v / MIB, 1) for n, v in r["memory_breakdown"].items()
                   if isinstance(v, (int, float))}
             print(f"memory_breakdown MiB {k}: {mb}")
+    for k, reps in runs.items():
+        phases = reps[0][0]["rss_peak_by_phase_mib"]
+        if phases:
+            later = {p: v for p, v in phases.items() if p.split()[0].isdigit() and int(p.split()[0]) >= 2}
+            top = sorted(later.items(), key=lambda kv: -kv[1])[:8]
+            print(f"RSS peak by phase, rank 0, steps >= 2, {k}: "
+                  + "; ".join(f"{p} {v:.0f}" for p, v in top))
+            step1 = [(p, v) for p, v in phases.items() if not p.split()[0].isdigit() or p.startswith("1 ")]
+            print(f"  start and step 1: " + "; ".join(f"{p} {v:.0f}" for p, v in step1))
+            rows[k]["rss_peak_by_phase_mib"] = phases
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -27,6 +27,7 @@ import resource
 import time
 
 import psutil
+from rss_sampler import RssSampler
 
 RSS_AT: dict[str, float] = {}
 T_AT: dict[str, float] = {}  # seconds since the launcher started (env BENCH_T0)
@@ -61,33 +62,6 @@ def malloc_mib() -> dict[str, float] | None:
         return None
     return {"heap_in_use": m.uordblks / 2**20, "heap_free_retained": m.fordblks / 2**20,
             "mmapped": m.hblkhd / 2**20}
-
-
-class RssSampler:
-    """Samples RSS every ``period`` seconds in a thread; keeps the peak per labelled phase."""
-
-    def __init__(self, period: float):
-        import threading
-
-        self.period, self.label, self.peaks = period, "start", {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        proc = psutil.Process()
-        while not self._stop.wait(self.period):
-            rss = proc.memory_info().rss / 2**20
-            if rss > self.peaks.get(self.label, 0.0):
-                self.peaks[self.label] = rss
-
-    def phase(self, label: str) -> None:
-        self.label = label
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        return self.peaks
 
 
 RSS_AT["python"] = rss_mib()

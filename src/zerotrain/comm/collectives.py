@@ -2,9 +2,14 @@
 
 One place picks the right torch API for the installed version (torch 2.13 renamed
 ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``*_single``; older torch only has the old
-names) and the fastest form per backend: on gloo, gathering into a list of views of the output
-and reduce-scattering a list of views ran faster than the single-tensor forms. Timeouts come from
-the process group (see ``zerotrain.comm.distributed.default_timeout``).
+names) and the fastest form per backend. On gloo, ``all_gather``/``reduce_scatter`` (list or tensor
+form) allocate a temporary as large as the whole buffer on every call, and on 2 ranks they were
+slower than an in-place ``all_reduce`` of the same buffer, which allocates nothing
+(``bench/collectives.py``, docs/benchmarks.md). So on gloo an all-gather is an in-place sum of
+a buffer whose other ranks' slices are zero (``x + 0`` is exact), and a reduce-scatter is an
+in-place all-reduce of which this rank keeps its slice. NCCL gets the native single-tensor
+collectives, in place where the output is a slice of the input. Timeouts come from the process
+group (see ``zerotrain.comm.distributed.default_timeout``).
 
 Each call takes the next sequence number of its process group; when a collective times out or a
 peer dies, the error names the op, its size, that number and the ranks that had not arrived
@@ -49,11 +54,12 @@ def _nbytes(t: torch.Tensor) -> int:
 class PendingCollective:
     """The handle of an async collective: ``wait()`` turns a timeout into a ``CollectiveError``."""
 
-    __slots__ = ("work", "op", "seq", "group", "tensor", "started")
+    __slots__ = ("work", "op", "seq", "group", "tensor", "started", "then")
 
-    def __init__(self, work, op: str, seq: int, group, tensor: torch.Tensor, started: float):
+    def __init__(self, work, op: str, seq: int, group, tensor: torch.Tensor, started: float,
+                 then=None):
         self.work, self.op, self.seq, self.group = work, op, seq, group
-        self.tensor, self.started = tensor, started
+        self.tensor, self.started, self.then = tensor, started, then
 
     @property
     def nbytes(self) -> int:
@@ -61,9 +67,13 @@ class PendingCollective:
 
     def wait(self, *args, **kwargs):
         try:
-            return self.work.wait(*args, **kwargs)
+            result = self.work.wait(*args, **kwargs)
         except RuntimeError as exc:
             raise diagnose(exc, self.op, self.nbytes, self.seq, self.group, self.started) from exc
+        if self.then is not None:  # finish the op's local part (e.g. copy out a slice) once
+            then, self.then = self.then, None
+            then()
+        return result
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -75,8 +85,9 @@ class PendingCollective:
         return getattr(self.work, name)
 
 
-def _run(name: str, tensor: torch.Tensor, group, async_op: bool, fn, *args, **kwargs):
-    """Issue ``fn`` as collective ``name`` (``tensor`` is the full buffer, for its size)."""
+def _run(name: str, tensor: torch.Tensor, group, async_op: bool, fn, *args, then=None, **kwargs):
+    """Issue ``fn`` as collective ``name`` (``tensor`` is the full buffer, for its size);
+    ``then()`` runs once the collective has completed."""
     seq = _next_seq(group)
     started = time.monotonic()
     try:
@@ -84,7 +95,9 @@ def _run(name: str, tensor: torch.Tensor, group, async_op: bool, fn, *args, **kw
     except RuntimeError as exc:
         raise diagnose(exc, name, _nbytes(tensor), seq, group, started) from exc
     if async_op:
-        return PendingCollective(work, name, seq, group, tensor, started)
+        return PendingCollective(work, name, seq, group, tensor, started, then)
+    if then is not None:
+        then()
     return work
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,34 +118,58 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     return _run("broadcast", tensor, group, async_op, dist.broadcast, tensor, src=src)
 
 
+def _rank_slice(flat: torch.Tensor, world: int, group) -> torch.Tensor:
+    n = flat.numel() // world
+    return flat.narrow(0, dist.get_rank(group) * n, n)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
-    """Gather every rank's ``shard`` into the flat ``output`` (rank r's shard at ``r * shard.numel()``)."""
+    """Gather every rank's ``shard`` into the flat ``output`` (rank r's shard at ``r * shard.numel()``).
+
+    ``shard`` may be this rank's slice of ``output`` itself (no copy is made then)."""
     world = dist.get_world_size(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(
             f"all_gather_into: output has {output.numel()} elements, expected "
             f"{world} x {shard.numel()}"
         )
+    mine = _rank_slice(output, world, group)
     if _is_gloo(group):
-        views = list(output.view(world, -1).unbind(0))
-        return _run("all_gather_into_tensor", output, group, async_op, dist.all_gather, views,
-                    shard.reshape(-1))
+        if not _same_memory(mine, shard):
+            mine.copy_(shard.reshape(-1))
+        start, n = mine.storage_offset() - output.storage_offset(), mine.numel()
+        output.narrow(0, 0, start).zero_()
+        output.narrow(0, start + n, output.numel() - start - n).zero_()
+        return _run("all_gather_into_tensor", output, group, async_op, dist.all_reduce, output,
+                    op=ReduceOp.SUM)
+    if _same_memory(mine, shard):
+        shard = mine  # NCCL gathers in place when the input is the output's rank slice
     return _run("all_gather_into_tensor", output, group, async_op, _all_gather_single, output, shard)
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
                         async_op: bool = False):
-    """Reduce ``flat`` across ranks and keep this rank's contiguous slice in ``output``."""
+    """Reduce ``flat`` across ranks and keep this rank's contiguous slice in ``output``.
+
+    ``flat`` is used as scratch space: its contents are undefined afterwards. Passing this rank's
+    slice of ``flat`` as ``output`` avoids a copy (and NCCL then reduces in place)."""
     world = dist.get_world_size(group)
     if flat.numel() != output.numel() * world:
         raise ValueError(
             f"reduce_scatter_into: input has {flat.numel()} elements, expected "
             f"{world} x {output.numel()}"
         )
+    mine = _rank_slice(flat, world, group)
     if _is_gloo(group):
-        views = list(flat.view(world, -1).unbind(0))
-        return _run("reduce_scatter_tensor", flat, group, async_op, dist.reduce_scatter, output,
-                    views, op=op)
+        then = None if _same_memory(mine, output) else (lambda: output.copy_(mine))
+        return _run("reduce_scatter_tensor", flat, group, async_op, dist.all_reduce, flat, op=op,
+                    then=then)
+    if _same_memory(mine, output):
+        output = mine
     return _run("reduce_scatter_tensor", flat, group, async_op, _reduce_scatter_single, output, flat,
                 op=op)
 

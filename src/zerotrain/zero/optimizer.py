@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain.comm import collectives
+from zerotrain.memory_release import release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.init import is_partitioned, materialize
@@ -82,8 +83,7 @@ class PartitionedOptimizer:
                                             device=device) for u in self.units]
             # Slots hold one bucket (or the largest unit, if smaller); bigger units go in chunks.
             slot = min(largest, max(unit_numel, shard_world))
-            self.staging = StagingPool(2 if overlap else 1, slot, precision.comm_dtype, device,
-                                       shard_numel=slot // shard_world)
+            self.staging = StagingPool(2 if overlap else 1, slot, precision.comm_dtype, device)
         else:
             self.grads = BucketedGradients(buckets, self._all_reduce, overlap, layouts,
                                            persistent=True, dtype=precision.grad_accum_dtype)
@@ -130,14 +130,12 @@ class PartitionedOptimizer:
                 target.add_(wire)
                 continue
             wire.div_(world)
+            mine = wire.narrow(0, self.rank * n, n)  # reduced in place: this rank's slice
             if self._use_reduce_scatter:
-                out = slot.shard.narrow(0, 0, n)
-                work = collectives.reduce_scatter_into(out, wire, group=self.group, async_op=True)
-                pending.append(slot.track(work, lambda t=target, o=out: t.add_(o)))
+                work = collectives.reduce_scatter_into(mine, wire, group=self.group, async_op=True)
             else:
-                mine = wire.narrow(0, self.rank * n, n)
                 work = collectives.all_reduce(wire, group=self.group, async_op=True)
-                pending.append(slot.track(work, lambda t=target, m=mine: t.add_(m)))
+            pending.append(slot.track(work, lambda t=target, m=mine: t.add_(m)))
         bucket.free_grads()
         if self.coordinator is not None and self.units[index].resharded:
             # Its gradients are complete and copied out: backward needs the full unit no more.
@@ -190,6 +188,10 @@ class PartitionedOptimizer:
             # Stage 3's partitioned units are gathered when next used; the rest right away.
             for work in [u.all_gather(self.group) for u in self.units if not u.resharded]:
                 work.wait()
+        # The step's temporaries (fp32 copies of 16-bit gradients, the optimizer's foreach
+        # intermediates) were freed on the heap: return them before the next forward needs
+        # memory, so the peak is not their retained pages plus the activations.
+        release_freed_memory()
 
     def zero_grad(self) -> None:
         self.grads.zero()

@@ -1,7 +1,7 @@
 """A small pool of reusable staging buffers for gradient collectives.
 
-Stage 2 copies finished gradients into a slot and reduce-scatters them into a slot's shard
-buffer; any stage reducing in another dtype than it accumulates in casts through a slot.
+Stage 2 copies finished gradients into a slot and reduce-scatters them in place (this rank keeps
+its slice of the slot); any stage reducing in another dtype than it accumulates in casts through a slot.
 
 Reusing a fixed number of buffers (two when communication overlaps backward, one otherwise)
 bounds the full-size gradient memory to one or two buckets however large the model is, and
@@ -29,9 +29,8 @@ class _Pending:
 
 
 class StagingSlot:
-    def __init__(self, numel: int, shard_numel: int, dtype: torch.dtype, device):
+    def __init__(self, numel: int, dtype: torch.dtype, device):
         self.flat = torch.zeros(numel, dtype=dtype, device=device)
-        self.shard = torch.zeros(shard_numel, dtype=dtype, device=device)
         self.pending: _Pending | None = None
 
     def track(self, work, then: Callable[[], object]) -> _Pending:
@@ -47,8 +46,8 @@ class StagingSlot:
 class StagingPool:
     """``count`` slots used round-robin; acquiring a busy slot waits for its collective."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, device, shard_numel: int = 0):
-        self.slots = [StagingSlot(numel, shard_numel, dtype, device) for _ in range(count)]
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, device):
+        self.slots = [StagingSlot(numel, dtype, device) for _ in range(count)]
         self._next = 0
 
     def chunk_numel(self, world_size: int) -> int:
@@ -63,5 +62,4 @@ class StagingPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.flat.numel() * s.flat.element_size() + s.shard.numel() * s.shard.element_size()
-                   for s in self.slots)
+        return sum(s.flat.numel() * s.flat.element_size() for s in self.slots)
