@@ -100,7 +100,7 @@ def worker(args) -> None:
     if args.rss_sample_ms > 0:
         from rss_sampler import RssSampler
 
-        sampler = RssSampler(args.rss_sample_ms / 1000)
+        sampler = RssSampler(args.rss_sample_ms / 1000, track_malloc=True)
         label_modules(model, sampler)
     mark = sampler.phase if sampler else (lambda label: None)
     losses, step_s, rss, live = [], [], [], []
@@ -131,7 +131,8 @@ def worker(args) -> None:
               "rss_at_mib": rss_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
               "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
-              "rss_peak_by_phase_mib": sampler.stop() if sampler else None}
+              "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
+              "malloc_in_use_at_phase_peak_mib": sampler.in_use_at_peak if sampler else None}
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
@@ -303,14 +304,18 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
             print(f"memory_breakdown MiB {k}: {mb}")
     for k, reps in runs.items():
         phases = reps[0][0]["rss_peak_by_phase_mib"]
+        in_use = reps[0][0].get("malloc_in_use_at_phase_peak_mib") or {}
         if phases:
+            phases = {p: v for p, v in phases.items()}
+            fmt = lambda p, v: f"{p} {v:.0f}" + (f" ({in_use[p]:.0f} in use)" if p in in_use else "")  # noqa: E731
             later = {p: v for p, v in phases.items() if p.split()[0].isdigit() and int(p.split()[0]) >= 2}
             top = sorted(later.items(), key=lambda kv: -kv[1])[:8]
             print(f"RSS peak by phase, rank 0, steps >= 2, {k}: "
-                  + "; ".join(f"{p} {v:.0f}" for p, v in top))
+                  + "; ".join(fmt(p, v) for p, v in top))
             step1 = [(p, v) for p, v in phases.items() if not p.split()[0].isdigit() or p.startswith("1 ")]
-            print(f"  start and step 1: " + "; ".join(f"{p} {v:.0f}" for p, v in step1))
+            print("  start and step 1: " + "; ".join(fmt(p, v) for p, v in step1))
             rows[k]["rss_peak_by_phase_mib"] = phases
+            rows[k]["malloc_in_use_at_phase_peak_mib"] = in_use
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -9,6 +9,8 @@ Reads /proc/self/statm (Linux). Torch ops release the GIL, so the thread samples
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 
@@ -20,25 +22,57 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * _PAGE_MIB
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = _Mallinfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def malloc_in_use_mib() -> float:
+    """Bytes glibc's malloc has handed out and not got back (heap in use + mmapped blocks):
+    what is live, as opposed to what RSS also counts (freed heap kept, code pages)."""
+    if _MALLINFO2 is None:
+        return float("nan")
+    m = _MALLINFO2()
+    return (m.uordblks + m.hblkhd) / 2**20
+
+
 class RssSampler:
     """Samples RSS every ``period`` seconds; keeps the peak per phase label."""
 
-    def __init__(self, period: float):
+    def __init__(self, period: float, track_malloc: bool = False):
         self.period, self.label, self.peaks = period, "start", {}
+        # with track_malloc: per phase, malloc's in-use MiB at the moment of the RSS peak
+        self.track_malloc, self.in_use_at_peak = track_malloc, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            rss = rss_mib()
-            if rss > self.peaks.get(self.label, 0.0):
-                self.peaks[self.label] = rss
+            self._sample()
+
+    def _sample(self) -> None:
+        rss, label = rss_mib(), self.label
+        if rss > self.peaks.get(label, 0.0):
+            self.peaks[label] = rss
+            if self.track_malloc:
+                self.in_use_at_peak[label] = malloc_in_use_mib()
 
     def phase(self, label: str) -> None:
-        rss = rss_mib()  # the moment a phase starts counts for the phase ending
-        if rss > self.peaks.get(self.label, 0.0):
-            self.peaks[self.label] = rss
+        self._sample()  # the moment a phase starts counts for the phase ending
         self.label = label
 
     def stop(self) -> dict[str, float]:

@@ -67,15 +67,23 @@ def _train_stages(variant: str, stages=(0, 1, 2), steps: int = STEPS, bucket: in
     return out
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("variant", ["plain", "odd", "frozen", "groups", "ga3", "clip", "sgd"])
-def test_stages_1_and_2_reproduce_stage_0_on_two_ranks(variant):
-    results = run_on_ranks(_train_stages, 2, args=(variant,), kwargs={"bucket": 6000})
+def test_stages_1_and_2_reproduce_stage_0(variant, world):
+    results = run_on_ranks(_train_stages, world, args=(variant,), kwargs={"bucket": 6000})
     for rank_result in results:
         ref = rank_result[0]
         for stage in (1, 2):
             assert_close_trajectory(rank_result[stage]["losses"], ref["losses"])
+            # The weights after 20 steps: bit-identical on 2 ranks (next test). On 4 ranks the
+            # reductions add in another order than stage 0's all-reduce; Adam's normalised step
+            # turns those last-bit differences into a few % of one step on near-zero gradients
+            # (lr is 1e-3, 3e-3 for the biases of "groups"): bounded by 5e-5 absolute.
+            for name, p in rank_result[stage]["params"].items():
+                torch.testing.assert_close(p, ref["params"][name], rtol=0, atol=5e-5)
+    assert len(results[0][2]["unit_numels"]) > 2  # several units, so several buckets
     if variant == "odd":
-        assert results[0][0]["trainable"] % 2 == 1
+        assert results[0][0]["trainable"] % world != 0
     if variant == "clip":
         assert results[0][2]["grad_norm"] == pytest.approx(results[0][0]["grad_norm"], rel=1e-5)
     # Frozen parameters stay exactly as initialised.
@@ -83,14 +91,6 @@ def test_stages_1_and_2_reproduce_stage_0_on_two_ranks(variant):
         init = make_model().wpe.weight
         for stage in (0, 1, 2):
             assert torch.equal(results[0][stage]["params"]["wpe.weight"], init)
-
-
-def test_four_ranks_several_units_match_stage_0():
-    results = run_on_ranks(_train_stages, 4, args=("odd",), kwargs={"bucket": 5000, "steps": 10})
-    for rank_result in results:
-        for stage in (1, 2):
-            assert_close_trajectory(rank_result[stage]["losses"], rank_result[0]["losses"])
-    assert len(results[0][2]["unit_numels"]) > 2
 
 
 def test_two_rank_parameters_bit_identical_to_stage_0():

@@ -92,11 +92,17 @@ class ParameterCoordinator:
         self.peak_live_numel = 0
         # Released full buffers kept for the next gather of the same size: steady-state steps
         # allocate nothing. Pooled + live elements never exceed the peak of live elements.
-        # A buffer autograd still refers to (views saved for backward, e.g. nn.Linear's
-        # weight.t()) is never handed out, so such models still allocate some per step.
+        # A buffer autograd still refers to (views saved for backward) is never pooled.
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self.pool_numel = 0
         self.buffers_allocated = 0  # full buffers allocated for gathers so far (not reused)
+        # Released buffers autograd still refers to, emptied (storage of 0 bytes) until the
+        # unit is gathered again into the same storage.
+        self._emptied: dict[FlatParamUnit, torch.Tensor] = {}
+        self._own_storage: set[FlatParamUnit] = set()
+        # Units used by a module whose outputs hold no tensor we can hook: never emptied.
+        self._keep_whole: set[FlatParamUnit] = set()
+        self.storage_refills = 0  # gathers into such an emptied storage (each allocates)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
             u.coordinator = self
@@ -153,7 +159,21 @@ class ParameterCoordinator:
         if unit.gathered:
             flat = unit.release()
             self.live_numel -= unit.layout.padded_numel
-            if flat is not None and self.pool_numel + self.live_numel + flat.numel() <= self.peak_live_numel:
+            if flat is None:
+                return
+            if unit in self._keep_whole:
+                pass  # no backward hook re-gathers it: whatever autograd holds must stay valid
+            elif unit in self._own_storage or not _sole_owner(flat):
+                # Autograd saved views of it for backward (nn.Linear saves ``weight.t()``): free
+                # its memory anyway and refill this same storage at the next gather, so those
+                # views read the gathered values again (FSDP2 frees unsharded parameters the same
+                # way). Dropping the buffer instead would keep every layer whole until backward.
+                # Such a unit keeps this storage from now on (pooling it would hand the pool's
+                # buffers to autograd every forward).
+                flat.untyped_storage().resize_(0)
+                self._emptied[unit] = flat
+                self._own_storage.add(unit)
+            elif self.pool_numel + self.live_numel + flat.numel() <= self.peak_live_numel:
                 self._pool.setdefault(_key(flat), []).append(flat)
                 self.pool_numel += flat.numel()
 
@@ -162,6 +182,11 @@ class ParameterCoordinator:
         """A full buffer for ``unit``: a pooled one nothing else refers to any more (autograd may
         still hold views of a buffer released in forward), else a new one."""
         layout = unit.layout
+        emptied = self._emptied.pop(unit, None)
+        if emptied is not None:
+            emptied.untyped_storage().resize_(layout.padded_numel * emptied.element_size())
+            self.storage_refills += 1
+            return emptied
         free = self._pool.get((layout.padded_numel, layout.dtype, layout.device), [])
         for i, buf in enumerate(free):
             if _sole_owner(buf):
@@ -223,6 +248,9 @@ class ParameterCoordinator:
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads, units=tuple(used): self._pre_backward(units),
                                          mode="any")
+            else:  # outputs we cannot see into: backward will not gather these units again
+                self._keep_whole.update(used)
+                self._own_storage.difference_update(used)
         if not backward:
             still_used = set().union(*(u for _, u in self._stack)) if self._stack else set()
             for unit in used - still_used:
@@ -247,7 +275,7 @@ class ParameterCoordinator:
 
     def close(self) -> None:
         self.release_all()
-        self._pool, self.pool_numel = {}, 0
+        self._pool, self.pool_numel, self._emptied = {}, 0, {}
         for h in self._handles:
             h.remove()
         self._handles = []
