@@ -8,7 +8,8 @@ dropouts 0)`, random init (torch.manual_seed(0)), micro-batch 2 x seq 128 per ra
 ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, gradient_clipping 0.0, fp32 (and bf16 at stage 3).
 Each system is its own process pair — DDP under `torchrun`, zerotrain under `zerotrain launch` —
 run one after another, alternating across repeats. zerotrain stage 3 builds the model under
-`zerotrain.zero.Init`.
+`zerotrain.zero.Init`. Every system then initialises the weights the same way (`init_weights`),
+so all start from identical weights and their losses can be compared step by step.
 
 Per rank: peak RSS (VmHWM of /proc/self/status — `ru_maxrss` would include the launcher's
 pre-exec peak), RSS after each step (VmRSS), median step time (steps 2..N), the losses (step 1
@@ -53,7 +54,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     import transformers
 
+    from rss_sampler import malloc_in_use_mib
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported now, not mid-build)
+
     rss_at = {"imports": proc_status_mib("VmRSS")}
+    in_use_at = {"imports": malloc_in_use_mib()}
     cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768,
                                   n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0)
@@ -70,9 +75,9 @@ def worker(args) -> None:
         if stage == 3:
             with zerotrain.zero.Init():
                 model = transformers.GPT2LMHeadModel(cfg)
-            hf_init_weights(model)
         else:
             model = transformers.GPT2LMHeadModel(cfg)
+    init_weights(model, cfg.n_layer, partitioned=mode != "ddp" and stage == 3)
     rank = dist.get_rank()
     rss_at["model"] = proc_status_mib("VmRSS")
     params = sum(p._zerotrain_layout.numel if hasattr(p, "_zerotrain_layout") else p.numel()
@@ -103,7 +108,7 @@ def worker(args) -> None:
         sampler = RssSampler(args.rss_sample_ms / 1000, track_malloc=True)
         label_modules(model, sampler)
     mark = sampler.phase if sampler else (lambda label: None)
-    losses, step_s, rss, live = [], [], [], []
+    losses, step_s, rss, live, phase_s = [], [], [], [], []
     for i, ids in enumerate(batches, 1):
         dist.barrier()
         mark(f"{i} forward")
@@ -111,24 +116,31 @@ def worker(args) -> None:
         if mode == "ddp":
             loss = engine(ids, labels=ids).loss
             mark(f"{i} backward")
+            t1 = time.perf_counter()
             loss.backward()
             mark(f"{i} optimizer step")
+            t2 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=False)
         else:
             loss = engine(ids, labels=ids).loss
             mark(f"{i} backward")
+            t1 = time.perf_counter()
             engine.backward(loss)
             mark(f"{i} optimizer step")
+            t2 = time.perf_counter()
             engine.step()
         mark(f"{i} after step")
         step_s.append(time.perf_counter() - t0)
+        phase_s.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         losses.append(float(loss))
         rss.append(proc_status_mib("VmRSS"))
+        in_use_at[f"after step {i}"] = malloc_in_use_mib()
         if mode != "ddp":
             live.append(engine.memory_breakdown())
-    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "rss_mib": rss,
-              "rss_at_mib": rss_at, "peak_rss_mib": proc_status_mib("VmHWM"),
+    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s,
+              "phase_s": phase_s, "rss_mib": rss,
+              "rss_at_mib": rss_at, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
               "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
               "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
@@ -164,37 +176,41 @@ def label_modules(model, sampler) -> None:
         m.register_forward_hook(post(name))
 
 
-def hf_init_weights(model) -> None:
-    """Run HF's weight initialisation (``post_init``) again on a model built under zero.Init.
+def init_weights(model, n_layer: int, partitioned: bool) -> None:
+    """GPT-2's initialisation (HF's rules: normal(0, 0.02), residual projections scaled by
+    1/sqrt(2 n_layer), LayerNorm 1/0, biases 0), drawn from one generator per parameter so every
+    system starts from the same weights whatever order or placement built them (HF's own
+    post_init cannot be replayed after zero.Init: its RNG draws happen in another order).
+    Partitioned (stage 3): each module's parameters are gathered, written on rank 0, and
+    scattered back by ``GatheredParameters``; at most one module is whole at a time."""
+    import contextlib
+    import math
 
-    Inside ``zero.Init`` HF's post-construction init ran on empty placeholders, so the weights
-    are PyTorch's module defaults. Replaying ``_init_weights`` module by module (children first,
-    as ``post_init`` walks them) through ``GatheredParameters`` with rank 0's values gives
-    exactly the weights the other systems start from: rank 0's RNG is where DDP's is right
-    before ``post_init``. At most one module (plus its c_proj) is gathered at a time."""
+    import torch
     import torch.distributed as dist
     from zerotrain.zero import GatheredParameters
 
-    def post_order(m):
-        for c in m.children():
-            yield from post_order(c)
-        yield m
-
     rank = dist.get_rank()
-    for m in post_order(model):
-        params = list(m.parameters(recurse=False))
-        if hasattr(m, "c_proj"):
-            params += list(m.c_proj.parameters(recurse=False))
-        for p in params:
-            if hasattr(p, "_is_hf_initialized"):
-                del p._is_hf_initialized
-        if not params:
-            if rank == 0:
-                model._init_weights(m)
+    seen = set()
+    index = 0
+    for mname, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
             continue
-        with GatheredParameters(params, modifier_rank=0):
-            if rank == 0:
-                model._init_weights(m)
+        seen.update(id(p) for _, p in own)
+        ctx = (GatheredParameters([p for _, p in own], modifier_rank=0) if partitioned
+               else contextlib.nullcontext())
+        with ctx, torch.no_grad():
+            for name, p in own:
+                index += 1
+                if partitioned and rank != 0:
+                    continue
+                gen = torch.Generator().manual_seed(index)
+                if name == "bias" or isinstance(module, torch.nn.LayerNorm):
+                    p.fill_(1.0 if name == "weight" else 0.0)
+                else:
+                    std = 0.02 / math.sqrt(2 * n_layer) if mname.endswith("c_proj") else 0.02
+                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
 
 
 def _live_bytes(b: dict) -> int:
@@ -294,6 +310,9 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
         print("\nstep-1 loss difference vs DDP: " + ", ".join(
             f"{k} {abs(r['losses'][0] - base['losses'][0]):.2e}" for k, r in rows.items()
             if k != "ddp"))
+    print("\nforward / backward / optimizer step s (median of steps 2.., rank 0): " + "; ".join(
+        f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
+        for k, reps in runs.items()))
     print("\nRSS (MiB, rank 0) after imports / model built / initialize: " + "; ".join(
         f"{k} {r['rss_at_mib']['imports']:.0f}/{r['rss_at_mib']['model']:.0f}/"
         f"{r['rss_at_mib']['initialized']:.0f}" for k, r in rows.items()))
@@ -316,8 +335,43 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
             print("  start and step 1: " + "; ".join(fmt(p, v) for p, v in step1))
             rows[k]["rss_peak_by_phase_mib"] = phases
             rows[k]["malloc_in_use_at_phase_peak_mib"] = in_use
+    print_gap_breakdown(runs)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def print_gap_breakdown(runs) -> None:
+    """Where peak RSS goes, from rank 0's samples: the moment of the highest sampled RSS in
+    steps >= 2, split by what malloc had handed out then (needs --rss-sample-ms)."""
+    lines = []
+    for k, reps in runs.items():
+        r = reps[0][0]
+        phases, in_use = r.get("rss_peak_by_phase_mib"), r.get("malloc_in_use_at_phase_peak_mib")
+        if not phases or not in_use:
+            continue
+        later = {p: v for p, v in phases.items() if p.split()[0].isdigit() and int(p.split()[0]) >= 2}
+        peak_phase = max(later, key=later.get)
+        step = int(peak_phase.split()[0])
+        imports_rss, imports_heap = r["rss_at_mib"]["imports"], r["malloc_in_use_mib"]["imports"]
+        at_rest = r["malloc_in_use_mib"][f"after step {step - 1}"]
+        live = (r["peak_live_bytes"] or 0) / MIB
+        transient = in_use[peak_phase] - at_rest
+        retained = later[peak_phase] - in_use[peak_phase] - (imports_rss - imports_heap)
+        lines.append(f"| {SYSTEMS[k][0]} | {later[peak_phase]:.0f} ({peak_phase}) | "
+                     f"{imports_rss - imports_heap:.0f} | {imports_heap:.0f} | "
+                     f"{at_rest - imports_heap:.0f} | {transient:.0f} | {retained:.0f} | {live:.0f} |")
+    if lines:
+        print("\nPeak RSS split (rank 0, highest sampled phase of steps >= 2; MiB): not malloc = "
+              "RSS - malloc in use after imports (library code and data); import heap = malloc in "
+              "use after imports; at rest = malloc in use after the previous step minus import "
+              "heap (engine states, buffers, Python objects); transient = malloc in use at the "
+              "peak minus at rest (activations, full-size gradients and gathered parameters, "
+              "autograd temporaries); retained = RSS - malloc in use - not malloc (freed memory "
+              "glibc had not returned)\n")
+        print("| system | peak sampled RSS (phase) | not malloc | import heap | at rest | transient "
+              "| retained | engine live (peak) |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

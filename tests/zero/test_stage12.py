@@ -131,11 +131,11 @@ def test_memory_per_rank_matches_formula(world):
             assert mem["parameters"] == 4 * shard * world  # full, padded flat buffers
         assert s1["memory"]["gradients"] == 4 * shards[1] * world  # full (padded) gradients
         assert s2["memory"]["gradients"] == 4 * shards[2]          # only this rank's shard
-        # Stage 2's units hold a quarter bucket; its staging pool is two slots of one unit (or of
-        # the largest unit, if smaller), reduced in place: half a bucket of full-size gradient.
+        # Stage 2's units hold a quarter bucket; its staging pool is four slots of one unit (or of
+        # the largest unit, if smaller), reduced in place: one bucket of full-size gradient.
         # A parameter larger than a slot (4096 > 1500 here) is reduced in slot-sized chunks.
         largest = max(_padded_shard(n, world) * world for n in s2["unit_numels"])
         slot = min(largest, bucket // 4)
         assert largest > slot  # the chunked path is exercised
-        assert s2["memory"]["communication_buffers"] == 4 * 2 * slot
+        assert s2["memory"]["communication_buffers"] == 4 * 4 * slot
         assert s0["memory"]["parameters"] == 4 * p

@@ -60,9 +60,9 @@ class GradientBucket:
             view.copy_(p.grad)
         p.grad = view
 
-    def copy_grad_range(self, out: torch.Tensor, start: int, end: int) -> None:
+    def copy_grad_range(self, out: torch.Tensor, start: int, end: int, divisor: int = 1) -> None:
         """Copy elements ``[start, end)`` of this bucket's flat gradient (as laid out, padding
-        included) into ``out``, reading the parameters' own ``.grad`` tensors."""
+        included) into ``out``, divided by ``divisor``, reading the parameters' ``.grad``."""
         filled = start
         for slot in self.layout.slots:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
@@ -75,7 +75,13 @@ class GradientBucket:
             if grad is None:
                 piece.zero_()
             else:
-                piece.copy_(grad.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+                src = grad.reshape(-1).narrow(0, lo - slot.offset, hi - lo)
+                if divisor == 1 or src.dtype != piece.dtype:
+                    piece.copy_(src)
+                    if divisor != 1:
+                        piece.div_(divisor)
+                else:  # one pass over the memory instead of a copy and a division
+                    torch.div(src, divisor, out=piece)
             filled = hi
         if filled < end:
             out.narrow(0, filled - start, end - filled).zero_()
