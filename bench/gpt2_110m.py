@@ -91,7 +91,7 @@ def worker(args) -> None:
         ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
         if dtype == "bf16":
             ds["bf16"] = {"enabled": True}
         engine, opt, _, _ = zerotrain.initialize(model=model,
@@ -231,7 +231,7 @@ def launch(key: str, args, out: Path) -> list[dict]:
         cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(NPROC)]
     cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
             "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
-            "--rss-sample-ms", str(args.rss_sample_ms), "--out", str(out)]
+            "--rss-sample-ms", str(args.rss_sample_ms), "--zero", args.zero, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -252,6 +252,9 @@ def main(argv=None) -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--json")
+    ap.add_argument("--zero", default="{}",
+                    help='extra zero_optimization keys for zerotrain, as JSON, e.g. '
+                         '\'{"stage3_prefetch_bucket_size": 13000000}\'')
     ap.add_argument("--rss-sample-ms", type=float, default=0.0,
                     help="sample RSS every N ms and report the peak per phase (module running)")
     ap.add_argument("--worker", action="store_true")
