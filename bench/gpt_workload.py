@@ -26,8 +26,7 @@ import os
 import resource
 import time
 
-import psutil
-from rss_sampler import RssSampler
+from rss_sampler import RssSampler, mallinfo_mib, rss_mib
 
 RSS_AT: dict[str, float] = {}
 T_AT: dict[str, float] = {}  # seconds since the launcher started (env BENCH_T0)
@@ -37,31 +36,8 @@ def since_launch() -> float:
     return time.time() - float(os.environ.get("BENCH_T0", time.time()))
 
 
-def rss_mib() -> float:
-    return psutil.Process().memory_info().rss / 2**20
-
-
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def malloc_mib() -> dict[str, float] | None:
-    """glibc's own view of the heap: bytes in use, free but kept (retained), and mmapped."""
-    try:
-        import ctypes
-
-        class Mallinfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in (
-                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                "uordblks", "fordblks", "keepcost")]
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = Mallinfo2
-        m = libc.mallinfo2()
-    except (OSError, AttributeError):
-        return None
-    return {"heap_in_use": m.uordblks / 2**20, "heap_free_retained": m.fordblks / 2**20,
-            "mmapped": m.hblkhd / 2**20}
 
 
 RSS_AT["python"] = rss_mib()
@@ -238,7 +214,7 @@ def main():
             first_step_at = since_launch()
         losses.append(loss.item())
         rss.append(rss_mib())
-        heap.append(malloc_mib())
+        heap.append(mallinfo_mib())
     record = {"mode": args.mode, "stage": args.stage, "fused": args.fused, "rank": rank,
               "world": world,
               "preset": args.preset, "micro": args.micro, "seq": args.seq,

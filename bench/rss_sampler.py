@@ -40,13 +40,20 @@ def _mallinfo2():
 _MALLINFO2 = _mallinfo2()
 
 
+def mallinfo_mib() -> dict[str, float] | None:
+    """glibc's own view of the heap: bytes in use, free but kept (retained), and mmapped."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return {"heap_in_use": m.uordblks / 2**20, "heap_free_retained": m.fordblks / 2**20,
+            "mmapped": m.hblkhd / 2**20}
+
+
 def malloc_in_use_mib() -> float:
     """Bytes glibc's malloc has handed out and not got back (heap in use + mmapped blocks):
     what is live, as opposed to what RSS also counts (freed heap kept, code pages)."""
-    if _MALLINFO2 is None:
-        return float("nan")
-    m = _MALLINFO2()
-    return (m.uordblks + m.hblkhd) / 2**20
+    m = mallinfo_mib()
+    return float("nan") if m is None else m["heap_in_use"] + m["mmapped"]
 
 
 class RssSampler:

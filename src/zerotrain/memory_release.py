@@ -46,19 +46,9 @@ def configure_allocator() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    try:
-        return ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def release_freed_memory() -> None:
     """Return the allocator's free pages to the OS (cheap; safe to call often)."""
-    trim = _malloc_trim()
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim(0)

@@ -37,7 +37,7 @@ def _train():
         loss = engine(batch, labels=batch).loss
         # Released buffers that autograd still refers to (nn.Linear saves weight.t()) must
         # hold no memory until backward gathers into them again.
-        emptied = list(coordinator._emptied.values())
+        emptied = list(coordinator._own_storage.values())
         held_after_forward.append((len(emptied), sum(t.untyped_storage().nbytes() for t in emptied)))
         engine.backward(loss)
         engine.step()

@@ -118,9 +118,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     return _run("broadcast", tensor, group, async_op, dist.broadcast, tensor, src=src)
 
 
-def _rank_slice(flat: torch.Tensor, world: int, group) -> torch.Tensor:
+def _rank_slice(flat: torch.Tensor, world: int, group) -> tuple[torch.Tensor, int]:
+    """This rank's slice of ``flat`` and its offset."""
     n = flat.numel() // world
-    return flat.narrow(0, dist.get_rank(group) * n, n)
+    start = dist.get_rank(group) * n
+    return flat.narrow(0, start, n), start
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -137,11 +139,11 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
             f"all_gather_into: output has {output.numel()} elements, expected "
             f"{world} x {shard.numel()}"
         )
-    mine = _rank_slice(output, world, group)
+    mine, start = _rank_slice(output, world, group)
     if _is_gloo(group):
         if not _same_memory(mine, shard):
             mine.copy_(shard.reshape(-1))
-        start, n = mine.storage_offset() - output.storage_offset(), mine.numel()
+        n = mine.numel()
         output.narrow(0, 0, start).zero_()
         output.narrow(0, start + n, output.numel() - start - n).zero_()
         return _run("all_gather_into_tensor", output, group, async_op, dist.all_reduce, output,
@@ -163,7 +165,7 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SU
             f"reduce_scatter_into: input has {flat.numel()} elements, expected "
             f"{world} x {output.numel()}"
         )
-    mine = _rank_slice(flat, world, group)
+    mine, _ = _rank_slice(flat, world, group)
     if _is_gloo(group):
         then = None if _same_memory(mine, output) else (lambda: output.copy_(mine))
         return _run("reduce_scatter_tensor", flat, group, async_op, dist.all_reduce, flat, op=op,

@@ -96,10 +96,9 @@ class ParameterCoordinator:
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self.pool_numel = 0
         self.buffers_allocated = 0  # full buffers allocated for gathers so far (not reused)
-        # Released buffers autograd still refers to, emptied (storage of 0 bytes) until the
-        # unit is gathered again into the same storage.
-        self._emptied: dict[FlatParamUnit, torch.Tensor] = {}
-        self._own_storage: set[FlatParamUnit] = set()
+        # Units whose buffer autograd still referred to at a release keep that buffer as their
+        # own: emptied (storage of 0 bytes) while released, refilled in place when gathered.
+        self._own_storage: dict[FlatParamUnit, torch.Tensor] = {}
         # Units used by a module whose outputs hold no tensor we can hook: never emptied.
         self._keep_whole: set[FlatParamUnit] = set()
         self.storage_refills = 0  # gathers into such an emptied storage (each allocates)
@@ -171,8 +170,7 @@ class ParameterCoordinator:
                 # Such a unit keeps this storage from now on (pooling it would hand the pool's
                 # buffers to autograd every forward).
                 flat.untyped_storage().resize_(0)
-                self._emptied[unit] = flat
-                self._own_storage.add(unit)
+                self._own_storage[unit] = flat
             elif self.pool_numel + self.live_numel + flat.numel() <= self.peak_live_numel:
                 self._pool.setdefault(_key(flat), []).append(flat)
                 self.pool_numel += flat.numel()
@@ -182,11 +180,11 @@ class ParameterCoordinator:
         """A full buffer for ``unit``: a pooled one nothing else refers to any more (autograd may
         still hold views of a buffer released in forward), else a new one."""
         layout = unit.layout
-        emptied = self._emptied.pop(unit, None)
-        if emptied is not None:
-            emptied.untyped_storage().resize_(layout.padded_numel * emptied.element_size())
+        own = self._own_storage.get(unit)
+        if own is not None:  # emptied at its last release: refill the same storage
+            own.untyped_storage().resize_(layout.padded_numel * own.element_size())
             self.storage_refills += 1
-            return emptied
+            return own
         free = self._pool.get((layout.padded_numel, layout.dtype, layout.device), [])
         for i, buf in enumerate(free):
             if _sole_owner(buf):
@@ -250,7 +248,8 @@ class ParameterCoordinator:
                                          mode="any")
             else:  # outputs we cannot see into: backward will not gather these units again
                 self._keep_whole.update(used)
-                self._own_storage.difference_update(used)
+                for unit in used:
+                    self._own_storage.pop(unit, None)
         if not backward:
             still_used = set().union(*(u for _, u in self._stack)) if self._stack else set()
             for unit in used - still_used:
@@ -275,7 +274,7 @@ class ParameterCoordinator:
 
     def close(self) -> None:
         self.release_all()
-        self._pool, self.pool_numel, self._emptied = {}, 0, {}
+        self._pool, self.pool_numel, self._own_storage = {}, 0, {}
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -3,9 +3,9 @@
 Stage 2 copies finished gradients into a slot and reduce-scatters them in place (this rank keeps
 its slice of the slot); any stage reducing in another dtype than it accumulates in casts through a slot.
 
-Reusing a fixed number of buffers (two when communication overlaps backward, one otherwise)
-bounds the full-size gradient memory to one or two buckets however large the model is, and
-allocates nothing per step.
+Reusing a fixed number of buffers (four of a quarter bucket when communication overlaps
+backward, one otherwise) bounds the full-size gradient memory to one bucket however large the
+model is, and allocates nothing per step.
 """
 
 from __future__ import annotations
