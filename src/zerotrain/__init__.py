@@ -31,6 +31,8 @@ _EXPORTS = {
     "logger": "zerotrain.utils",
     "log_dist": "zerotrain.utils",
     "PipelineModule": "zerotrain.pipe",
+    "DummyOptim": "zerotrain.optim.placeholders",
+    "DummyScheduler": "zerotrain.optim.placeholders",
 }
 # DeepSpeed's names for the same things, for code written against deepspeed.*
 _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}

@@ -10,10 +10,12 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.comm import logger as comms_logging
 from zerotrain.comm.distributed import get_local_rank, init_distributed
-from zerotrain.config import check_supported, load_config
+from zerotrain.config import check_supported, load_config, read_config
+from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.optim import build_lr_scheduler, build_optimizer
+from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
 from zerotrain.zero.flat import split_into_buckets
 
 # Parameters are broadcast from rank 0 in chunks of this many elements, so start-up needs no
@@ -46,6 +48,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if config is not None and config_params is not None and config is not config_params:
         raise ValueError("pass the config once: config= and config_params= are aliases")
     config = config if config is not None else config_params
+    if is_placeholder(optimizer) or is_placeholder(lr_scheduler):
+        # Filled before validation, which rejects "auto"; the filled dict replaces args' config.
+        config, optimizer, lr_scheduler, model_parameters = resolve_placeholders(
+            read_config(pick_config_source(config, args)), optimizer, lr_scheduler, model_parameters)
+        args = None
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     group = _data_parallel_group(data_parallel_group, mpu)

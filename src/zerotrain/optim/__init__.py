@@ -4,6 +4,7 @@ from .cycle_schedules import LRRangeTest, OneCycle
 from .factory import build_lr_scheduler, build_optimizer
 from .lion import Lion
 from .lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from .placeholders import DummyOptim, DummyScheduler
 
 __all__ = [
     "build_optimizer",
@@ -14,4 +15,6 @@ __all__ = [
     "OneCycle",
     "LRRangeTest",
     "Lion",
+    "DummyOptim",
+    "DummyScheduler",
 ]
