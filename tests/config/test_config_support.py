@@ -14,6 +14,9 @@ SUPPORTED = [
     {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {}}},
     {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": "false"}},
     {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}},
+    {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+                           "offload_param": {"device": "cpu"}}, "aio": {"block_size": 1048576}},
+    {"zero_optimization": {"stage": 2, "cpu_offload": True}},
     {"tensorboard": {"enabled": False, "output_path": "/tmp/tb"}, "wandb": {"enabled": False}},
     {"amp": {"enabled": False, "opt_level": "O1"}, "pipeline": {}, "elasticity": {"enabled": "false"},
      "autotuning": {"enabled": False}, "comet": {"enabled": False}, "sparse_gradients": False,
@@ -53,7 +56,7 @@ def test_supported_configs_pass(extra):
 
 
 UNSUPPORTED = [
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),  # stage 0
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_param.device='nvme'"),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size=8"),
@@ -74,7 +77,6 @@ UNSUPPORTED = [
     ({"data_efficiency": {"enabled": True}}, "data_efficiency="),
     ({"curriculum_learning": {"enabled": True}}, "curriculum_learning="),
     ({"nebula": {"enabled": True}}, "nebula="),
-    ({"aio": {"block_size": 1048576}}, "aio="),
     ({"hybrid_engine": {"enabled": True}}, "hybrid_engine="),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
     ({"eigenvalue": {"enabled": True}}, "eigenvalue="),
@@ -91,7 +93,7 @@ UNSUPPORTED = [
     ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 10}},
      "zero_optimization.model_persistence_threshold=10"),
     ({"zero_optimization": {"stage": 3, "override_module_apply": False}}, "zero_optimization.override_module_apply"),
-    ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload=True"),
+    ({"zero_optimization": {"stage": 1, "cpu_offload_param": True}}, "zero_optimization.offload_param.device='cpu'"),
     ({"checkpoint": {"checkpoint_serialization": False}}, "checkpoint.checkpoint_serialization=False"),
     ({"communication_data_type": "fp16"}, "communication_data_type='fp16'"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype='bf16'"),

@@ -17,6 +17,11 @@ from zerotrain.checkpoint.format import FORMAT, FORMAT_VERSION, dtype_name
 
 
 def stage_units(engine) -> list:
+    if getattr(engine._zero, "offload", None) is not None:  # state in swap files, not in units
+        raise NotImplementedError(
+            "save_checkpoint/load_checkpoint with zero_optimization.offload_optimizer.device "
+            "\"nvme\" is not implemented yet: the optimizer state lives in swap files; use "
+            "device \"cpu\" (or none) for runs that must checkpoint")
     return list(getattr(engine._zero, "units", None) or [])
 
 

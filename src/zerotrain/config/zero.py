@@ -64,6 +64,39 @@ class OffloadParamConfig(_OffloadBase):
     max_in_cpu: NonNegInt = int(1e9)
 
 
+class AioConfig(Section):
+    """The top-level `aio` section: how NVMe swap files are read and written (zerotrain.offload).
+
+    DeepSpeed's names and defaults. `intra_op_parallelism` (older spelling `thread_count`): I/O
+    threads per rank; `block_size`: bytes per read/write system call; `queue_depth`: file
+    operations queued at once. `single_submit`, `overlap_events` and `use_gds` choose how
+    DeepSpeed's libaio/GDS handle submits; zerotrain's threads over pread/pwrite have no such
+    modes, so they are accepted with no effect (use_gds=true is refused)."""
+
+    block_size: NonNegInt = 1048576
+    queue_depth: NonNegInt = 8
+    intra_op_parallelism: NonNegInt = aliased(1, "intra_op_parallelism", "thread_count")
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling_each(cls, data: Any) -> Any:
+        reject_both_spellings(data, {"intra_op_parallelism": "thread_count"})
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self):
+        for name in ("block_size", "queue_depth", "intra_op_parallelism"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"aio.{name} must be at least 1")
+        if self.use_gds:
+            raise ValueError("aio.use_gds (GPUDirect Storage) is not implemented by zerotrain's "
+                             "swapper; remove it or set it to false")
+        return self
+
+
 class LeafModuleConfig(Section):
     """`zero_optimization.leaf_module` (stage 3): modules whose whole subtree is gathered at once.
 

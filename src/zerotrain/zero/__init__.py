@@ -59,7 +59,10 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
                            prefetch_numel=prefetch, max_live_numel=int(zero.max_live_parameters))
     if optimizer is not None:  # which optimizers may step flat shards (config's rule)
         check_zero_optimizer(config, optimizer)
-    stage = ZeroStage(strategy, module, optimizer, options, precision, group=group)
+    from zerotrain.offload import build_placement  # offload settings -> where state lives
+
+    stage = ZeroStage(strategy, module, optimizer, options, precision, group=group,
+                      placement=build_placement(config))
     for p in module.parameters():  # parameters outside every unit stay whole
         if is_partitioned(p):
             materialize(p, group)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.memory_release import TrimEvery, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
@@ -24,7 +25,7 @@ from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.init import is_partitioned, materialize
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
-from zerotrain.zero.partition import FlatParamUnit, outside_optimizer
+from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_alignment
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.strategy import ShardingStrategy
@@ -33,13 +34,37 @@ from zerotrain.zero.strategy import ShardingStrategy
 @dataclass(frozen=True)
 class Placement:
     """Where a unit's fp32 master (and so its optimizer state, which the optimizer allocates like
-    its parameters) lives. Today always the training device; offload extends this one decision."""
+    its parameters) lives, and where stage-3 shards live. Built from the offload settings by
+    ``zerotrain.offload.build_placement``; the default keeps everything on the training device."""
 
     master_device: torch.device | None = None  # None: beside the unit's shard
+    pin_memory: bool = False  # page-locked masters (where the accelerator supports it)
+    param_device: torch.device | None = None  # stage-3 shards (offload_param); None: the device
+    param_pin_memory: bool = False
+    nvme: object | None = None  # zerotrain.offload.NvmeSettings: masters and state in swap files
+    local_ranks: int = 1  # ranks sharing this node's disk (for the swap space check)
+
+    def separate_master(self, shard: torch.Tensor, mixed: bool) -> bool:
+        """Whether the optimizer steps an fp32 copy rather than the shard itself: in 16-bit
+        training, or when the master lives on another device than the shard."""
+        device = self.master_device or shard.device
+        return mixed or device != shard.device or (self.nvme is not None and device.type != "cpu")
 
     def master_for(self, shard: torch.Tensor) -> nn.Parameter:
         device = self.master_device or shard.device
-        return nn.Parameter(shard.detach().to(device, torch.float32, copy=True))
+        master = shard.detach().to(device, torch.float32, copy=True)
+        if self.pin_memory and device != shard.device:
+            master = get_accelerator().pin_memory(master)
+        return nn.Parameter(master)
+
+    def place_shard(self, shard: torch.Tensor) -> nn.Parameter:
+        """A stage-3 shard where ``offload_param`` puts it."""
+        if self.param_device is None or shard.device == self.param_device:
+            return shard
+        moved = shard.detach().to(self.param_device)
+        if self.param_pin_memory:
+            moved = get_accelerator().pin_memory(moved)
+        return nn.Parameter(moved)
 
 
 @dataclass(frozen=True)
@@ -83,23 +108,45 @@ class ZeroStage:
         name_of = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name_of.setdefault(id(p), name)
+        self.placement = placement
+        self.offload = None  # NVMe: zerotrain.offload.NvmeOptimizerOffload
+        if placement.nvme is not None and optimizer is not None:
+            self.offload = _nvme_offload(placement, plan, optimizer, shard_world, self.rank,
+                                         precision)
         self.units = []
-        for g, params in plan:  # one unit at a time: with zero.Init only one is ever whole
-            for p in params:
-                if is_partitioned(p):
-                    materialize(p, group)
-            unit = FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype,
-                                 names=[name_of[id(p)] for p in params], group=g)
-            if precision.mixed and unit.trained:  # fp32 master copied before the cast
-                unit.master = placement.master_for(unit.shard)
-            if strategy.partitions_parameters and unit.numel >= options.param_persistence_threshold:
-                unit.reshard()
-            unit.cast(precision.param_dtype)
-            self.units.append(unit)
+        try:
+            for g, params in plan:  # one unit at a time: with zero.Init only one is ever whole
+                for p in params:
+                    if is_partitioned(p):
+                        materialize(p, group)
+                unit = FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype,
+                                     names=[name_of[id(p)] for p in params], group=g)
+                master = None
+                if unit.trained and placement.separate_master(unit.shard, precision.mixed):
+                    master = placement.master_for(unit.shard)  # fp32, copied before the cast
+                if self.offload is not None and unit.trained:
+                    self.offload.swapper.add_unit(unit, master)  # written out; not kept
+                else:
+                    unit.master = master
+                if strategy.partitions_parameters and unit.numel >= options.param_persistence_threshold:
+                    unit.reshard()
+                unit.cast(precision.param_dtype)
+                if unit.resharded:  # offload_param: the shard lives in host memory
+                    unit.shard = placement.place_shard(unit.shard)
+                self.units.append(unit)
+        except BaseException:
+            if self.offload is not None:
+                self.offload.close()
+            raise
         self.trained = [u for u in self.units if u.trained]
-        self.masters = [u.master if u.master is not None else u.shard for u in self.trained]
-        for g, group_dict in enumerate(param_groups):
-            group_dict["params"] = [m for u, m in zip(self.trained, self.masters) if u.group == g]
+        if self.offload is not None:  # the optimizer steps the swapped chunks
+            self.masters = []
+            for g, group_dict in enumerate(param_groups):
+                group_dict["params"] = self.offload.swapper.params_of_group(g)
+        else:
+            self.masters = [u.master if u.master is not None else u.shard for u in self.trained]
+            for g, group_dict in enumerate(param_groups):
+                group_dict["params"] = [m for u, m in zip(self.trained, self.masters) if u.group == g]
         self._optimizer = optimizer
         if optimizer is not None:  # its groups now hold shards: a new group would not be one
             optimizer.add_param_group = _refuse_add_param_group
@@ -200,16 +247,22 @@ class ZeroStage:
         if optimizer is None:
             raise RuntimeError("engine.step(): this engine has no optimizer (initialize() got "
                                "none and the config has no 'optimizer' section)")
-        self.adopt_edits()
-        for master, grad in zip(self.masters, self.shard_grads):
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        if grad_scale != 1.0:
-            torch._foreach_mul_([m.grad for m in self.masters], grad_scale)
-        optimizer.step()
-        if self.precision.mixed:
+        if self.offload is not None:  # chunk by chunk through the swap files
+            for unit in self.trained:
+                unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
+            self.offload.swapper.step(optimizer, self.shard_grads, grad_scale)
+        else:
+            self.adopt_edits()
+            for master, grad in zip(self.masters, self.shard_grads):
+                master.grad = (grad if grad.dtype == master.dtype and grad.device == master.device
+                               else grad.to(master.device, master.dtype))
+            if grad_scale != 1.0:
+                torch._foreach_mul_([m.grad for m in self.masters], grad_scale)
+            optimizer.step()
             for unit, master in zip(self.trained, self.masters):
-                unit.shard.data.copy_(master.detach())
-                master.grad = None  # the fp32 copies of 16-bit gradients live only for the step
+                if unit.master is not None:
+                    unit.shard.data.copy_(master.detach())
+                    master.grad = None  # the fp32 copies of gradients live only for the step
         if self.strategy.shards_optimizer and self.world_size > 1:
             # Stage 3's partitioned units are gathered when next used; the rest right away.
             for work in [u.all_gather(self.group) for u in self.trained if not u.resharded]:
@@ -233,6 +286,19 @@ class ZeroStage:
         like the shard is sliced to the parameter's part (scalars such as ``step`` are passed
         as they are). What checkpoints save to reload by name on any world size or stage."""
         out: dict[str, list[tuple[int, dict]]] = {}
+        if self.offload is not None:
+            for unit, start, state in self.offload.swapper.iter_state():
+                for piece in unit.layout.shard_pieces(self.shard_rank):
+                    lo = max(piece.shard_start, start)
+                    hi = min(piece.shard_start + piece.numel, start + state["numel"])
+                    if lo >= hi:
+                        continue
+                    sliced = {k: (v.narrow(0, lo - start, hi - lo) if torch.is_tensor(v) and
+                                  v.dim() == 1 and v.numel() == state["numel"] else v)
+                              for k, v in state["state"].items()}
+                    out.setdefault(unit.names[piece.slot.index], []).append(
+                        (piece.param_start + lo - piece.shard_start, sliced))
+            return out
         for unit, master in zip(self.trained, self.masters):
             state = optimizer.state.get(master, {})
             for piece in unit.layout.shard_pieces(self.shard_rank):
@@ -271,6 +337,8 @@ class ZeroStage:
             "optimizer_state": optimizer_state_bytes(optimizer),
             "communication_buffers": self.reduction.staging.nbytes if self.reduction.staging else 0,
         }
+        if self.offload is not None:  # what the swapper holds in memory (disk: offload_stats)
+            out["offload_buffers"] = self.offload.swapper.buffer_nbytes
         if self.coordinator is not None:
             element = self.units[0].shard.element_size()
             out["gathered_parameters"] = self.coordinator.live_numel * element
@@ -288,6 +356,8 @@ class ZeroStage:
             self.outside.close()
         if self.coordinator is not None:
             self.coordinator.close()  # restores whole parameters and the modules' dicts
+        if self.offload is not None:
+            self.offload.close()  # the swap files go; the optimizer state with them
         registry.unregister(self.units)
 
 
@@ -308,3 +378,21 @@ def _refuse_add_param_group(param_group) -> None:
         "partitioned the optimizer's parameters into units at initialize, so a group added "
         "later would be stepped whole and never reduced. Put every parameter group in the "
         "optimizer before initialize (a group with lr=0 can be unfrozen later by raising its lr)")
+
+
+def _nvme_offload(placement: Placement, plan, optimizer, shard_world: int, rank: int,
+                  precision: PrecisionPolicy):
+    """The swap folder and swapper, after checking path and free space for the planned units."""
+    from zerotrain.offload import NvmeOptimizerOffload
+
+    align = shard_alignment(precision.param_dtype)
+    planned = []
+    for g, params in plan:
+        if g is not None:
+            numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
+            planned.append((g, -(-numel // (shard_world * align)) * align))
+    first = next((p for _, params in plan for p in params), None)
+    on_host = first is None or first.device.type == "cpu"
+    return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
+                                swap_master=precision.mixed or not on_host,
+                                local_ranks=placement.local_ranks)

@@ -181,8 +181,10 @@ class FlatParamUnit:
         """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
         shard's dtype), or into a newly allocated full buffer."""
         self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
-        return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
-                                           async_op=True)
+        shard = self.shard.detach()
+        if shard.device != self.flat.device:  # offload_param: the shard lives in host memory
+            shard = shard.to(self.flat.device, non_blocking=True)
+        return collectives.all_gather_into(self.flat, shard, group=group, async_op=True)
 
     def finish_gather(self) -> None:
         """After the gather has completed: point the module parameters at the full buffer."""
