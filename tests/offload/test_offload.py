@@ -60,7 +60,7 @@ def _trajectories(cases, nvme_path):
             offload = engine._zero.offload
             record["folder"] = offload.folder
             record["files"] = sorted(os.listdir(offload.folder))
-            record["stats"] = dict(offload.swapper.stats)
+            record["stats"] = engine._zero.offload_stats()
             record["chunks"] = len(offload.swapper.chunks)
             named = engine._zero.named_optimizer_state(opt)
             record["named"] = {k: [(s, {kk: vv.clone() if torch.is_tensor(vv) else vv
@@ -130,7 +130,8 @@ def test_nvme_swap_files_live_while_training_and_go_after(runs):
             assert record["resident_state"] == 0  # nothing of the state stays in memory
             stats = record["stats"]
             assert stats["bytes_read"] > 0 and stats["bytes_written"] >= stats["bytes_read"]
-            assert 0 <= stats["io_wait_s"] <= stats["step_s"]
+            assert 0 <= stats["io_wait_s"] <= stats["step_s"] and 0 <= stats["io_wait_share"] <= 1
+            assert stats["swap_file_bytes"] >= stats["bytes_written"] > 0 and stats["direct_io"]
             assert record["memory"]["optimizer_state"] == 0
             assert 0 < record["memory"]["offload_buffers"]
             assert not record["exists_after"]

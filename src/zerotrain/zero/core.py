@@ -10,6 +10,7 @@ all-gathered (stages 1-2) or gathered when next used (stage 3's partitioned unit
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_ali
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.strategy import ShardingStrategy
+
+_log = logging.getLogger("zerotrain")
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,7 @@ class ZeroStage:
             for unit in self.trained:
                 unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
             self.offload.swapper.step(optimizer, self.shard_grads, grad_scale)
+            _log.debug("offload: %s", self.offload_stats())
         else:
             self.adopt_edits()
             for master, grad in zip(self.masters, self.shard_grads):
@@ -322,6 +326,21 @@ class ZeroStage:
             self.outside.zero_grad()
 
     # -- accounting ---------------------------------------------------------------------
+    def offload_stats(self) -> dict:
+        """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
+        (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``; and the swap
+        footprint: ``swap_file_bytes`` on disk, ``swap_buffer_bytes`` in memory. Empty without
+        NVMe offload."""
+        if self.offload is None:
+            return {}
+        swapper = self.offload.swapper
+        stats = dict(swapper.stats)
+        stats["io_wait_share"] = stats["io_wait_s"] / stats["step_s"] if stats["step_s"] else 0.0
+        stats["swap_file_bytes"] = swapper.file_nbytes()
+        stats["swap_buffer_bytes"] = swapper.buffer_nbytes
+        stats["direct_io"] = self.offload.io.direct
+        return stats
+
     def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
         grads = self.reduction.nbytes
         if self.outside is not None:
