@@ -14,6 +14,7 @@ from zerotrain.config import check_supported, load_config, read_config
 from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
+from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
 from zerotrain.zero.flat import split_into_buckets
@@ -62,6 +63,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                          "group; build the engine only on the group's ranks")
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
+    before_engine(model, cfg)  # issue 15: activation_checkpointing section, QLoRA at stage 3
     if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
         comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
 
