@@ -110,6 +110,26 @@ def zerotrain_trainer_runs(out_dir: str) -> dict:
     trainer.train()
     result["z2"] = losses(trainer)
 
+    # transformers' own HfDeepSpeedConfig before from_pretrained (under the switch): the model
+    # comes back partitioned, and gathered equals what save_pretrained wrote.
+    import safetensors.torch
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import zerotrain
+
+    if trainer.args.process_index == 0:
+        make_model(seed=7).save_pretrained(f"{out_dir}/saved")
+    torch.distributed.barrier()
+    keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3}})
+    loaded = GPT2LMHeadModel.from_pretrained(f"{out_dir}/saved")
+    result["pretrained_local_numel"] = sum(p.numel() for p in loaded.parameters())
+    saved = safetensors.torch.load_file(f"{out_dir}/saved/model.safetensors")
+    with zerotrain.zero.GatheredParameters(list(loaded.parameters())):
+        state = loaded.state_dict()
+        result["pretrained_mismatched"] = [k for k, v in saved.items() if not torch.equal(state[k], v)]
+    del keep
+
     # Values that contradict the TrainingArguments: one error listing every one of them.
     wrong = {**seed002_config(2), "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
              "gradient_clipping": 0.5, "fp16": {"enabled": True}, "bf16": {"enabled": False},

@@ -87,3 +87,9 @@ def test_values_contradicting_training_arguments_are_one_error_listing_all(runs)
                      "train_batch_size", "gradient_clipping=0.5", "fp16.enabled=True",
                      "optimizer.params.lr=0.0001", "optimizer.params.betas=[0.8, 0.9]"):
         assert fragment in message, fragment
+
+
+def test_hf_deepspeed_config_before_from_pretrained_loads_partitioned(runs):
+    for result in runs[2]:
+        assert result["pretrained_local_numel"] == 0
+        assert result["pretrained_mismatched"] == []

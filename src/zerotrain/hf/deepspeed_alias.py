@@ -123,6 +123,8 @@ def become_deepspeed(shim_name: str = ALIAS) -> types.ModuleType:
     # find_spec("deepspeed") answers from the imported module's spec: keep the shim's.
     for attr in ("__file__", "__spec__", "__loader__"):
         setattr(root, attr, getattr(current, attr, None))
+    if root.__spec__ is None:  # installed without the shim (HfZeroConfig): find_spec must not fail
+        root.__spec__ = importlib.machinery.ModuleSpec(ALIAS, _FINDER, is_package=True)
     sys.modules[shim_name] = root
     return root
 
