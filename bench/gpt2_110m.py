@@ -78,6 +78,8 @@ def worker(args) -> None:
         else:
             model = transformers.GPT2LMHeadModel(cfg)
     init_weights(model, cfg.n_layer, partitioned=mode != "ddp" and stage == 3)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rank = dist.get_rank()
     rss_at["model"] = proc_status_mib("VmRSS")
     params = sum(p._zerotrain_layout.numel if hasattr(p, "_zerotrain_layout") else p.numel()
@@ -232,6 +234,7 @@ def launch(key: str, args, out: Path) -> list[dict]:
     cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
             "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
             "--rss-sample-ms", str(args.rss_sample_ms), "--zero", args.zero, "--out", str(out)]
+    cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -251,6 +254,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="model.gradient_checkpointing_enable(use_reentrant=False)")
     ap.add_argument("--json")
     ap.add_argument("--zero", default="{}",
                     help='extra zero_optimization keys for zerotrain, as JSON, e.g. '
