@@ -25,6 +25,7 @@ from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from zerotrain.launcher import affinity, ports
@@ -70,7 +71,7 @@ class LaunchOptions:
         nnodes, node_rank: this agent is node ``node_rank`` of ``nnodes`` (multi-node: one agent
             per node, node 0 hosting the rendezvous store at master_addr:master_port).
         max_restarts: times the agent restarts every rank after a failure (torch's elastic
-            restart; multi-node restarts use the c10d rendezvous).
+            restart, on the c10d rendezvous; each attempt's ranks get a fresh MASTER_PORT).
         run_id: rendezvous id, the same on every node (default: a fresh one).
         devices: accelerator indices this node uses (the hostfile's slots); exported as
             CUDA_VISIBLE_DEVICES (the accelerator's variable) when given.
@@ -159,6 +160,30 @@ def set_omp_num_threads(nproc: int, environ: dict[str, str] = os.environ, cpus: 
     )
 
 
+# torch's switch (torch >= 2.4) back from sharing the agent's store with the ranks to a store
+# per c10d round, hosted by that round's rank 0 on a free port.
+UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def restart_safe_environment(opts: LaunchOptions, environ: dict[str, str] = os.environ) -> None:
+    """With ``max_restarts``, give the ranks of every attempt a store of their own.
+
+    Otherwise torch's agent hands every attempt's ranks the same store (the static rendezvous's,
+    or c10d's shared one), where process groups publish their addresses under keys with no
+    attempt in them (``0//cpu//0/<rank>`` for the default group, ``1//...`` for the next). A
+    restarted rank that looks up a peer before the restarted peer has rewritten its key gets
+    the killed attempt's address: "Gloo connectFullMesh failed ... Connection refused", or a
+    hang when that port has been reused (torch issues 135712, 167288).
+    """
+    if opts.max_restarts <= 0:
+        return
+    value = environ.get(UNSHARED_STORE_VAR)
+    if value not in (None, "1"):
+        raise LaunchError("--max_restarts", f"{UNSHARED_STORE_VAR}={value} makes restarted ranks share the failed "
+                                            "attempt's store and read its stale addresses; unset it")
+    environ[UNSHARED_STORE_VAR] = "1"
+
+
 def worker_command(opts: LaunchOptions, bind_cores: list[int] | None = None) -> tuple[str, list[str]]:
     """The (entrypoint, args) every rank runs: the per-rank entry shim (which pins itself to its
     slice of ``bind_cores`` when given)."""
@@ -182,12 +207,14 @@ def build_launch_config(
 ) -> LaunchConfig:
     """LaunchConfig for node ``opts.node_rank`` of ``opts.nnodes``, rendezvous at master_addr:master_port.
 
-    The static backend is used (as torchrun does when given a node rank and a master port)
-    because it makes the workers' MASTER_ADDR/MASTER_PORT the requested ones, as with
-    DeepSpeed; c10d would hand workers a second, random port. Restarts across several nodes
-    need every agent to re-join, which only the c10d backend coordinates, so it is used then.
+    Without restarts the static backend is used (as torchrun does when given a node rank and a
+    master port) because it makes the workers' MASTER_ADDR/MASTER_PORT the requested ones, as
+    with DeepSpeed. With ``max_restarts`` the c10d backend is used, on one node as on several:
+    every agent re-joins on a restart, and with `restart_safe_environment` each attempt's ranks
+    get a store of their own on a fresh MASTER_PORT (the static backend keeps one store for all
+    attempts, which restarted ranks cannot use; see there).
     """
-    elastic_multinode = opts.nnodes > 1 and opts.max_restarts > 0
+    restartable = opts.max_restarts > 0
     return LaunchConfig(
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
@@ -195,9 +222,12 @@ def build_launch_config(
         logs_specs=logs_specs,
         run_id=opts.run_id or f"zerotrain-{uuid.uuid4().hex[:12]}",
         role="trainer",
-        rdzv_backend="c10d" if elastic_multinode else "static",
+        rdzv_backend="c10d" if restartable else "static",
         rdzv_endpoint=f"{opts.master_addr}:{master_port}",
-        rdzv_configs={"is_host": opts.node_rank == 0} if elastic_multinode else {"rank": opts.node_rank},
+        rdzv_configs={"is_host": opts.node_rank == 0} if restartable else {"rank": opts.node_rank},
+        # The ranks' MASTER_ADDR is the rendezvous rank-0 node's address: node 0's is the one
+        # given (else torch would use the host's fully qualified name).
+        local_addr=opts.master_addr if restartable and opts.node_rank == 0 else None,
         max_restarts=opts.max_restarts,
         log_line_prefix_template="[rank${rank}]: ",
         shutdown_timeout=opts.shutdown_timeout,
@@ -241,6 +271,7 @@ def launch_local(opts: LaunchOptions) -> int:
     nproc = opts.nproc if opts.nproc is not None else default_nproc()
     if nproc <= 0:
         raise LaunchError("--nproc", f"must be a positive number of processes, got {nproc}")
+    restart_safe_environment(opts)
     master_port = _resolve_port(opts)
     bind_cores = None
     if opts.bind_cores_to_rank or opts.bind_core_list is not None:
@@ -268,13 +299,22 @@ def _run_with_port_retry(opts: LaunchOptions, nproc: int, master_port: int, log_
         try:
             return _run_agent(config, entrypoint, args, logs_specs, logs_kept=bool(opts.log_dir),
                               node_name=opts.node_name)
-        except DistNetworkError as err:
-            # Another process took the port between our check and the store's bind.
-            if "EADDRINUSE" not in str(err) or attempt == _BIND_ATTEMPTS or opts.nnodes > 1:
+        except (DistNetworkError, RendezvousConnectionError) as err:
+            # Another process took the port between our check and the store's bind (the c10d
+            # rendezvous wraps the store's error).
+            if not _port_taken(err) or attempt == _BIND_ATTEMPTS or opts.nnodes > 1:
                 raise
         attempt += 1
         lost, master_port = master_port, ports.free_port(opts.master_addr)
         note(f"master port {lost} was taken before the launch; retrying on free port {master_port}")
+
+
+def _port_taken(err: BaseException | None) -> bool:
+    while err is not None:
+        if "EADDRINUSE" in str(err):
+            return True
+        err = err.__cause__
+    return False
 
 
 def _run_agent(

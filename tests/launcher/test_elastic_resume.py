@@ -1,0 +1,128 @@
+"""Elastic restart (issue 16 part 4): a rank is SIGKILLed mid-run; with ``--max_restarts 1`` the
+agent restarts every rank, the script resumes from its latest checkpoint, and the run ends
+exactly as an uninterrupted one, redoing only the steps since that checkpoint.
+
+Restarted ranks used to read the killed attempt's gloo addresses from the agent's store (torch
+keeps one store for all attempts and its keys have no attempt prefix): rank 0 of the restart
+waits a moment before ``initialize`` so that rank 1 always reads before rank 0 rewrites them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.launcher.test_launcher_run import free_port, write_script
+
+STEPS, SAVE_EVERY, KILL_AFTER = 8, 2, 5
+
+RESUMING_SCRIPT = """
+import json, os, signal, sys, time
+import torch
+import zerotrain
+from zerotrain.models import GPT, GPTConfig
+
+steps, save_every, kill_after, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+os.environ["ZEROTRAIN_COMM_TIMEOUT"] = "60"  # a broken rendezvous fails in a minute, not 30
+if attempt > 0 and rank == 0:
+    time.sleep(2)  # rank 1 reaches the rendezvous first: stale keys would be read, not waited for
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+engine, *_ = zerotrain.initialize(model=model, config=config)
+ckpt = os.path.join(out, "ckpt")
+if os.path.exists(os.path.join(ckpt, "latest")):
+    engine.load_checkpoint(ckpt)
+g = torch.Generator().manual_seed(1)
+data = torch.randint(0, 64, (steps, 4, 16), generator=g)
+while engine.global_steps < steps:
+    step = engine.global_steps
+    batch = data[step, 2 * rank:2 * rank + 2]
+    loss = engine(batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    with open(os.path.join(out, f"losses{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss.item()}) + "\\n")
+    if engine.global_steps % save_every == 0:
+        engine.save_checkpoint(ckpt)
+    if kill_after and attempt == 0 and rank == 1 and engine.global_steps == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind: a lost machine
+engine.destroy()
+"""
+
+
+def _start(*args: str, cwd) -> subprocess.Popen:
+    """``zerotrain launch`` in a session of its own, so that a timeout can stop its ranks too."""
+    cmd = [sys.executable, "-m", "zerotrain.launcher.cli", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(test: killed after {timeout} s)"
+    return proc.returncode, out + err
+
+
+def _losses(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
+    script = write_script(tmp_path, RESUMING_SCRIPT)
+    runs = {}
+    for name, kill, restarts in (("plain", 0, "0"), ("killed", KILL_AFTER, "1")):
+        (tmp_path / name).mkdir()  # both at once, each on a port of its own
+        runs[name] = _start("--nproc", "2", "--max_restarts", restarts, "--master_port", str(free_port()),
+                            "--no_local_rank", script, str(STEPS), str(SAVE_EVERY), str(kill), name, cwd=tmp_path)
+    finished = {name: _finish(proc) for name, proc in runs.items()}  # both, before any assert
+    outputs = {}
+    for name, (code, output) in finished.items():
+        assert code == 0, output
+        outputs[name] = {rank: _losses(tmp_path / name / f"losses{rank}.jsonl") for rank in (0, 1)}
+    last_saved = KILL_AFTER // SAVE_EVERY * SAVE_EVERY  # global_step4: step index 4 is redone
+    for rank in (0, 1):
+        plain = outputs["plain"][rank]
+        assert [r["step"] for r in plain] == list(range(STEPS)) and {r["attempt"] for r in plain} == {0}
+        killed = outputs["killed"][rank]
+        first = [r["step"] for r in killed if r["attempt"] == 0]
+        second = [r["step"] for r in killed if r["attempt"] == 1]
+        # Rank 1 dies right after logging step KILL_AFTER - 1; rank 0 may be stopped before logging it.
+        assert first == list(range(len(first)))
+        assert len(first) in ((KILL_AFTER,) if rank else (KILL_AFTER - 1, KILL_AFTER))
+        assert second == list(range(last_saved, STEPS))
+        assert KILL_AFTER - last_saved <= SAVE_EVERY  # at most one checkpoint interval lost
+        reference = {r["step"]: r["loss"] for r in plain}
+        for r in killed:  # every loss, before and after the restart, equals the uninterrupted run's
+            assert r["loss"] == reference[r["step"]], (rank, r)
+
+
+def test_restarts_use_c10d_and_a_store_per_attempt():
+    from zerotrain.launcher.errors import LaunchError
+    from zerotrain.launcher.launch import (UNSHARED_STORE_VAR, LaunchOptions, build_launch_config,
+                                           restart_safe_environment)
+
+    opts = LaunchOptions(script="train.py", master_addr="10.0.0.1", max_restarts=2)
+    config = build_launch_config(opts, 2, 29501, logs_specs=None)
+    assert (config.rdzv_backend, config.rdzv_configs["is_host"], config.local_addr) == ("c10d", True, "10.0.0.1")
+    environ = {}
+    restart_safe_environment(opts, environ)
+    assert environ == {UNSHARED_STORE_VAR: "1"}
+    with pytest.raises(LaunchError, match=f"{UNSHARED_STORE_VAR}=0 .* unset it"):
+        restart_safe_environment(opts, {UNSHARED_STORE_VAR: "0"})
+    opts.max_restarts = 0  # no restarts: the static rendezvous, the given port, nothing exported
+    config = build_launch_config(opts, 2, 29501, logs_specs=None)
+    assert (config.rdzv_backend, config.rdzv_configs["rank"], config.local_addr) == ("static", 0, None)
+    environ = {}
+    restart_safe_environment(opts, environ)
+    assert environ == {}
