@@ -1,14 +1,20 @@
-"""Issue 6's workload: a 110M-parameter HF GPT-2, torch DDP vs zerotrain ZeRO 1/2/3, one run.
+"""The reference GPT-2 workloads: torch DDP vs zerotrain ZeRO 0-3 vs FSDP2 (vs DeepSpeed), one run.
 
-    python bench/gpt2_110m.py [--systems ddp,zt1,zt2,zt3,zt3_bf16] [--steps 6] [--repeats 1]
-                              [--json out.json]
+    python bench/gpt2_110m.py [--model 110m|17m] [--systems ddp,zt1,zt2,zt3,zt3_bf16,fsdp2]
+                              [--steps 6] [--repeats 1] [--json out.json]
+                              [--deepspeed-python /path/to/venv/bin/python]   # adds ds0..ds3
 
-`transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256,
-dropouts 0)`, random init (torch.manual_seed(0)), micro-batch 2 x seq 128 per rank, 2 gloo
-ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, gradient_clipping 0.0, fp32 (and bf16 at stage 3).
-Each system is its own process pair — DDP under `torchrun`, zerotrain under `zerotrain launch` —
-run one after another, alternating across repeats. zerotrain stage 3 builds the model under
-`zerotrain.zero.Init`. Every system then initialises the weights the same way (`init_weights`),
+`--model 110m` (default): `transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12,
+vocab_size=32768, n_positions=256, dropouts 0)`, micro-batch 2 x seq 128 per rank;
+`--model 17m`: n_layer 4, n_embd 512, n_head 8, vocab 8192, n_positions 256, micro-batch 4 x 128.
+Random init (torch.manual_seed(0)), 2 gloo ranks, OMP_NUM_THREADS=1, the config's optimizer
+`{"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": true}}`,
+gradient_clipping 0.0, DeepSpeed's defaults for everything else; fp32 (and bf16 at stage 3).
+Each system is its own process pair — DDP and FSDP2 (`fully_shard` per block, then the root)
+under `torchrun`, zerotrain under `zerotrain launch`, DeepSpeed under torchrun with the
+interpreter given by --deepspeed-python (a venv with deepspeed; the ds* systems are skipped
+without it) — run one after another, alternating across repeats. zerotrain and DeepSpeed stage 3
+build the model under their `zero.Init`. Every system then initialises the weights the same way (`init_weights`),
 so all start from identical weights and their losses can be compared step by step.
 
 Per rank: peak RSS (VmHWM of /proc/self/status — `ru_maxrss` would include the launcher's
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,10 +40,20 @@ NPROC = 2
 MIB = 2**20
 SYSTEMS = {  # key: (label, mode, stage, dtype)
     "ddp": ("torch DDP", "ddp", 0, "fp32"),
+    "zt0": ("zerotrain stage 0", "zerotrain", 0, "fp32"),
     "zt1": ("zerotrain stage 1", "zerotrain", 1, "fp32"),
     "zt2": ("zerotrain stage 2", "zerotrain", 2, "fp32"),
     "zt3": ("zerotrain stage 3 (zero.Init)", "zerotrain", 3, "fp32"),
     "zt3_bf16": ("zerotrain stage 3 bf16 (zero.Init)", "zerotrain", 3, "bf16"),
+    "fsdp2": ("torch FSDP2 (fully_shard)", "fsdp2", 3, "fp32"),
+    "ds0": ("DeepSpeed stage 0", "deepspeed", 0, "fp32"),
+    "ds1": ("DeepSpeed stage 1", "deepspeed", 1, "fp32"),
+    "ds2": ("DeepSpeed stage 2", "deepspeed", 2, "fp32"),
+    "ds3": ("DeepSpeed stage 3 (zero.Init)", "deepspeed", 3, "fp32"),
+}
+MODELS = {  # GPT2Config fields, micro-batch
+    "110m": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256), 2),
+    "17m": (dict(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256), 4),
 }
 
 
@@ -59,14 +76,29 @@ def worker(args) -> None:
 
     rss_at = {"imports": proc_status_mib("VmRSS")}
     in_use_at = {"imports": malloc_in_use_mib()}
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768,
-                                  n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+    cfg = transformers.GPT2Config(**MODELS[args.model][0], resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0)
     mode, stage, dtype = args.mode, args.stage, args.dtype
     torch.manual_seed(0)
-    if mode == "ddp":
+    ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW",
+                        "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+          "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    if mode in ("ddp", "fsdp2"):
         dist.init_process_group("gloo")
         model = transformers.GPT2LMHeadModel(cfg)
+    elif mode == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed("gloo")
+        if stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=ds):
+                model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            model = transformers.GPT2LMHeadModel(cfg)
     else:
         import zerotrain
         from zerotrain.comm.distributed import init_distributed
@@ -77,25 +109,29 @@ def worker(args) -> None:
                 model = transformers.GPT2LMHeadModel(cfg)
         else:
             model = transformers.GPT2LMHeadModel(cfg)
-    init_weights(model, cfg.n_layer, partitioned=mode != "ddp" and stage == 3)
+    init_weights(model, cfg.n_layer, partitioned=mode in ("zerotrain", "deepspeed") and stage == 3,
+                 deepspeed=mode == "deepspeed")
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rank = dist.get_rank()
     rss_at["model"] = proc_status_mib("VmRSS")
-    params = sum(p._zerotrain_layout.numel if hasattr(p, "_zerotrain_layout") else p.numel()
-                 for p in model.parameters())
+    params = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         engine = DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        engine = fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    elif mode == "deepspeed":
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                 config=ds)
     else:
-        ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
-        if dtype == "bf16":
-            ds["bf16"] = {"enabled": True}
         engine, opt, _, _ = zerotrain.initialize(model=model,
                                                  model_parameters=model.parameters(), config=ds)
     rss_at["initialized"] = proc_status_mib("VmRSS")
@@ -110,12 +146,12 @@ def worker(args) -> None:
         sampler = RssSampler(args.rss_sample_ms / 1000, track_malloc=True)
         label_modules(model, sampler)
     mark = sampler.phase if sampler else (lambda label: None)
-    losses, step_s, rss, live, phase_s = [], [], [], [], []
+    losses, step_s, cpu_s, rss, live, phase_s, faults = [], [], [], [], [], [], []
     for i, ids in enumerate(batches, 1):
         dist.barrier()
         mark(f"{i} forward")
-        t0 = time.perf_counter()
-        if mode == "ddp":
+        t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        if mode in ("ddp", "fsdp2"):
             loss = engine(ids, labels=ids).loss
             mark(f"{i} backward")
             t1 = time.perf_counter()
@@ -134,13 +170,16 @@ def worker(args) -> None:
             engine.step()
         mark(f"{i} after step")
         step_s.append(time.perf_counter() - t0)
+        cpu_s.append(time.process_time() - c0)
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append((u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime))
         phase_s.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         losses.append(float(loss))
         rss.append(proc_status_mib("VmRSS"))
         in_use_at[f"after step {i}"] = malloc_in_use_mib()
-        if mode != "ddp":
+        if mode == "zerotrain":
             live.append(engine.memory_breakdown())
-    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s,
+    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "cpu_s": cpu_s, "faults": faults,
               "phase_s": phase_s, "rss_mib": rss,
               "rss_at_mib": rss_at, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
@@ -178,7 +217,7 @@ def label_modules(model, sampler) -> None:
         m.register_forward_hook(post(name))
 
 
-def init_weights(model, n_layer: int, partitioned: bool) -> None:
+def init_weights(model, n_layer: int, partitioned: bool, deepspeed: bool = False) -> None:
     """GPT-2's initialisation (HF's rules: normal(0, 0.02), residual projections scaled by
     1/sqrt(2 n_layer), LayerNorm 1/0, biases 0), drawn from one generator per parameter so every
     system starts from the same weights whatever order or placement built them (HF's own
@@ -190,7 +229,10 @@ def init_weights(model, n_layer: int, partitioned: bool) -> None:
 
     import torch
     import torch.distributed as dist
-    from zerotrain.zero import GatheredParameters
+    if deepspeed:
+        from deepspeed.zero import GatheredParameters
+    else:
+        from zerotrain.zero import GatheredParameters
 
     rank = dist.get_rank()
     seen = set()
@@ -224,18 +266,30 @@ def _live_bytes(b: dict) -> int:
 
 
 # -- driver --------------------------------------------------------------------------------
+def system(key: str) -> tuple[str, str, int, str, dict]:
+    """A --systems entry: a SYSTEMS key, optionally followed by ``:VAR=VALUE`` environment
+    settings for that system's processes (e.g. ``zt1:ZEROTRAIN_MALLOC_TUNING=0``)."""
+    name, *settings = key.split(":")
+    label, mode, stage, dtype = SYSTEMS[name]
+    env = dict(s.split("=", 1) for s in settings)
+    if env:
+        label += " (" + " ".join(f"{k}={v}" for k, v in env.items()) + ")"
+    return label, mode, stage, dtype, env
+
+
 def launch(key: str, args, out: Path) -> list[dict]:
-    label, mode, stage, dtype = SYSTEMS[key]
-    if mode == "ddp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    label, mode, stage, dtype, extra_env = system(key)
+    if mode in ("ddp", "fsdp2", "deepspeed"):
+        python = args.deepspeed_python if mode == "deepspeed" else sys.executable
+        cmd = [python, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(NPROC)]
     else:
         cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(NPROC)]
     cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
-            "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
+            "--model", args.model, "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
             "--rss-sample-ms", str(args.rss_sample_ms), "--zero", args.zero, "--out", str(out)]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, timeout=900)
@@ -249,10 +303,13 @@ def launch(key: str, args, out: Path) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--model", choices=sorted(MODELS), default="110m")
+    ap.add_argument("--systems", default="ddp,zt1,zt2,zt3,zt3_bf16")
+    ap.add_argument("--deepspeed-python",
+                    help="interpreter of a venv with deepspeed installed (for the ds* systems)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=None, help="default: the model's")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="model.gradient_checkpointing_enable(use_reentrant=False)")
@@ -269,9 +326,16 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.micro is None:
+        args.micro = MODELS[args.model][1]
     if args.worker:
         return worker(args)
     keys = args.systems.split(",")
+    if not args.deepspeed_python:
+        skipped = [k for k in keys if system(k)[1] == "deepspeed"]
+        if skipped:
+            print(f"skipping {','.join(skipped)}: no --deepspeed-python", file=sys.stderr)
+        keys = [k for k in keys if k not in skipped]
     runs: dict[str, list[list[dict]]] = {k: [] for k in keys}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -289,10 +353,12 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
         peak = med([max(r["peak_rss_mib"] for r in recs) for recs in reps])
         step = med([med([max(r["step_s"][i] for r in recs)
                          for i in range(1, len(recs[0]["step_s"]))]) for recs in reps])
+        cpu = med([med([max(r["cpu_s"][i] for r in recs)
+                        for i in range(1, len(recs[0]["cpu_s"]))]) for recs in reps])
         recs = reps[0]
         rss_steps = [max(r["rss_mib"][i] for r in recs) for i in range(len(recs[0]["rss_mib"]))]
         live = max((r["peak_live_bytes"] or 0) for r in recs) / MIB
-        rows[k] = {"label": SYSTEMS[k][0], "peak_rss_mib": peak, "step_s": step,
+        rows[k] = {"label": system(k)[0], "peak_rss_mib": peak, "step_s": step, "cpu_s": cpu,
                    "peak_by_rank": [r["peak_rss_mib"] for r in recs],
                    "rss_steps_mib": rss_steps, "losses": recs[0]["losses"],
                    "live_mib": live, "rss_at_mib": recs[0]["rss_at_mib"],
@@ -303,16 +369,19 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
           f"rank, {NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
           f"{args.steps} steps, {args.repeats} launch(es) per system; peak = VmHWM, max over "
           "ranks; step = median of steps 2.., slower rank\n")
-    print("| system | peak RSS MiB | / DDP | step s | / DDP | live MiB (engine) | peak - live | "
-          "RSS after steps 1..N (max rank) | step-1 loss | last loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| system | peak RSS MiB | / DDP | step s | / DDP | CPU s per step | / DDP | "
+          "live MiB (engine) | peak - live | RSS after steps 1..N (max rank) | step-1 loss | "
+          "last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k, r in rows.items():
         rr = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
         sr = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        cr = f"{r['cpu_s'] / base['cpu_s']:.2f}" if base else "-"
         live = f"{r['live_mib']:.0f}" if r["live_mib"] else "-"
         gap = f"{r['peak_rss_mib'] - r['live_mib']:.0f}" if r["live_mib"] else "-"
         steps = " ".join(f"{x:.0f}" for x in r["rss_steps_mib"])
         print(f"| {r['label']} | {r['peak_rss_mib']:.0f} | {rr} | {r['step_s']:.2f} | {sr} | "
+              f"{r['cpu_s']:.2f} | {cr} | "
               f"{live} | {gap} | {steps} | {r['losses'][0]:.5f} | {r['losses'][-1]:.5f} |")
     if base:
         print("\nstep-1 loss difference vs DDP: " + ", ".join(
@@ -321,6 +390,9 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
     print("\nforward / backward / optimizer step s (median of steps 2.., rank 0): " + "; ".join(
         f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
         for k, reps in runs.items()))
+    print("\npage faults / system CPU s per step (median of steps 2.., rank 0): " + "; ".join(
+        f"{k} {med([f[0] for f in reps[0][0]['faults'][1:]]):.0f} / "
+        f"{med([f[1] for f in reps[0][0]['faults'][1:]]):.2f}" for k, reps in runs.items()))
     print("\nRSS (MiB, rank 0) after imports / model built / initialize: " + "; ".join(
         f"{k} {r['rss_at_mib']['imports']:.0f}/{r['rss_at_mib']['model']:.0f}/"
         f"{r['rss_at_mib']['initialized']:.0f}" for k, r in rows.items()))
@@ -365,7 +437,7 @@ def print_gap_breakdown(runs) -> None:
         live = (r["peak_live_bytes"] or 0) / MIB
         transient = in_use[peak_phase] - at_rest
         retained = later[peak_phase] - in_use[peak_phase] - (imports_rss - imports_heap)
-        lines.append(f"| {SYSTEMS[k][0]} | {later[peak_phase]:.0f} ({peak_phase}) | "
+        lines.append(f"| {system(k)[0]} | {later[peak_phase]:.0f} ({peak_phase}) | "
                      f"{imports_rss - imports_heap:.0f} | {imports_heap:.0f} | "
                      f"{at_rest - imports_heap:.0f} | {transient:.0f} | {retained:.0f} | {live:.0f} |")
     if lines:
