@@ -37,7 +37,7 @@ _EXPORTS = {
 # DeepSpeed's names for the same things, for code written against deepspeed.*
 _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
 _SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher", "monitor",
-               "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression"}
+               "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression", "checkpointing"}
 
 __all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
 

@@ -72,48 +72,9 @@ def _tell_accelerate_backend() -> None:
         shared["backend"] = dist.get_backend()
 
 
-def _gathered_parameters_returning_memory():
-    """``deepspeed.zero.GatheredParameters``: zerotrain's, handing freed memory back on exit.
-
-    transformers' ZeRO-3 ``from_pretrained`` gathers each module's parameters, fills them and
-    re-partitions them, one module after another. The whole tensors freed at each exit are
-    mostly under glibc's mmap threshold, so without a trim they stay in the heap and the
-    resident size climbs to the full model (measured: 1.04x the model size at 2 ranks, against
-    0.63x with the trim; tests/hf/test_pretrained.py). Stand-in until zerotrain's own
-    ``GatheredParameters`` trims when it re-partitions ``zero.Init`` parameters."""
-    from zerotrain.memory_release import release_freed_memory
-    from zerotrain.zero.gathered import GatheredParameters
-
-    class GatheredParametersReturningMemory(GatheredParameters):
-        __doc__ = GatheredParameters.__doc__
-
-        def __exit__(self, *exc):
-            repartitioned = bool(self._init_params)
-            result = super().__exit__(*exc)
-            if repartitioned:
-                release_freed_memory()
-            return result
-
-    GatheredParametersReturningMemory.__name__ = "GatheredParameters"
-    return GatheredParametersReturningMemory
-
-
-class _Lazy:
-    """An override built on first use (it imports zerotrain.zero)."""
-
-    def __init__(self, build):
-        self.build, self.value = build, MISSING
-
-    def get(self):
-        if self.value is MISSING:
-            self.value = self.build()
-        return self.value
-
-
 # Consulted before zerotrain's own module: these replace the zerotrain name under the alias.
 _OVERRIDES: dict[str, dict[str, object]] = {
     "deepspeed.comm": {"init_distributed": init_distributed, "is_initialized": is_initialized},
-    "deepspeed.zero": {"GatheredParameters": _Lazy(_gathered_parameters_returning_memory)},
 }
 
 _EXTRAS: dict[str, dict[str, object]] = {
@@ -136,8 +97,7 @@ def lookup(module_name: str, attr: str):
 
 def override(module_name: str, attr: str):
     """The replacement for zerotrain's ``module_name.attr`` under the alias, or ``MISSING``."""
-    value = _OVERRIDES.get(module_name, {}).get(attr, MISSING)
-    return value.get() if isinstance(value, _Lazy) else value
+    return _OVERRIDES.get(module_name, {}).get(attr, MISSING)
 
 
 def is_extra_module(module_name: str) -> bool:

@@ -10,6 +10,7 @@ from torch.autograd.graph import increment_version
 
 from zerotrain.comm import collectives
 from zerotrain.zero import registry
+from zerotrain.memory_release import release_freed_memory
 from zerotrain.zero.init import _keep_shard, is_partitioned, materialize
 
 
@@ -77,6 +78,11 @@ class GatheredParameters(contextlib.ContextDecorator):
             unit.coordinator.release(unit)
         for p in self._init_params:
             _keep_shard(p, dist.get_world_size(), dist.get_rank())
+        if self._init_params:
+            # The whole parameters just freed sit in malloc's heap: without handing them back,
+            # loading a model module by module (from_pretrained under zero.Init) grows each
+            # rank's resident size to the full model.
+            release_freed_memory()
         self._units, self._init_params, self._whole = [], [], []  # reusable as a decorator
         return False
 
