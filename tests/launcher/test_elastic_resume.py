@@ -1,6 +1,7 @@
 """Elastic restart (issue 16 part 4): a rank is SIGKILLed mid-run; with ``--max_restarts 1`` the
 agent restarts every rank, the script resumes from its latest checkpoint, and the run ends
-exactly as an uninterrupted one, redoing only the steps since that checkpoint.
+exactly as an uninterrupted one, redoing only the steps since that checkpoint. On one node, and
+on two nodes (two agents on this machine, each as a node of a multi-node launch runs it).
 
 Restarted ranks used to read the killed attempt's gloo addresses from the agent's store (torch
 keeps one store for all attempts and its keys have no attempt prefix): rank 0 of the restart
@@ -79,32 +80,50 @@ def _losses(path) -> list[dict]:
 
 
 def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
+    """One node with 2 ranks, and two agents of 1 rank each as two nodes (``--no_ssh``: what every
+    node of a hostfile launch runs), against an uninterrupted run; all three at once."""
     script = write_script(tmp_path, RESUMING_SCRIPT)
-    runs = {}
-    for name, kill, restarts in (("plain", 0, "0"), ("killed", KILL_AFTER, "1")):
-        (tmp_path / name).mkdir()  # both at once, each on a port of its own
-        runs[name] = _start("--nproc", "2", "--max_restarts", restarts, "--master_port", str(free_port()),
-                            "--no_local_rank", script, str(STEPS), str(SAVE_EVERY), str(kill), name, cwd=tmp_path)
-    finished = {name: _finish(proc) for name, proc in runs.items()}  # both, before any assert
-    outputs = {}
-    for name, (code, output) in finished.items():
-        assert code == 0, output
-        outputs[name] = {rank: _losses(tmp_path / name / f"losses{rank}.jsonl") for rank in (0, 1)}
+
+    def job(kill: int, name: str) -> list[str]:
+        return [script, str(STEPS), str(SAVE_EVERY), str(kill), name]
+
+    two_nodes = ["--no_ssh", "--world", "n0:0@n1:0", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                 "--rdzv_id", "two-nodes", "--max_restarts", "1", "--no_local_rank"]
+    runs = {
+        "plain": [("--nproc", "2", "--master_port", str(free_port()), "--no_local_rank", *job(0, "plain"))],
+        "killed": [("--nproc", "2", "--max_restarts", "1", "--master_port", str(free_port()), "--no_local_rank",
+                    *job(KILL_AFTER, "killed"))],
+        "two_nodes": [("launch", *two_nodes, "--node_rank", str(node), *job(KILL_AFTER, "two_nodes"))
+                      for node in (0, 1)],
+    }
+    procs = {}
+    for name, commands in runs.items():
+        (tmp_path / name).mkdir()
+        procs[name] = [_start(*command, cwd=tmp_path) for command in commands]
+    finished = {name: [_finish(proc) for proc in group] for name, group in procs.items()}  # all, before asserting
+    for name, results in finished.items():
+        for code, output in results:
+            assert code == 0, f"{name}: {output}"
+    outputs = {name: {rank: _losses(tmp_path / name / f"losses{rank}.jsonl") for rank in (0, 1)} for name in runs}
     last_saved = KILL_AFTER // SAVE_EVERY * SAVE_EVERY  # global_step4: step index 4 is redone
+    assert KILL_AFTER - last_saved <= SAVE_EVERY  # at most one checkpoint interval lost
     for rank in (0, 1):
         plain = outputs["plain"][rank]
         assert [r["step"] for r in plain] == list(range(STEPS)) and {r["attempt"] for r in plain} == {0}
-        killed = outputs["killed"][rank]
-        first = [r["step"] for r in killed if r["attempt"] == 0]
-        second = [r["step"] for r in killed if r["attempt"] == 1]
-        # Rank 1 dies right after logging step KILL_AFTER - 1; rank 0 may be stopped before logging it.
-        assert first == list(range(len(first)))
-        assert len(first) in ((KILL_AFTER,) if rank else (KILL_AFTER - 1, KILL_AFTER))
-        assert second == list(range(last_saved, STEPS))
-        assert KILL_AFTER - last_saved <= SAVE_EVERY  # at most one checkpoint interval lost
         reference = {r["step"]: r["loss"] for r in plain}
-        for r in killed:  # every loss, before and after the restart, equals the uninterrupted run's
-            assert r["loss"] == reference[r["step"]], (rank, r)
+        for name in ("killed", "two_nodes"):
+            # Steps before the kill, then from the checkpoint on. Rank 1 dies right after logging
+            # step KILL_AFTER - 1; rank 0 may be stopped before logging it.
+            logged = (KILL_AFTER,) if rank else (KILL_AFTER - 1, KILL_AFTER)
+            expected = [list(range(done)) + list(range(last_saved, STEPS)) for done in logged]
+            assert [r["step"] for r in outputs[name][rank]] in expected, (name, rank, outputs[name][rank])
+            for r in outputs[name][rank]:  # every loss, before and after the restart, equals the uninterrupted run's
+                assert r["loss"] == reference[r["step"]], (name, rank, r)
+        # One agent: TORCHELASTIC_RESTART_COUNT is the attempt.
+        assert {r["attempt"] for r in outputs["killed"][rank] if r["step"] > KILL_AFTER} == {1}
+    # Across nodes it counts each agent's own restarts: node 0's rank may be restarted for node 1's
+    # failure without counting one (or fail itself first and count one).
+    assert {r["attempt"] for r in outputs["two_nodes"][1] if r["step"] > KILL_AFTER} == {1}
 
 
 def test_restarts_use_c10d_and_a_store_per_attempt():
