@@ -29,7 +29,7 @@ from zerotrain.models import GPT, GPTConfig
 
 steps, save_every, kill_after, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-os.environ["ZEROTRAIN_COMM_TIMEOUT"] = "60"  # a broken rendezvous fails in a minute, not 30
+os.environ["ZEROTRAIN_COMM_TIMEOUT"] = "60"  # a broken rendezvous fails in 1 minute, not 30
 if attempt > 0 and rank == 0:
     time.sleep(2)  # rank 1 reaches the rendezvous first: stale keys would be read, not waited for
 torch.manual_seed(0)

@@ -160,8 +160,8 @@ def set_omp_num_threads(nproc: int, environ: dict[str, str] = os.environ, cpus: 
     )
 
 
-# torch's switch (torch >= 2.4) back from sharing the agent's store with the ranks to a store
-# per c10d round, hosted by that round's rank 0 on a free port.
+# torch's switch back from sharing the agent's store with the ranks (pytorch PR #128096) to a
+# store per c10d round, hosted by that round's rank 0 on a free port.
 UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
@@ -173,7 +173,8 @@ def restart_safe_environment(opts: LaunchOptions, environ: dict[str, str] = os.e
     attempt in them (``0//cpu//0/<rank>`` for the default group, ``1//...`` for the next). A
     restarted rank that looks up a peer before the restarted peer has rewritten its key gets
     the killed attempt's address: "Gloo connectFullMesh failed ... Connection refused", or a
-    hang when that port has been reused (torch issues 135712, 167288).
+    hang when that port has been reused (pytorch issues #135712, #167288; PR #135957 dropped
+    the per-attempt key prefix).
     """
     if opts.max_restarts <= 0:
         return
