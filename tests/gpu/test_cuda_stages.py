@@ -1,0 +1,80 @@
+"""Stages 0-3 x fp32/bf16 on a CUDA device, against the single-process fp32 reference.
+
+CI has no GPU: these skip there and run where one is at hand (``pytest -m gpu``). One process
+on one device with NCCL (world size 1: every collective still runs, through NCCL), and, with two
+or more devices, two ranks. The checks are the combination suite's (tests/engine/
+test_combinations.py): fp32 final weights equal the reference's (1e-4 relative: the reference
+runs on the CPU), 16-bit updates of the reference's size and direction; and the training state
+really lives on the device."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.engine.test_combinations import MICRO, STEPS, _check, _config
+from tests.engine.workloads import global_batches, make_model
+from zerotrain.testing import run_on_ranks
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+COMBOS = list(itertools.product((0, 1, 2, 3), ("fp32", "bf16"), ("sgd", "adamw")))
+
+
+def _train_on_device(combos) -> dict:
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.accelerator import get_accelerator
+
+    zerotrain.init_distributed()
+    device = torch.device(get_accelerator().current_device_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage, precision, optimizer in combos:
+        model = make_model()
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(stage, precision, 1, optimizer))
+        data = global_batches(STEPS, MICRO * world).to(device)
+        for step in range(STEPS):
+            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            engine.backward(engine(batch, labels=batch).loss)
+            engine.step()
+        devices = {p.device.type for p in engine.module.parameters()}
+        devices |= {t.device.type for s in engine.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0}
+        state = engine.module_state_dict()
+        out[(stage, precision, optimizer)] = {
+            "params": {n: v.float().cpu() for n, v in state.items()},
+            "devices": devices, "skipped": engine.skipped_steps, "dist_backend": dist.get_backend()}
+        engine.destroy()
+    return out
+
+
+def _assert_matches(results: dict, world: int) -> None:
+    failures = []
+    for stage in (0, 1, 2, 3):
+        per_stage = {(p, 1, o): r for (s, p, o), r in results.items() if s == stage}
+        failures += _check(per_stage, stage, world=world, fp32_rtol=1e-4)
+    for combo, r in results.items():
+        if r["devices"] != {"cuda"}:
+            failures.append(f"{combo}: training state on {sorted(r['devices'])}, expected cuda")
+    assert not failures, "\n".join(failures)
+
+
+def test_one_device_nccl():
+    (results,) = run_on_ranks(_train_on_device, world_size=1, args=(COMBOS,), timeout=900)
+    assert {r["dist_backend"] for r in results.values()} == {"nccl"}
+    _assert_matches(results, world=1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_devices_nccl():
+    per_rank = run_on_ranks(_train_on_device, world_size=2, args=(COMBOS,), timeout=900)
+    for combo, r in per_rank[1].items():  # stage 3 gathers the state dict on rank 0 only
+        for name, value in r["params"].items():
+            assert torch.equal(value, per_rank[0][combo]["params"][name]), (combo, name)
+    _assert_matches(per_rank[0], world=2)
