@@ -4,7 +4,10 @@
 before the module runs, its units are all-gathered (the module's parameters become views of the
 full buffers); after it, they are released again, and a hook on the module's outputs gathers them
 once more when backward reaches the module. A unit's full buffer is released in backward as soon
-as its gradients have been reduce-scattered.
+as its gradients have been reduce-scattered; a frozen unit (nothing to reduce: a LoRA model's
+base) as soon as the gradients with respect to its module's inputs are computed, i.e. when the
+module's backward is over, unless another module call uses it too (tied weights, a module called
+twice), which keeps it until the end of backward.
 
 Parameters used outside their own module (tied weights, ``other.weight`` in a forward) are caught
 where they are read: each module's ``_parameters`` dict gathers a released parameter on access
@@ -101,6 +104,12 @@ class ParameterCoordinator:
         self._own_storage: dict[FlatParamUnit, torch.Tensor] = {}
         # Units used by a module whose outputs hold no tensor we can hook: never emptied.
         self._keep_whole: set[FlatParamUnit] = set()
+        # Frozen units used by more than one module call in a forward pass: their release after
+        # one call's backward could race another call's (autograd interleaves parallel
+        # branches), so they wait for end_backward.
+        self._calls: dict[FlatParamUnit, int] = {}
+        self._shared: set[FlatParamUnit] = set()
+        self.early_releases = 0  # frozen units released when their module's backward ended
         self.storage_refills = 0  # gathers into such an emptied storage (each allocates)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._position = {u: i for i, u in enumerate(self.units)}
@@ -117,7 +126,7 @@ class ParameterCoordinator:
                 self._module_units[m] = own
                 m._parameters = _GatheringParameters(self, m._parameters)
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._root = module
 
     # -- gathering ----------------------------------------------------------------------
@@ -153,6 +162,7 @@ class ParameterCoordinator:
             self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit))
 
     agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
+    param_swapper = None  # NVMe parameter offload: shards are read ahead along the recorded order
 
     def _agree(self, unit: FlatParamUnit) -> None:
         if self.agreement is not None:
@@ -225,6 +235,8 @@ class ParameterCoordinator:
     def _use(self, unit: FlatParamUnit) -> None:
         order = self._backward_order if in_backward() else self._forward_order
         matched = order.see(unit)
+        if matched and self.param_swapper is not None:
+            self.param_swapper.read_ahead(order.upcoming())
         self.fetch(unit)
         if matched and self.prefetch_numel:
             self._prefetch(order)
@@ -234,18 +246,29 @@ class ParameterCoordinator:
         unit = self._unit_of.get(id(param))
         if unit is None or not self._stack:
             return  # outside a forward: use zerotrain.zero.GatheredParameters
-        self._stack[-1][1].add(unit)
+        used = self._stack[-1][1]
+        if unit not in used:
+            used.add(unit)
+            self._note_call(unit)
         self._use(unit)
+
+    def _note_call(self, unit: FlatParamUnit) -> None:
+        if not unit.trained and not in_backward():
+            self._calls[unit] = self._calls.get(unit, 0) + 1
+            if self._calls[unit] > 1:
+                self._shared.add(unit)
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         if module is self._root and not in_backward():
             self._forward_order.start()
+            self._calls = {}
         own = self._module_units.get(module, ())
         self._stack.append((module, set(own)))
         for unit in own:
+            self._note_call(unit)
             self._use(unit)
 
-    def _post_forward(self, module: nn.Module, args, output):
+    def _post_forward(self, module: nn.Module, args, kwargs, output):
         _, used = self._stack.pop()
         backward = in_backward()
         if used and torch.is_grad_enabled():
@@ -256,6 +279,14 @@ class ParameterCoordinator:
                 ordered = tuple(sorted(used, key=self._position.__getitem__))
                 register_multi_grad_hook(tensors, lambda grads, units=ordered: self._pre_backward(units),
                                          mode="any")
+                frozen = tuple(u for u in ordered if not u.trained)
+                inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                if frozen and inputs and not backward:
+                    # "all": once every input's gradient is computed, the module's backward is
+                    # over (a frozen unit is needed for nothing else). Releasing is local; only
+                    # gathers are collectives, and those happen in the same order on every rank.
+                    register_multi_grad_hook(
+                        inputs, lambda grads, units=frozen: self._post_backward(units), mode="all")
             else:  # outputs we cannot see into: backward will not gather these units again
                 self._keep_whole.update(used)
                 for unit in used:
@@ -273,6 +304,12 @@ class ParameterCoordinator:
     def _pre_backward(self, units) -> None:
         for unit in units:
             self._use(unit)
+
+    def _post_backward(self, frozen_units) -> None:
+        for unit in frozen_units:
+            if unit.gathered and unit not in self._shared and unit not in self._keep_whole:
+                self.release(unit)
+                self.early_releases += 1
 
     # -- backward boundaries ------------------------------------------------------------
     def begin_backward(self) -> None:
