@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from tests.engine.workloads import adamw_config, make_model, train_steps
+from tests.offload import checkpoint_cases
 from zerotrain.testing import run_on_ranks
 
-STEPS = 6
+STEPS = 4
 
 
 def _config(stage: int, device: str, nvme_path: str, bf16: bool = False, sgd: bool = False) -> dict:
@@ -28,13 +29,16 @@ def _config(stage: int, device: str, nvme_path: str, bf16: bool = False, sgd: bo
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    elif device == "nvme":
+    elif device in ("nvme", "pnvme"):
         # small chunks and 2 buffers: many chunks, read-ahead and write-behind all exercised
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
                                      "pin_memory": True, "fast_init": False}
         zero["sub_group_size"] = 700
         cfg["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 2,
                       "single_submit": False, "overlap_events": True}
+        if device == "pnvme":  # parameters (and so gradients) too; few in memory: evicted often
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
+                                     "buffer_size": 10**6, "max_in_cpu": 3000}
     cfg["zero_optimization"] = zero
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -45,20 +49,23 @@ def _swap_files(nvme_path: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(nvme_path) for f in files)
 
 
-def _trajectories(cases, nvme_path):
+def _trajectories(cases, nvme_path, checkpoints):
     import zerotrain
 
     zerotrain.init_distributed()
-    out = {}
+    out = {"checkpoint": checkpoint_cases.save_and_resume(checkpoints, nvme_path)}
     for name, (stage, device, bf16, sgd) in cases.items():
         model = make_model()
         engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
                                                  config=_config(stage, device, nvme_path, bf16, sgd))
         losses = train_steps(engine, STEPS)
         record = {"losses": losses, "memory": engine.memory_breakdown()}
-        if device == "nvme":
+        if device.endswith("nvme"):
             offload = engine._zero.offload
             record["folder"] = offload.folder
+            if engine._zero.param_offload is not None:
+                record["param_folder"] = engine._zero.param_offload.folder
+                record["param_files"] = len(os.listdir(record["param_folder"]))
             record["files"] = sorted(os.listdir(offload.folder))
             record["stats"] = engine._zero.offload_stats()
             record["chunks"] = len(offload.swapper.chunks)
@@ -71,33 +78,38 @@ def _trajectories(cases, nvme_path):
             record["named"] = engine._zero.named_optimizer_state(opt)
         engine.destroy()
         record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        if device == "nvme":
-            record["exists_after"] = os.path.exists(record["folder"])
+        if device.endswith("nvme"):
+            record["exists_after"] = any(os.path.exists(record[k]) for k in ("folder", "param_folder")
+                                         if k in record)
         out[name] = record
     return out
 
 
+# Each offload path once against its in-memory reference: stages 2 and 3 with cpu and nvme
+# (fp32), parameters and gradients on NVMe too (fp32, and bf16 where the master is swapped),
+# stage 1 with SGD (another optimizer's state).
 CASES = {
     "s2": (2, "none", False, False), "s2cpu": (2, "cpu", False, False), "s2nvme": (2, "nvme", False, False),
     "s3": (3, "none", False, False), "s3cpu": (3, "cpu", False, False), "s3nvme": (3, "nvme", False, False),
-    "s2sgd": (2, "none", False, True), "s2sgdnvme": (2, "nvme", False, True),
-    "s1": (1, "none", False, False), "s1nvme": (1, "nvme", False, False),
-    "s3bf": (3, "none", True, False), "s3bfnvme": (3, "nvme", True, False),
-    "s2bf": (2, "none", True, False), "s2bfcpu": (2, "cpu", True, False), "s2bfnvme": (2, "nvme", True, False),
+    "s3pnvme": (3, "pnvme", False, False),
+    "s3bf": (3, "none", True, False), "s3bfpnvme": (3, "pnvme", True, False),
+    "s1sgd": (1, "none", False, True), "s1sgdnvme": (1, "nvme", False, True),
 }
-PAIRS = [("s2", "s2cpu"), ("s2", "s2nvme"), ("s3", "s3cpu"), ("s3", "s3nvme"), ("s2sgd", "s2sgdnvme"),
-         ("s1", "s1nvme"), ("s3bf", "s3bfnvme"), ("s2bf", "s2bfcpu"), ("s2bf", "s2bfnvme")]
+PAIRS = [("s2", "s2cpu"), ("s2", "s2nvme"), ("s3", "s3cpu"), ("s3", "s3nvme"), ("s3", "s3pnvme"),
+         ("s3bf", "s3bfpnvme"), ("s1sgd", "s1sgdnvme")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     nvme = tmp_path_factory.mktemp("nvme")
-    return run_on_ranks(_trajectories, 2, args=(CASES, str(nvme)), timeout=300), nvme
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    results = run_on_ranks(_trajectories, 2, args=(CASES, str(nvme), str(checkpoints)), timeout=300)
+    return results, nvme, checkpoints
 
 
 @pytest.mark.parametrize("reference,offloaded", PAIRS)
 def test_offload_reproduces_the_in_memory_trajectory(runs, reference, offloaded):
-    results, _ = runs
+    results = runs[0]
     for rank in results:
         want, got = rank[reference], rank[offloaded]
         # same operations on the same values, chunk by chunk: bit-identical, fp32 and bf16 alike
@@ -117,7 +129,7 @@ def test_offload_reproduces_the_in_memory_trajectory(runs, reference, offloaded)
 
 
 def test_nvme_swap_files_live_while_training_and_go_after(runs):
-    results, nvme = runs
+    results, nvme, _ = runs
     for rank, out in enumerate(results):
         for name, record in out.items():
             if not name.endswith("nvme"):
@@ -135,4 +147,23 @@ def test_nvme_swap_files_live_while_training_and_go_after(runs):
             assert record["memory"]["optimizer_state"] == 0
             assert 0 < record["memory"]["offload_buffers"]
             assert not record["exists_after"]
+            if "pnvme" in name:  # one file per partitioned shard; shards and gradients moved
+                assert record["param_files"] > 3
+                assert stats["params"]["bytes_read"] > 0 and stats["params"]["bytes_written"] > 0
+                assert stats["params"]["peak_resident_numel"] <= 3000 + 2048
+                assert stats["grads"]["bytes_written"] > 0
     assert _swap_files(str(nvme)) == []
+
+
+def test_nvme_checkpoints_resume_bit_identically_and_reshard(runs, monkeypatch):
+    """Saved with optimizer state and parameters on NVMe on 2 ranks: resumed with and without
+    offload (and the other way round) bit-identically; loaded on 1 rank (here, in-process)."""
+    import zerotrain
+
+    results, nvme, checkpoints = runs
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(30500 + os.getpid() % 1000)}.items():
+        monkeypatch.setenv(key, value)
+    zerotrain.init_distributed()
+    single = checkpoint_cases.load_on_one_rank(str(checkpoints), str(nvme))
+    checkpoint_cases.check([r["checkpoint"] for r in results], single, nvme)

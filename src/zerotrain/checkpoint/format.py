@@ -75,7 +75,9 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 def stream_safetensors(path, specs, produce, metadata: dict[str, str] | None = None) -> dict:
     """Write a safetensors file whose tensors ``specs`` (``(name, dtype, shape)``) are made one
-    at a time by ``produce(name)`` and written at once, so only one is ever held."""
+    at a time by ``produce(name)`` and written at once, so only one is ever held. A produced
+    object with ``pieces()`` (``zerotrain.offload.swapper.SwappedTensor``) is written piece by
+    piece."""
     header, offset = {}, 0
     for name, dtype, shape in specs:
         if dtype not in _NAMES:
@@ -99,10 +101,13 @@ def stream_safetensors(path, specs, produce, metadata: dict[str, str] | None = N
                 raise ValueError(f"{name}: produced {t.dtype} {tuple(t.shape)}, planned {dtype} {tuple(shape)}")
             if t.numel() == 0:
                 continue
-            data = t.detach().reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy()
-            f.write(data)
-            digest.update(data)
-            del t, data
+            # An NVMe-swapped tensor comes in pieces (one chunk in memory at a time).
+            for piece in t.pieces() if hasattr(t, "pieces") else (t,):
+                data = piece.detach().reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy()
+                f.write(data)
+                digest.update(data)
+                del piece, data
+            del t
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": digest.hexdigest(), "bytes": 8 + len(raw) + offset}

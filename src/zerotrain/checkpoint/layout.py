@@ -17,12 +17,56 @@ from zerotrain.checkpoint.format import FORMAT, FORMAT_VERSION, dtype_name
 
 
 def stage_units(engine) -> list:
-    if getattr(engine._zero, "offload", None) is not None:  # state in swap files, not in units
-        raise NotImplementedError(
-            "save_checkpoint/load_checkpoint with zero_optimization.offload_optimizer.device "
-            "\"nvme\" is not implemented yet: the optimizer state lives in swap files; use "
-            "device \"cpu\" (or none) for runs that must checkpoint")
     return list(getattr(engine._zero, "units", None) or [])
+
+
+def swapper_of(engine):
+    """The NVMe optimizer swapper (``zerotrain.offload.swapper.OptimizerSwapper``) holding the
+    masters and optimizer state of trained units in swap files, or None."""
+    offload = getattr(engine._zero, "offload", None)
+    return offload.swapper if offload is not None else None
+
+
+class _ResidentShard:
+    """A shard kept in an NVMe parameter swap file, read back only when it is written out."""
+
+    def __init__(self, unit):
+        self.unit, self.dtype, self.shape = unit, unit.shard.dtype, unit.shard.shape
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def pieces(self):
+        # a copy: the writer's numpy view would make the shard's storage non-resizable, and
+        # eviction resizes it
+        yield self.unit.resident_shard().detach().clone()
+
+    def detach(self) -> torch.Tensor:
+        return self.unit.resident_shard().detach().clone()
+
+
+def unit_param(unit):
+    """The unit's shard as a checkpoint writes it (read from its swap file when it is there)."""
+    if unit.param_swapper is not None:
+        return _ResidentShard(unit)
+    return unit.shard.detach()
+
+
+def unit_training_state(engine, unit, optimizer) -> tuple[object, dict, dict]:
+    """``(fp32 master or None, {state key: whole-shard tensor}, scalars)`` of a trained unit.
+    With NVMe offload the master and state tensors are ``SwappedTensor``s, read chunk by chunk
+    only when written."""
+    swapper = swapper_of(engine)
+    if swapper is not None and unit.group is not None:
+        swapped_master, dtypes, scalars = swapper.unit_state(unit)
+        master = swapper.unit_tensor(unit, "master") if swapped_master else None
+        return master, {k: swapper.unit_tensor(unit, k) for k in dtypes}, scalars
+    master = unit.master.detach() if unit.master is not None else None
+    if optimizer is None or unit.group is None:
+        return master, {}, {}
+    elementwise, scalars = split_state(optimizer.state.get(optimizer_key(unit), {}),
+                                       unit.layout.shard_numel)
+    return master, elementwise, scalars
 
 
 def optimizer_key(unit) -> torch.Tensor:
@@ -90,11 +134,9 @@ def describe(engine, tag: str, exclude_frozen: bool) -> dict:
         if exclude_frozen and unit.group is None:
             excluded.extend(unit.names)
             continue
-        saved = ["param"] + (["master"] if unit.master is not None else [])
-        if optimizer is not None and unit.group is not None:
-            elementwise, _ = split_state(optimizer.state.get(optimizer_key(unit), {}),
-                                         unit.layout.shard_numel)
-            saved += [f"state/{k}" for k in elementwise]
+        master, elementwise, _ = unit_training_state(engine, unit, optimizer)
+        saved = ["param"] + (["master"] if master is not None else [])
+        saved += [f"state/{k}" for k in elementwise]
         layout = unit.layout
         units_meta.append({
             "id": i, "group": unit.group, "dtype": dtype_name(unit.shard.dtype),

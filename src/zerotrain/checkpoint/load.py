@@ -16,7 +16,8 @@ import torch
 
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, state_file
 from zerotrain.checkpoint.layout import (group_of_whole, optimizer_key, parameter_names,
-                                         persistent_buffers, stage_units, whole_parameters)
+                                         persistent_buffers, stage_units, swapper_of,
+                                         whole_parameters)
 from zerotrain.checkpoint.training_state import restore_engine, restore_rng
 
 logger = logging.getLogger("zerotrain")
@@ -87,9 +88,11 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
             "groups, or pass load_optimizer_states=False")
     rank = getattr(engine._zero, "shard_rank", 0)
+    swapper = swapper_of(engine)
     for unit in stage_units(engine):
         _load_unit(unit, rank, reader, match,
-                   optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32)
+                   optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32,
+                   swapper if unit.group is not None else None)
     groups = group_of_whole(engine)
     for name, p in whole_parameters(engine):
         if not match.loadable(name):
@@ -145,7 +148,7 @@ def _values(reader, name, dtype, start, numel) -> torch.Tensor:
     return reader.read(name, "master", start, numel).to(dtype)
 
 
-def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32) -> None:
+def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None) -> None:
     layout = unit.layout
     dtype = unit.shard.dtype
     if not unit.resharded:  # the stage keeps the whole unit on every rank: fill all of it
@@ -156,16 +159,67 @@ def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32) -> Non
     pieces = [(name_of(unit, p), p.param_start, p.shard_start, p.numel)
               for p in layout.shard_pieces(rank)]
     pieces = [p for p in pieces if match.loadable(p[0])]
-    if unit.resharded:
+    if unit.resharded and pieces:
+        shard = unit.resident_shard(dirty=True).data  # NVMe parameter offload: read back first
         for name, start, at, n in pieces:
-            unit.shard.data.narrow(0, at, n).copy_(_values(reader, name, dtype, start, n))
+            shard.narrow(0, at, n).copy_(_values(reader, name, dtype, start, n))
     if unit.master is not None:
         for name, start, at, n in pieces:
             what = "master" if from_fp32 and reader.has(name, "master") else "param"
             unit.master.data.narrow(0, at, n).copy_(reader.read(name, what, start, n))
-    if optimizer is not None:
+    if swapper is not None:  # NVMe offload: master and state go to the swap files chunk by chunk
+        _load_swapped(unit, swapper, reader, pieces, optimizer is not None, scalars0, from_fp32)
+    elif optimizer is not None:
         _set_state(optimizer, optimizer_key(unit), reader, pieces, layout.shard_numel, scalars0)
     unit.record_versions()
+
+
+def _load_swapped(unit, swapper, reader, pieces, load_state: bool, scalars0, from_fp32) -> None:
+    """Each chunk's master and optimizer state from the saved parameters its elements cover
+    (only one chunk's worth in memory at a time); elements no saved parameter covers keep
+    their master and get zero state."""
+    state_keys = _state_keys(reader, pieces) if load_state else None
+    scalars = _copy_scalars(scalars0.get(_scalar_key(reader, pieces[0][0]), {})) if (
+        load_state and pieces and state_keys) else {}
+    dtypes = {what: reader.read(pieces[0][0], what, pieces[0][1], 1).dtype
+              for what in state_keys or ()}
+    for chunk in swapper.chunks_of(unit):
+        lo_chunk, hi_chunk = chunk.start, chunk.start + chunk.numel
+        tensors = {what.removeprefix("state/"): torch.zeros(chunk.numel, dtype=dtype)
+                   for what, dtype in dtypes.items()}
+        if chunk.swap_master:
+            tensors["master"] = swapper.read_key(chunk, "master").clone()
+        if state_keys is None:  # optimizer state not loaded: keep what the chunk has
+            tensors.update({k: swapper.read_key(chunk, k).clone() for k in chunk.state_dtypes})
+            chunk_scalars = chunk.scalars
+        else:
+            chunk_scalars = _copy_scalars(scalars) if state_keys else {}
+        for name, start, at, n in pieces:
+            lo, hi = max(at, lo_chunk), min(at + n, hi_chunk)
+            if lo >= hi:
+                continue
+            offset = start + lo - at
+            if chunk.swap_master:
+                what = "master" if from_fp32 and reader.has(name, "master") else "param"
+                tensors["master"].narrow(0, lo - lo_chunk, hi - lo).copy_(
+                    reader.read(name, what, offset, hi - lo))
+            for what in state_keys or ():
+                tensors[what.removeprefix("state/")].narrow(0, lo - lo_chunk, hi - lo).copy_(
+                    reader.read(name, what, offset, hi - lo))
+        swapper.store_chunk(chunk, tensors, chunk_scalars)
+
+
+def _state_keys(reader, pieces) -> list[str]:
+    """The saved elementwise state keys (``state/<key>``) shared by the parameters of ``pieces``."""
+    state_keys = None
+    for name, *_ in pieces:
+        keys = [w for w in _saved_of(reader, name) if w.startswith("state/")]
+        if state_keys is None:
+            state_keys = keys
+        elif sorted(keys) != sorted(state_keys):
+            raise CheckpointError(f"{name}: its saved optimizer state ({keys}) differs from that of "
+                                  f"the parameters it now shares a unit with ({state_keys})")
+    return state_keys or []
 
 
 def name_of(unit, piece) -> str:
@@ -176,14 +230,7 @@ def _set_state(optimizer, key, reader, pieces, numel, scalars0, shape=None) -> N
     """The optimizer state of the stepped tensor ``key`` from the saved state of the
     parameters its ``pieces`` cover; elements no saved parameter covers (padding) are zero."""
     sources = list(pieces)
-    state_keys = None
-    for name, *_ in sources:
-        keys = [w for w in _saved_of(reader, name) if w.startswith("state/")]
-        if state_keys is None:
-            state_keys = keys
-        elif sorted(keys) != sorted(state_keys):
-            raise CheckpointError(f"{name}: its saved optimizer state ({keys}) differs from that of "
-                                  f"the parameters it now shares a unit with ({state_keys})")
+    state_keys = _state_keys(reader, sources)
     if not state_keys:
         optimizer.state.pop(key, None)  # saved before any step: fresh state
         return

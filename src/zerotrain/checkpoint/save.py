@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from zerotrain.checkpoint.format import (LATEST, METADATA, MODEL_FILE, CheckpointError, shard_file,
                                          state_file, write_safetensors)
-from zerotrain.checkpoint.layout import (describe, group_of_whole, optimizer_key, shard_writer,
-                                         split_state, stage_units, whole_parameters,
+from zerotrain.checkpoint.layout import (describe, group_of_whole, shard_writer, split_state,
+                                         stage_units, unit_param, unit_training_state, whole_parameters,
                                          persistent_buffers)
 from zerotrain.checkpoint.training_state import capture_engine, capture_rng, plain
 
@@ -49,7 +49,8 @@ class RankSnapshot:
     state: dict = field(default_factory=dict)
 
     def detached(self) -> "RankSnapshot":
-        """A copy on the CPU that training can no longer change (for a background write)."""
+        """A copy on the CPU that training can no longer change (for a background write). State
+        in NVMe swap files is read into memory here: the next step rewrites those files."""
         files = {name: {k: _cpu_copy(t) for k, t in tensors.items()}
                  for name, tensors in self.tensor_files.items()}
         return RankSnapshot(self.rank, files, plain(self.state, "state"))
@@ -72,12 +73,11 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
         for i, unit in enumerate(stage_units(engine)):
             if exclude_frozen and unit.group is None:
                 continue
-            tensors[f"u{i}/param"] = unit.shard.detach()
-            if unit.master is not None:
-                tensors[f"u{i}/master"] = unit.master.detach()
+            tensors[f"u{i}/param"] = unit_param(unit)
+            master, elementwise, unit_scalars = unit_training_state(engine, unit, optimizer)
+            if master is not None:
+                tensors[f"u{i}/master"] = master
             if optimizer is not None and unit.group is not None:
-                elementwise, unit_scalars = split_state(optimizer.state.get(optimizer_key(unit), {}),
-                                                        unit.layout.shard_numel)
                 tensors.update({f"u{i}/state/{k}": v for k, v in elementwise.items()})
                 scalars[f"u{i}"] = unit_scalars
         snap.tensor_files[shard_file(rank)] = tensors

@@ -96,9 +96,11 @@ PENDING: tuple[Pending, ...] = (
     Pending(f"{_Z}.offload_param.device",
             lambda c: c.zero_optimization.offload_param_device != "none" and not _stage3(c),
             "ZeRO stage 3: parameter offload partitions parameters (set zero_optimization.stage to 3)"),
-    Pending(f"{_Z}.offload_param.device", lambda c: _stage3(c) and c.zero_optimization.offload_param_device == "nvme",
-            "parameters on NVMe (ZeRO-Infinity); use offload_param device \"cpu\" with offload_optimizer "
-            "device \"nvme\""),
+    Pending(f"{_Z}.offload_param.device",
+            lambda c: (_stage3(c) and c.zero_optimization.offload_param_device == "nvme"
+                       and c.zero_optimization.offload_optimizer_device != "nvme"),
+            "parameters on NVMe with the optimizer state anywhere but NVMe (set offload_optimizer.device "
+            "to \"nvme\" as well, or offload_param.device to \"cpu\")"),
     Pending(f"{_Z}.zero_hpz_partition_size", lambda c: c.zero_optimization.zero_hpz_partition_size > 1,
             "ZeRO++ hierarchical partitioning (hpZ)"),
     Pending(f"{_Z}.zero_quantized_weights", lambda c: c.zero_optimization.zero_quantized_weights,

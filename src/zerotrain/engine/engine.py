@@ -23,6 +23,7 @@ from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, 
                                      StepTimers)
 from zerotrain.log import log_rank0
 from zerotrain.monitor import MonitorMaster
+from zerotrain.offload import describe_stats
 from zerotrain.runtime.utils import register_engine
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
@@ -324,6 +325,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
         log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f",
                   self.global_steps, self.skipped_steps, lr, loss, rate)
+        offload = describe_stats(getattr(self._zero, "offload_stats", dict)())
+        if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
+            log_rank0(offload)
         if self._timers.enabled:
             times = self._timers.pop()
             log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()))

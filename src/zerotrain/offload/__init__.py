@@ -11,6 +11,9 @@ docs/offload.md):
   ``nvme_path`` and are stepped chunk by chunk (``zerotrain.offload.swapper``).
 - ``offload_param.device: "cpu"`` (stage 3): the partitioned shards live in host memory and are
   copied to the device when gathered.
+- ``offload_param.device: "nvme"`` (stage 3, with ``offload_optimizer.device: "nvme"``): the
+  partitioned shards live in swap files, at most ``max_in_cpu`` elements of them in host memory
+  (``zerotrain.offload.params``), read ahead of use along the recorded module order.
 """
 
 from __future__ import annotations
@@ -21,15 +24,30 @@ import os
 import torch
 
 from zerotrain.offload.aio import SwapFileError
-from zerotrain.offload.nvme import MAX_CHUNK_NUMEL, NvmeOptimizerOffload, NvmeSettings, OffloadError
+from zerotrain.offload.nvme import (MAX_CHUNK_NUMEL, NvmeOptimizerOffload, NvmeParamOffload,
+                                   NvmeParamSettings, NvmeSettings, OffloadError)
 
-__all__ = ["build_placement", "NvmeSettings", "NvmeOptimizerOffload", "OffloadError",
-           "SwapFileError", "HOST"]
+__all__ = ["build_placement", "describe_stats", "NvmeSettings", "NvmeOptimizerOffload", "NvmeParamSettings",
+           "NvmeParamOffload", "OffloadError", "SwapFileError", "HOST"]
 
 logger = logging.getLogger("zerotrain")
 
 #: Host memory is torch's "cpu" device whatever the accelerator is.
 HOST = torch.device("cpu")
+
+
+def describe_stats(stats: dict) -> str:
+    """One line of ``ZeroStage.offload_stats()`` (optimizer, parameter and gradient swap files
+    together) for the step log and ``memory_status``; empty without NVMe offload."""
+    if not stats:
+        return ""
+    parts = [stats] + [stats[k] for k in ("params", "grads") if k in stats]
+    read = sum(p["bytes_read"] for p in parts)
+    written = sum(p["bytes_written"] for p in parts)
+    wait_s = sum(p["io_wait_s"] for p in parts)
+    disk = sum(p.get("swap_file_bytes", 0) for p in parts)
+    return (f"offload read={read / 2**30:.3f}GB written={written / 2**30:.3f}GB "
+            f"io_wait={wait_s:.2f}s swap_on_disk={disk / 2**30:.3f}GB")
 
 
 def chunk_numel(zero_config) -> int:
@@ -69,7 +87,15 @@ def build_placement(config):
                                 pin_memory=section.pin_memory, chunk_numel=chunk_numel(zero),
                                 block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
                                 threads=int(aio.intra_op_parallelism))
+    param_nvme = None
+    if param_device == "nvme":
+        section = zero.offload_param
+        param_nvme = NvmeParamSettings(
+            path=str(section.nvme_path), buffer_count=int(section.buffer_count),
+            buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
+            pin_memory=section.pin_memory, block_size=int(aio.block_size),
+            queue_depth=int(aio.queue_depth), threads=int(aio.intra_op_parallelism))
     return Placement(master_device=HOST if optimizer_device != "none" else None, pin_memory=pin,
-                     param_device=HOST if param_device == "cpu" else None,
+                     param_device=HOST if param_device in ("cpu", "nvme") else None, param_nvme=param_nvme,
                      param_pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory),
                      nvme=nvme, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))

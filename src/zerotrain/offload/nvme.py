@@ -71,6 +71,16 @@ def _probe_state(optimizer, group: dict) -> dict[str, torch.dtype] | None:
         return None
 
 
+def _make_run_folder(path: str, rank: int, kind: str = "swap") -> str:
+    name = f"zerotrain-{kind}-{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+    folder = os.path.join(os.path.abspath(path), name)
+    try:
+        os.mkdir(folder, 0o700)
+    except OSError as error:
+        raise OffloadError(f"cannot create the swap folder {folder}: {error}") from None
+    return folder
+
+
 class NvmeOptimizerOffload:
     """This rank's swap folder ``<nvme_path>/zerotrain-swap-<host>-<pid>-rank<r>-<id>`` and the
     swapper over it. The folder is removed by ``close()``, at interpreter exit, or when this
@@ -84,12 +94,7 @@ class NvmeOptimizerOffload:
             raise OffloadError("zero_optimization.offload_optimizer.buffer_count must be at least 1 "
                                f"(got {settings.buffer_count}): each buffer holds one chunk in memory")
         check_folder(settings.path)
-        name = f"zerotrain-swap-{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
-        self.folder = os.path.join(os.path.abspath(settings.path), name)
-        try:
-            os.mkdir(self.folder, 0o700)
-        except OSError as error:
-            raise OffloadError(f"cannot create the swap folder {self.folder}: {error}") from None
+        self.folder = _make_run_folder(settings.path, rank)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
         try:
             self.need_bytes = self._required_bytes(optimizer, planned, settings.chunk_numel,
@@ -99,6 +104,12 @@ class NvmeOptimizerOffload:
             if not direct:
                 logger.warning("offload: %s does not accept O_DIRECT; swap files use buffered I/O "
                                "(through the page cache)", settings.path)
+            if (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                    and not any(g.get("fused") for g in optimizer.param_groups)):
+                # bench/adam_kernels.py: fused is ~6x the per-tensor loop torch uses on the CPU
+                logger.info("offload: %s steps the swapped chunks with torch's per-tensor kernel; "
+                            "build it with fused=True (or use the config's optimizer section, "
+                            "which does) for the fused CPU kernel", type(optimizer).__name__)
             self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct)
             self.swapper = OptimizerSwapper(self.folder, settings.chunk_numel,
                                             settings.buffer_count, self.io, settings.pin_memory)
@@ -139,6 +150,79 @@ class NvmeOptimizerOffload:
         if io is not None:
             io.close()
         self._finalizer()  # removes the folder (once)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+@dataclass(frozen=True)
+class NvmeParamSettings:
+    """``offload_param`` with ``device: "nvme"`` (stage 3) and the ``aio`` section."""
+
+    path: str
+    buffer_count: int = 5
+    buffer_numel: int = int(1e8)
+    max_in_cpu: int = int(1e9)
+    pin_memory: bool = False
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+
+
+class NvmeParamOffload:
+    """This rank's parameter swap folder ``<nvme_path>/zerotrain-params-<host>-<pid>-rank<r>-<id>``
+    and the ``ParamSwapper`` over it; removed like the optimizer's (``close()``, exit, GC)."""
+
+    def __init__(self, settings: NvmeParamSettings, rank: int, need_bytes: int,
+                 local_ranks: int = 1, also_on_disk: tuple[str, int] | None = None):
+        """``need_bytes``: the shards' swap files; ``also_on_disk``: ``(path, bytes)`` of the
+        optimizer's swap files, counted too when they share the drive."""
+        from zerotrain.offload.params import ParamSwapper
+
+        if settings.buffer_count < 1:
+            raise OffloadError("zero_optimization.offload_param.buffer_count must be at least 1 "
+                               f"(got {settings.buffer_count})")
+        check_folder(settings.path, "offload_param.nvme_path")
+        self.settings = settings
+        self.folder = _make_run_folder(settings.path, rank, "params")
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        try:
+            self.need_bytes = need_bytes
+            need = need_bytes
+            if also_on_disk is not None and os.stat(also_on_disk[0]).st_dev == os.stat(self.folder).st_dev:
+                need += also_on_disk[1]
+            free = shutil.disk_usage(self.folder).free
+            if need * local_ranks > free:
+                raise OffloadError(
+                    f"zero_optimization.offload_param.nvme_path {settings.path!r} has "
+                    f"{free / GiB:.2f} GiB free, but the swapped parameters need "
+                    f"{need_bytes / GiB:.2f} GiB per rank (with the optimizer's swap files on the "
+                    f"same drive {need / GiB:.2f} GiB, x {local_ranks} ranks on this node): free "
+                    "space or choose a larger drive")
+            direct = direct_io_supported(self.folder)
+            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct)
+            self.swapper = ParamSwapper(self.folder, self.io, settings.max_in_cpu,
+                                        settings.buffer_count, settings.buffer_numel,
+                                        settings.pin_memory)
+        except BaseException:
+            self.close()
+            raise
+
+    def grad_swapper(self, grads: dict, wait_reduction):
+        """A ``GradSwapper`` over the trained units' shard gradients ``grads`` (unit -> tensor),
+        in this folder, with the same buffer settings."""
+        from zerotrain.offload.params import GradSwapper
+
+        s = self.settings
+        return GradSwapper(self.folder, self.io, s.max_in_cpu, s.buffer_count, s.buffer_numel,
+                           s.pin_memory, grads=grads, wait_reduction=wait_reduction)
+
+    def close(self) -> None:
+        io = getattr(self, "io", None)
+        if io is not None:
+            io.close()
+        self._finalizer()
 
     @property
     def closed(self) -> bool:

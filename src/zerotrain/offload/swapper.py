@@ -83,6 +83,8 @@ class OptimizerSwapper:
         self.chunks: list[Chunk] = []
         self.slots = [Slot(pin) for _ in range(buffer_count)]
         self.stats = {"bytes_read": 0, "bytes_written": 0, "io_wait_s": 0.0, "step_s": 0.0}
+        self.param_swapper = None  # NVMe parameter offload: shards read ahead of their update
+        self.grad_swapper = None  # ... and the gradient shards
 
     def add_unit(self, unit, master: torch.Tensor | None) -> None:
         """Cut ``unit``'s shard into chunks; ``master`` (fp32, or None to step the shard itself
@@ -163,6 +165,10 @@ class OptimizerSwapper:
 
         try:
             for i, chunk in enumerate(self.chunks):
+                if chunk.start == 0:  # a new unit: read shards and gradients ahead
+                    for shards in (self.param_swapper, self.grad_swapper):
+                        if shards is not None:
+                            shards.read_ahead(self.units[chunk.unit_index:])
                 if upcoming == i:
                     issue(blocking=True)
                 while upcoming < len(self.chunks) and issue(blocking=False):
@@ -190,7 +196,7 @@ class OptimizerSwapper:
     def _update(self, optimizer, chunk: Chunk, slot: Slot, grad: torch.Tensor,
                 grad_scale: float) -> None:
         unit = self.units[chunk.unit_index]
-        shard = unit.shard.detach().narrow(0, chunk.start, chunk.numel)
+        shard = unit.resident_shard(dirty=True).detach().narrow(0, chunk.start, chunk.numel)
         if chunk.swap_master:
             master = slot.view("master", torch.float32, chunk.numel)
             _adopt_changed(master, shard)  # in-place edits of the 16-bit weights since the last step
@@ -198,12 +204,14 @@ class OptimizerSwapper:
             master = shard  # fp32 in host memory: the shard itself is stepped
         p = chunk.param
         p.data = master
+        if self.grad_swapper is not None:  # read back if it was written out
+            self.grad_swapper.ensure(unit)
         g = grad.narrow(0, chunk.start, chunk.numel)
         p.grad = g if g.dtype == master.dtype and g.device == master.device else g.to(
             master.device, master.dtype)
         if grad_scale != 1.0:
             p.grad.mul_(grad_scale)
-        if chunk.generations.keys() - {"master"}:  # stepped before: hand back its state
+        if chunk.state_dtypes or chunk.scalars:  # stepped before: hand back its state
             state = {k: slot.view(k, dtype, chunk.numel) for k, dtype in chunk.state_dtypes.items()}
             state.update(chunk.scalars)
             optimizer.state[p] = state
@@ -231,6 +239,32 @@ class OptimizerSwapper:
             shard.copy_(master)
 
     # -- reading state outside the step (checkpoints) -------------------------------------
+    def chunks_of(self, unit) -> list[Chunk]:
+        """``unit``'s chunks in shard order."""
+        return [c for c in self.chunks if self.units[c.unit_index] is unit]
+
+    def unit_state(self, unit) -> tuple[bool, dict[str, torch.dtype], dict]:
+        """``(master swapped, {elementwise state key: dtype}, scalars)`` of ``unit`` (its first
+        chunk's scalars: every chunk of a unit is stepped alike)."""
+        chunks = self.chunks_of(unit)
+        first = chunks[0]
+        return first.swap_master, dict(first.state_dtypes), dict(first.scalars)
+
+    def unit_tensor(self, unit, key: str) -> "SwappedTensor":
+        """``unit``'s whole-shard tensor ``key`` (``"master"`` or a state key), read chunk by
+        chunk when written out (see ``SwappedTensor``)."""
+        chunks = self.chunks_of(unit)
+        dtype = torch.float32 if key == "master" else chunks[0].state_dtypes[key]
+        return SwappedTensor(self, chunks, key, dtype)
+
+    def read_key(self, chunk: Chunk, key: str) -> torch.Tensor:
+        """One stored tensor of a chunk, read now into fresh memory."""
+        dtype = chunk.stored()[key]
+        nbytes = chunk.numel * dtype.itemsize
+        buffer = aligned_bytes(round_up(nbytes) + ALIGN)
+        wait([self.io.read(self.path(chunk, key), buffer, nbytes, chunk.generations[key])])
+        return buffer.narrow(0, 0, nbytes).view(dtype)
+
     def load_chunk(self, chunk: Chunk) -> dict[str, torch.Tensor]:
         """``{key: tensor}`` of a chunk's stored tensors, read now into fresh memory."""
         slot = Slot(pin=False)
@@ -258,6 +292,9 @@ class OptimizerSwapper:
             if k != "master":
                 slot.view(k, v.dtype, chunk.numel).copy_(v)
         chunk.scalars = dict(scalars)
+        for key in list(chunk.generations):  # files of state no longer kept are stale
+            if key not in chunk.stored():
+                del chunk.generations[key]
         for key, dtype in chunk.stored().items():
             self._write(chunk, slot, key, dtype)
         wait(slot.writes)
@@ -270,3 +307,24 @@ class OptimizerSwapper:
         """Bytes the swap files take on disk (data, padding and trailers)."""
         return sum(round_up(c.numel * dtype.itemsize) + ALIGN
                    for c in self.chunks for key, dtype in c.stored().items() if key in c.generations)
+
+
+class SwappedTensor:
+    """A unit's whole-shard tensor that lives in swap files: ``dtype``, ``shape`` and
+    ``numel()`` like a tensor; ``pieces()`` reads it one chunk at a time (what checkpoint
+    writing streams, so the state is never all in memory); ``detach()`` reads all of it."""
+
+    def __init__(self, swapper: OptimizerSwapper, chunks: list[Chunk], key: str,
+                 dtype: torch.dtype):
+        self.swapper, self.chunks, self.key, self.dtype = swapper, chunks, key, dtype
+        self.shape = torch.Size([sum(c.numel for c in chunks)])
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def pieces(self):
+        for chunk in self.chunks:
+            yield self.swapper.read_key(chunk, self.key)
+
+    def detach(self) -> torch.Tensor:
+        return torch.cat(list(self.pieces())) if self.chunks else torch.empty(0, dtype=self.dtype)

@@ -99,9 +99,19 @@ def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> di
         stats["engine"] = held
         line += (f" engine={sum(held.values()) / GB:0.4f}GB ("
                  + " ".join(f"{k}={v / GB:0.4f}GB" for k, v in held.items()) + ")")
+        offload = _offload_line(engine)
+        if offload:
+            line += " " + offload
     print(line, flush=True)
     stats["line"] = line
     return stats
+
+
+def _offload_line(engine) -> str:
+    """NVMe offload's last-step I/O and swap footprint (empty without it)."""
+    from zerotrain.offload import describe_stats
+
+    return describe_stats(getattr(engine._zero, "offload_stats", dict)())
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
@@ -125,6 +135,9 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         if engine is not None:
             line += " | engine " + " ".join(f"{k} {round(v / GB, 4)} GB"
                                             for k, v in engine.memory_breakdown().items())
+            offload = _offload_line(engine)
+            if offload:
+                line += " | " + offload
         logger.info(line)
     vm = psutil.virtual_memory()
     logger.info(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / GB, 2)} GB, "

@@ -45,6 +45,7 @@ class Placement:
     param_device: torch.device | None = None  # stage-3 shards (offload_param); None: the device
     param_pin_memory: bool = False
     nvme: object | None = None  # zerotrain.offload.NvmeSettings: masters and state in swap files
+    param_nvme: object | None = None  # zerotrain.offload.NvmeParamSettings: stage-3 shards on disk
     local_ranks: int = 1  # ranks sharing this node's disk (for the swap space check)
 
     def separate_master(self, shard: torch.Tensor, mixed: bool) -> bool:
@@ -113,11 +114,15 @@ class ZeroStage:
             name_of.setdefault(id(p), name)
         self.placement = placement
         self.offload = None  # NVMe: zerotrain.offload.NvmeOptimizerOffload
+        self.param_offload = None  # NVMe: zerotrain.offload.NvmeParamOffload
         if placement.nvme is not None and optimizer is not None:
             self.offload = _nvme_offload(placement, plan, optimizer, shard_world, self.rank,
                                          precision)
         self.units = []
         try:
+            if placement.param_nvme is not None and strategy.partitions_parameters:
+                self.param_offload = _nvme_param_offload(placement, plan, shard_world, self.rank,
+                                                         precision, self.offload)
             for g, params in plan:  # one unit at a time: with zero.Init only one is ever whole
                 for p in params:
                     if is_partitioned(p):
@@ -136,10 +141,13 @@ class ZeroStage:
                 unit.cast(precision.param_dtype)
                 if unit.resharded:  # offload_param: the shard lives in host memory
                     unit.shard = placement.place_shard(unit.shard)
+                    if self.param_offload is not None:  # ... or on disk
+                        self.param_offload.swapper.add_unit(unit)
                 self.units.append(unit)
         except BaseException:
-            if self.offload is not None:
-                self.offload.close()
+            for offload in (self.offload, self.param_offload):
+                if offload is not None:
+                    offload.close()
             raise
         self.trained = [u for u in self.units if u.trained]
         if self.offload is not None:  # the optimizer steps the swapped chunks
@@ -167,6 +175,18 @@ class ZeroStage:
             self.coordinator = ParameterCoordinator(
                 module, [u for u in self.units if u.resharded], group,
                 prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel)
+            if self.param_offload is not None:  # reads go ahead along the recorded order
+                self.coordinator.param_swapper = self.param_offload.swapper
+                if self.offload is not None:
+                    self.offload.swapper.param_swapper = self.param_offload.swapper
+        self.grad_swapper = None
+        if self.param_offload is not None and self.trained and self.offload is not None:
+            self.grad_swapper = self.param_offload.grad_swapper(
+                dict(zip(self.trained, self.shard_grads)), self._wait_reduction)
+            for unit in self.trained:
+                self.grad_swapper.add_unit(unit, write=False)  # zeros: nothing to write
+            self.reduction.before_reduce = lambda unit: self.grad_swapper.ensure(unit, dirty=True)
+            self.offload.swapper.grad_swapper = self.grad_swapper
         registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters)
         if checking_enabled():
             device = self.units[0].shard.device if self.units else None
@@ -174,6 +194,13 @@ class ZeroStage:
             self.reduction.agreement = agreement
             if self.coordinator is not None:
                 self.coordinator.agreement = agreement
+
+    def _wait_reduction(self, unit: FlatParamUnit) -> None:
+        """Wait until ``unit``'s launched gradient reduction has landed in its shard gradient."""
+        bucket = self.reduction.grads.buckets[self.trained.index(unit)]
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
 
     def _describe_unit(self, kind: str, index: int) -> str:
         units = self.coordinator.units if kind == "gather" else self.trained
@@ -235,7 +262,10 @@ class ZeroStage:
     # -- step ---------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """fp32 L2 norm of the whole averaged gradient (inf/NaN if any rank overflowed)."""
-        norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
+        if self.grad_swapper is not None:  # evicted gradients: the norm kept when written out
+            norms = [self.grad_swapper.norm_of(u) for u in self.trained]
+        else:
+            norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
         if not norms:
             device = self.units[0].shard.device if self.units else None
             norms = [torch.zeros((), device=device)]
@@ -254,6 +284,10 @@ class ZeroStage:
             for unit in self.trained:
                 unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
             self.offload.swapper.step(optimizer, self.shard_grads, grad_scale)
+            if self.param_offload is not None:  # this step's reads and writes of shards
+                self._param_io = self.param_offload.swapper.take_stats()
+            if self.grad_swapper is not None:
+                self._grad_io = self.grad_swapper.take_stats()
             _log.debug("offload: %s", self.offload_stats())
         else:
             self.adopt_edits()
@@ -321,7 +355,11 @@ class ZeroStage:
         return load_module_state(module, state_dict, self.units, strict)
 
     def zero_grad(self) -> None:
-        self.reduction.zero()
+        if self.grad_swapper is not None:  # every gradient shard back to zeros, out of memory
+            self.grad_swapper.discard_all()
+            self.reduction.grads.zero()
+        else:
+            self.reduction.zero()
         if self.outside is not None:
             self.outside.zero_grad()
 
@@ -339,10 +377,23 @@ class ZeroStage:
         stats["swap_file_bytes"] = swapper.file_nbytes()
         stats["swap_buffer_bytes"] = swapper.buffer_nbytes
         stats["direct_io"] = self.offload.io.direct
+        if self.param_offload is not None:
+            params = self.param_offload.swapper
+            if self.grad_swapper is not None:
+                grads = self.grad_swapper
+                stats["grads"] = {**getattr(self, "_grad_io", grads.stats),
+                                  "swap_file_bytes": grads.file_nbytes(),
+                                  "resident_bytes": grads.resident_nbytes}
+            stats["params"] = {**getattr(self, "_param_io", params.stats),
+                               "swap_file_bytes": params.file_nbytes(),
+                               "swap_buffer_bytes": params.buffer_nbytes,
+                               "resident_bytes": params.resident_nbytes,
+                               "peak_resident_numel": params.peak_resident_numel}
         return stats
 
     def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
-        grads = self.reduction.nbytes
+        grads = (self.reduction.nbytes if self.grad_swapper is None  # else: the resident ones
+                 else tensor_bytes(self.shard_grads) + self.reduction.grads.nbytes)
         if self.outside is not None:
             grads += self.outside.grads.nbytes
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
@@ -358,6 +409,9 @@ class ZeroStage:
         }
         if self.offload is not None:  # what the swapper holds in memory (disk: offload_stats)
             out["offload_buffers"] = self.offload.swapper.buffer_nbytes
+        if self.param_offload is not None:  # "parameters" counts the resident shards only
+            out["offload_buffers"] = (out.get("offload_buffers", 0)
+                                      + self.param_offload.swapper.buffer_nbytes)
         if self.coordinator is not None:
             element = self.units[0].shard.element_size()
             out["gathered_parameters"] = self.coordinator.live_numel * element
@@ -375,6 +429,9 @@ class ZeroStage:
             self.outside.close()
         if self.coordinator is not None:
             self.coordinator.close()  # restores whole parameters and the modules' dicts
+        if self.param_offload is not None:
+            self.param_offload.swapper.restore_all()  # shards in memory again, then files go
+            self.param_offload.close()
         if self.offload is not None:
             self.offload.close()  # the swap files go; the optimizer state with them
         registry.unregister(self.units)
@@ -415,3 +472,20 @@ def _nvme_offload(placement: Placement, plan, optimizer, shard_world: int, rank:
     return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
                                 swap_master=precision.mixed or not on_host,
                                 local_ranks=placement.local_ranks)
+
+
+def _nvme_param_offload(placement: Placement, plan, shard_world: int, rank: int,
+                        precision: PrecisionPolicy, optimizer_offload):
+    """The parameter swap folder, after checking path and free space for every unit's shard."""
+    from zerotrain.offload import NvmeParamOffload
+    from zerotrain.offload.aio import ALIGN, round_up
+
+    align = shard_alignment(precision.param_dtype)
+    itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
+    need = 0
+    for _, params in plan:
+        numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
+        need += round_up(-(-numel // (shard_world * align)) * align * itemsize) + ALIGN
+    also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
+            if optimizer_offload is not None else None)
+    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also)

@@ -67,15 +67,20 @@ def _own_code():
 
 
 @torch.no_grad()
-def _keep_shard(param: nn.Parameter, world: int, rank: int) -> None:
-    """Keep only this rank's slice of a whole ``param`` (no padded full-size temporary)."""
+def _keep_shard(param: nn.Parameter, world: int, rank: int, host: bool = False,
+                pin: bool = False) -> None:
+    """Keep only this rank's slice of a whole ``param`` (no padded full-size temporary); in host
+    memory with ``host`` (parameter offload), page-locked with ``pin``."""
     with _own_code():
         layout = FlatLayout([param], world, shard_alignment(param.dtype))
         start, end = layout.shard_range(rank)
-        shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        device = torch.device("cpu") if host else param.device  # host memory is torch's "cpu"
+        shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=device)
         flat = param.data.reshape(-1)
         if start < flat.numel():
             shard[: min(end, flat.numel()) - start].copy_(flat[start:end])
+        if host and pin and device != param.device:
+            shard = get_accelerator().pin_memory(shard)
         setattr(param, _SHARD, shard)
         setattr(param, _LAYOUT, layout)
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -209,13 +214,15 @@ class Init:
     - ``data_parallel_group``: the group to partition over (default: all ranks).
     - ``config_dict_or_path`` (``config`` is its deprecated alias): a ds_config dict or JSON path.
       As in DeepSpeed its ``bf16``/``fp16`` sections set the dtype of the partitions (float32 when
-      neither is enabled) unless ``dtype`` is given, and ``zero_optimization.offload_param`` with a
-      device other than "none" asks for parameter offload, which raises NotImplementedError here.
+      neither is enabled) unless ``dtype`` is given, and ``zero_optimization.offload_param``'s
+      ``device`` and ``pin_memory`` stand for ``remote_device`` and ``pin_memory`` (as in DeepSpeed).
     - ``dtype``: cast floating-point parameters to it (float16, bfloat16 or float32) when they
       are partitioned. With neither ``dtype`` nor a config the constructors' dtype is kept
       (DeepSpeed would cast to float16; ``initialize`` casts to the config's precision anyway).
-    - ``remote_device`` other than None/"none" (parameter offload) raises NotImplementedError;
-      ``pin_memory`` only applies to that offload in DeepSpeed, so it has no effect here.
+    - ``remote_device``: "cpu" or "nvme" keep the partitions in host memory (page-locked with
+      ``pin_memory`` where the accelerator supports it; on a CPU-only machine they are there
+      anyway); with "nvme", ``initialize`` then moves them to swap files under the config's
+      ``offload_param.nvme_path`` (docs/offload.md). None/"none": on the accelerator.
     - ``mem_efficient_linear``: accepted, no effect (DeepSpeed swaps ``F.linear`` for a version
       its own parameter release needs; stage 3 here frees and refills saved weights itself).
     - ``enabled=False`` makes it do nothing; ``mpu`` and the other DeepSpeed arguments (ZeRO++,
@@ -234,9 +241,9 @@ class Init:
                 raise ValueError("zero.Init: pass the ds_config as config_dict_or_path only "
                                  "(config= is its deprecated alias), not both")
             config_dict_or_path = config
-        if remote_device not in (None, "none"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): parameter "
-                                      "offload is not implemented; leave remote_device unset")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, \"none\", "
+                             "\"cpu\" or \"nvme\"")
         if dtype is not None and dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"zero.Init(dtype={dtype}): use torch.float16, torch.bfloat16 or "
                              "torch.float32")
@@ -245,7 +252,12 @@ class Init:
         self.pin_memory = bool(pin_memory)
         self.dtype = dtype
         if config_dict_or_path is not None:
-            self.dtype = _dtype_from_config(config_dict_or_path) if dtype is None else dtype
+            config_dtype, offload = _dtype_from_config(config_dict_or_path)
+            self.dtype = config_dtype if dtype is None else dtype
+            if offload is not None:  # the config's offload_param wins, as in DeepSpeed
+                remote_device, self.pin_memory = offload.device, bool(offload.pin_memory)
+        # Partitions in host memory (offload_param cpu/nvme; see _keep_shard).
+        self.host = remote_device in ("cpu", "nvme")
         self._patched: dict[type, object] = {}
         self._saved_init_subclass = None
         self._mode: _PlaceholderMode | None = None
@@ -373,7 +385,8 @@ class Init:
                 param.data = param.data.to(self.dtype)
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             collectives.broadcast(param.data, src=src, group=self.group)
-            _keep_shard(param, dist.get_world_size(self.group), dist.get_rank(self.group))
+            _keep_shard(param, dist.get_world_size(self.group), dist.get_rank(self.group),
+                        host=self.host, pin=self.pin_memory)
             if owner is not None and not hasattr(param, _OWNER):
                 setattr(param, _OWNER, id(owner))
 
@@ -435,7 +448,8 @@ def _wrap_init(original):
 
 
 def _dtype_from_config(config_dict_or_path) -> torch.dtype:
-    """DeepSpeed's reading of a ds_config in zero.Init: the partitions' dtype; offload raises."""
+    """DeepSpeed's reading of a ds_config in zero.Init: the partitions' dtype, and the
+    ``offload_param`` section when its device is not "none"."""
     from zerotrain.config import load_config
 
     if dist.is_initialized():
@@ -444,11 +458,7 @@ def _dtype_from_config(config_dict_or_path) -> torch.dtype:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(config_dict_or_path, world_size=world)
     zero = cfg.zero_optimization
-    if zero.offload_param_device != "none":
-        raise NotImplementedError(
-            f"zero.Init: the config's zero_optimization.offload_param.device is "
-            f"{zero.offload_param_device!r}: parameter offload is not implemented; remove "
-            "offload_param or set its device to \"none\"")
+    offload = zero.offload_param if zero.offload_param_device != "none" else None
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if getattr(zero, key):
             raise NotImplementedError(f"zero.Init: the config's zero_optimization.{key} "
@@ -457,10 +467,10 @@ def _dtype_from_config(config_dict_or_path) -> torch.dtype:
         raise NotImplementedError("zero.Init: the config's zero_optimization."
                                   "zero_hpz_partition_size > 1 (hpZ) is not implemented; set it to 1")
     if cfg.bf16.enabled:
-        return torch.bfloat16
+        return torch.bfloat16, offload
     if cfg.fp16.enabled:
-        return torch.float16
-    return torch.float32
+        return torch.float16, offload
+    return torch.float32, offload
 
 
 def shutdown_init_context() -> None:

@@ -87,6 +87,7 @@ class FlatParamUnit:
     resharded = False
     coordinator = None    # the ParameterCoordinator that gathers this unit (stage 3)
     master = None         # the optimizer's fp32 copy of the shard, when training in 16 bits
+    param_swapper = None  # offload_param "nvme": zerotrain.offload.params.ParamSwapper
     process_group = None  # the data-parallel group its shards are spread over
     _ds_status = False    # whether the parameters carry DeepSpeed's ds_status
 
@@ -97,13 +98,14 @@ class FlatParamUnit:
         self._status = ZeroParamStatus
         self._ds_status = True
         pieces = {piece.slot.index: piece for piece in self.layout.shard_pieces(self._rank)}
+        shard = self.resident_shard().detach()  # views of its storage (refilled in place)
         for i, (p, slot) in enumerate(zip(self.params, self.layout.slots)):
             p.ds_id = next(ids)
             p.ds_numel = slot.numel
             p.ds_shape = slot.shape
             piece = pieces.get(i)
-            p.ds_tensor = (self.shard.detach().narrow(0, piece.shard_start, piece.numel) if piece
-                           else self.shard.detach().narrow(0, 0, 0))
+            p.ds_tensor = (shard.narrow(0, piece.shard_start, piece.numel) if piece
+                           else shard.narrow(0, 0, 0))
         self._set_status(self.gathered)
 
     def _set_status(self, available: bool) -> None:
@@ -112,12 +114,19 @@ class FlatParamUnit:
             for p in self.params:
                 p.ds_status = status
 
+    def resident_shard(self, dirty: bool = False) -> nn.Parameter:
+        """The shard, in memory (with NVMe parameter offload it may have been evicted to its
+        swap file: read back now). ``dirty``: the caller writes it (so it is written back)."""
+        if self.param_swapper is not None:
+            return self.param_swapper.ensure(self, dirty)
+        return self.shard
+
     @torch.no_grad()
     def adopt_full_values(self) -> None:
         """The gathered full buffer was changed in place: make this rank's shard (and master)
         match it."""
         new = self.layout.shard(self.flat, self._rank)
-        self.shard.data.copy_(new)
+        self.resident_shard(dirty=True).data.copy_(new)
         if self.master is not None:
             _adopt_changed(self.master.data, new)
 
@@ -151,7 +160,7 @@ class FlatParamUnit:
             for p, value in zip(self.params, values):
                 if value is not None:
                     p.copy_(value)
-        targets = ([] if not self.resharded else [self.shard.data]) + (
+        targets = ([] if not self.resharded else [self.resident_shard(dirty=True).data]) + (
             [] if self.master is None else [self.master.data])
         for piece in self.layout.shard_pieces(self._rank):
             value = values[piece.slot.index]
@@ -181,7 +190,7 @@ class FlatParamUnit:
         """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
         shard's dtype), or into a newly allocated full buffer."""
         self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
-        shard = self.shard.detach()
+        shard = self.resident_shard().detach()
         if shard.device != self.flat.device:  # offload_param: the shard lives in host memory
             shard = shard.to(self.flat.device, non_blocking=True)
         return collectives.all_gather_into(self.flat, shard, group=group, async_op=True)

@@ -107,6 +107,7 @@ class AllReduceGradients(_Reduction):
 
 class ReduceScatterGradients(_Reduction):
     reduces_every_backward = True  # full gradients cannot be kept across micro-steps
+    before_reduce: Callable[[FlatParamUnit], None] | None = None
 
     def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy, world_size: int,
                  shard_rank: int, group, overlap: bool, trim: TrimEvery, slot_numel: int,
@@ -132,6 +133,8 @@ class ReduceScatterGradients(_Reduction):
         """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
         staging slots (so a huge parameter, e.g. an embedding, needs no model-sized buffer)."""
         unit, shard_grad = self._unit_of[id(bucket)]
+        if self.before_reduce is not None:  # NVMe offload: the shard gradient back in memory
+            self.before_reduce(unit)
         world, shard = self.world_size, bucket.layout.shard_numel
         self._agree(bucket)
         chunk = self.staging.chunk_numel(world)
