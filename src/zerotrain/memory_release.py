@@ -31,14 +31,42 @@ def _libc():
         return None
 
 
-@functools.lru_cache(maxsize=1)
+# The config's ``memory_release`` (zerotrain only), process-wide like the allocator it tunes:
+# "eager" hands freed memory back to the OS during every step (lowest peak RSS; each page handed
+# back is zero-filled again by the kernel when reused: measured 20-35% of a CPU step's time on the
+# GPT-2 benchmarks, docs/benchmarks.md); "off" leaves glibc alone during training (DDP's step time,
+# a higher peak). One-time releases (after building the stage, zero.Init) happen either way.
+MEMORY_RELEASE_POLICIES = ("eager", "off")
+_policy = {"name": os.environ.get("ZEROTRAIN_MEMORY_RELEASE", "eager")}
+
+
+def set_memory_release(policy: str | None) -> None:
+    """Select the policy (None: ``ZEROTRAIN_MEMORY_RELEASE``, else "eager")."""
+    name = policy if policy is not None else os.environ.get("ZEROTRAIN_MEMORY_RELEASE", "eager")
+    if name not in MEMORY_RELEASE_POLICIES:
+        raise ValueError(f"memory_release must be one of {', '.join(MEMORY_RELEASE_POLICIES)}, "
+                         f"got {name!r} (config key memory_release or ZEROTRAIN_MEMORY_RELEASE)")
+    _policy["name"] = name
+
+
+def memory_release() -> str:
+    return _policy["name"]
+
+
 def configure_allocator() -> bool:
-    """Fix glibc's mmap threshold at 4 MiB (once per process; ``ZEROTRAIN_MALLOC_TUNING=0``
-    leaves the allocator alone). Allocations of 4 MiB or more are then always mmapped and go back
-    to the OS when freed, so peak RSS tracks the bytes actually live; smaller ones stay on the
-    fast heap. Returns whether the setting was applied."""
-    if os.environ.get("ZEROTRAIN_MALLOC_TUNING", "1") == "0":
+    """Under the "eager" policy, fix glibc's mmap threshold at 4 MiB (once per process;
+    ``ZEROTRAIN_MALLOC_TUNING=0`` leaves the allocator alone). Allocations of 4 MiB or more are
+    then always mmapped and go back to the OS when freed, so peak RSS tracks the bytes actually
+    live; smaller ones stay on the fast heap. glibc cannot undo this, so a process that built an
+    "eager" engine (or ran zero.Init without a config saying "off") keeps it. Returns whether the
+    setting is in force."""
+    if os.environ.get("ZEROTRAIN_MALLOC_TUNING", "1") == "0" or memory_release() == "off":
         return False
+    return _fix_mmap_threshold()
+
+
+@functools.lru_cache(maxsize=1)
+def _fix_mmap_threshold() -> bool:
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None) if libc is not None else None
     if mallopt is None:
@@ -47,11 +75,18 @@ def configure_allocator() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Return the allocator's free pages to the OS (cheap; safe to call often)."""
+    """Return the allocator's free pages to the OS now (for one-time releases; per-step ones go
+    through :func:`release_between_phases` and :class:`TrimEvery`, which follow the policy)."""
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim(0)
+
+
+def release_between_phases() -> None:
+    """A per-step release (after forward, after the optimizer step), under the "eager" policy."""
+    if memory_release() == "eager":
+        release_freed_memory()
 
 
 class TrimEvery:
@@ -67,6 +102,8 @@ class TrimEvery:
         self._since = 0
 
     def reduced(self, numel: int) -> None:
+        if memory_release() != "eager":
+            return
         self._since += numel
         if self._since >= self.numel:
             self._since = 0

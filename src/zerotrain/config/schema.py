@@ -250,6 +250,9 @@ class ZeroTrainConfig(_UnimplementedKeys):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     # zerotrain only: unknown top-level keys are errors instead of warnings (ZEROTRAIN_STRICT_CONFIG=1 too).
     strict: bool = False
+    # zerotrain only: "eager" hands freed memory back to the OS during every step (lowest peak
+    # RSS), "off" leaves glibc alone (faster on CPU); None: ZEROTRAIN_MEMORY_RELEASE, else "eager".
+    memory_release: Optional[Literal["eager", "off"]] = None
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

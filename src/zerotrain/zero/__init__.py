@@ -4,7 +4,7 @@ the gradient buckets (``zero.gradient_buckets``); a stage differs only in what i
 from __future__ import annotations
 
 from zerotrain.config.optimizer_check import check_zero_optimizer
-from zerotrain.memory_release import configure_allocator, release_freed_memory
+from zerotrain.memory_release import configure_allocator, release_freed_memory, set_memory_release
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gathered import GatheredParameters
 from zerotrain.zero.init import Init, is_partitioned, materialize
@@ -32,6 +32,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     sharded over the data-parallel ``group`` (None: the world).
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
+    set_memory_release(config.memory_release)
     configure_allocator()
     zero = config.zero_optimization
     strategy = STRATEGIES[zero.stage]

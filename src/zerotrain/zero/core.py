@@ -19,7 +19,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
-from zerotrain.memory_release import TrimEvery, release_freed_memory
+from zerotrain.memory_release import TrimEvery, release_between_phases
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
@@ -226,7 +226,7 @@ class ZeroStage:
             self.outside.begin_backward(boundary, no_sync)
         # What forward freed (its temporaries, the loss computation's) goes back to the OS
         # before backward allocates gradients beside the saved activations.
-        release_freed_memory()
+        release_between_phases()
         if self.coordinator is not None:
             self.coordinator.begin_backward()
 
@@ -308,7 +308,7 @@ class ZeroStage:
         # The step's temporaries (fp32 copies of 16-bit gradients, the optimizer's foreach
         # intermediates) were freed on the heap: return them before the next forward needs
         # memory, so the peak is not their retained pages plus the activations.
-        release_freed_memory()
+        release_between_phases()
 
     def adopt_edits(self) -> None:
         """Make in-place edits to the module's (16-bit) parameters since the last step the

@@ -35,7 +35,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.comm.distributed import init_distributed
 from zerotrain.zero.flat import FlatLayout
-from zerotrain.memory_release import configure_allocator, release_freed_memory
+from zerotrain.memory_release import configure_allocator, release_freed_memory, set_memory_release
 from zerotrain.zero.partition import shard_alignment
 
 _SHARD = "_zerotrain_shard"      # this rank's slice of an Init-partitioned parameter
@@ -449,7 +449,8 @@ def _wrap_init(original):
 
 def _dtype_from_config(config_dict_or_path) -> torch.dtype:
     """DeepSpeed's reading of a ds_config in zero.Init: the partitions' dtype, and the
-    ``offload_param`` section when its device is not "none"."""
+    ``offload_param`` section when its device is not "none". Also applies the config's
+    ``memory_release`` (zerotrain only), before Init tunes the allocator."""
     from zerotrain.config import load_config
 
     if dist.is_initialized():
@@ -457,6 +458,7 @@ def _dtype_from_config(config_dict_or_path) -> torch.dtype:
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(config_dict_or_path, world_size=world)
+    set_memory_release(cfg.memory_release)
     zero = cfg.zero_optimization
     offload = zero.offload_param if zero.offload_param_device != "none" else None
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):

@@ -1,0 +1,98 @@
+"""The ``memory_release`` policy: "eager" trims the heap during every step, "off" never does.
+
+Trims are counted through a stand-in for the C library, so the checks do not depend on what
+glibc does with the pages."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerotrain import memory_release
+from zerotrain.testing import run_on_ranks
+
+
+class _CountingLibc:
+    def __init__(self):
+        self.trims = 0
+        self.mallopts = []
+
+    def malloc_trim(self, pad):
+        self.trims += 1
+        return 1
+
+    def mallopt(self, param, value):
+        self.mallopts.append((param, value))
+        return 1
+
+
+@pytest.fixture
+def libc(monkeypatch):
+    fake = _CountingLibc()
+    monkeypatch.setattr(memory_release, "_libc", lambda: fake)
+    monkeypatch.setattr(memory_release, "_fix_mmap_threshold",
+                        memory_release._fix_mmap_threshold.__wrapped__)
+    yield fake
+    memory_release.set_memory_release("eager")
+
+
+def test_policy_follows_config_then_environment(monkeypatch, libc):
+    monkeypatch.setenv("ZEROTRAIN_MEMORY_RELEASE", "off")
+    memory_release.set_memory_release(None)
+    assert memory_release.memory_release() == "off"
+    memory_release.set_memory_release("eager")  # the config's value wins
+    assert memory_release.memory_release() == "eager"
+    with pytest.raises(ValueError, match="memory_release.*ZEROTRAIN_MEMORY_RELEASE"):
+        memory_release.set_memory_release("lazy")
+
+
+def test_eager_trims_per_bucket_and_between_phases_off_never(libc):
+    memory_release.set_memory_release("eager")
+    trim = memory_release.TrimEvery(100)
+    for _ in range(4):
+        trim.reduced(50)  # 200 elements: a trim per 100
+    memory_release.release_between_phases()
+    assert libc.trims == 3
+    assert memory_release.configure_allocator() and libc.mallopts == [
+        (memory_release.M_MMAP_THRESHOLD, memory_release.MMAP_THRESHOLD_BYTES)]
+
+    memory_release.set_memory_release("off")
+    libc.trims, libc.mallopts = 0, []
+    for _ in range(4):
+        trim.reduced(50)
+    memory_release.release_between_phases()
+    assert libc.trims == 0
+    assert not memory_release.configure_allocator() and libc.mallopts == []
+    memory_release.release_freed_memory()  # one-time releases happen under either policy
+    assert libc.trims == 1
+
+
+def _trims_per_step(policy):
+    """Train 2 steps at each stage under the config's ``memory_release``; trims counted."""
+    import zerotrain
+    from tests.engine.workloads import adamw_config, make_model, train_steps
+
+    fake = _CountingLibc()
+    memory_release._libc = lambda: fake
+    memory_release._fix_mmap_threshold = memory_release._fix_mmap_threshold.__wrapped__
+    zerotrain.init_distributed()
+    out = {}
+    for stage in (1, 2, 3):
+        model = make_model()
+        engine, *_ = zerotrain.initialize(
+            model=model, config=adamw_config(2, memory_release=policy,
+                                             zero_optimization={"stage": stage}))
+        before = fake.trims
+        train_steps(engine, 2)
+        out[stage] = {"trims": fake.trims - before, "policy": memory_release.memory_release(),
+                      "threshold_set": len(fake.mallopts) > 0}
+        engine.destroy()
+    return out
+
+
+def test_config_key_reaches_the_engine():
+    eager, off = (run_on_ranks(_trims_per_step, world_size=2, args=(p,))[0]
+                  for p in ("eager", "off"))
+    for stage in (1, 2, 3):
+        assert eager[stage]["policy"] == "eager" and eager[stage]["trims"] >= 4, eager
+        assert eager[stage]["threshold_set"], eager
+        assert off[stage] == {"trims": 0, "policy": "off", "threshold_set": False}, off
