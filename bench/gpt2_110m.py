@@ -230,7 +230,9 @@ def init_weights(model, n_layer: int, partitioned: bool, deepspeed: bool = False
     import torch
     import torch.distributed as dist
     if deepspeed:
-        from deepspeed.zero import GatheredParameters
+        import deepspeed as ds  # deepspeed.zero is an attribute, not an importable module
+
+        GatheredParameters = ds.zero.GatheredParameters
     else:
         from zerotrain.zero import GatheredParameters
 
