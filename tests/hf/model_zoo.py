@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ, MICRO, WORLD, STEPS, LR = 64, 16, 2, 2, 10, 1e-3
-STAGES = (0, 1, 2, 3)
+# Stage 1 differs from stage 2 only in how gradients are reduced, which the engine's combination
+# suite covers for every precision; a model's own code meets stages 0, 2 and 3 differently.
+STAGES = (0, 2, 3)
 PRECISIONS = ("fp32", "bf16")
 
 # name: (config class, model class, config kwargs)

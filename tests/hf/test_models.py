@@ -1,8 +1,8 @@
 """Transformers models built from configs train under every ZeRO stage and precision.
 
 GPT-2, Llama, BERT (masked LM), OPT and BLOOM, tiny and random-init (tests/hf/model_zoo.py),
-each at stages 0-3 in fp32 and bf16: 10 steps on 2 gloo ranks through `zerotrain.initialize`,
-using the `.loss` of the model's own output. All 40 runs share one process group. Each is
+each at stages 0, 2 and 3 in fp32 and bf16: 10 steps on 2 gloo ranks through `zerotrain.initialize`,
+using the `.loss` of the model's own output. All 30 runs share one process group. Each is
 compared with plain PyTorch fp32 (AdamW, clipping 1.0, one process on the joint batch):
 
 - fp32: losses to rel 1e-5 and final weights (gathered at stage 3) to atol 5e-5 / rtol 1e-4.
