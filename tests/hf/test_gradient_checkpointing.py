@@ -1,4 +1,4 @@
-"""Hugging Face activation checkpointing (`gradient_checkpointing_enable`) at ZeRO stages 0, 2 and 3 (stage 1 runs forward like stage 2).
+"""Hugging Face activation checkpointing (`gradient_checkpointing_enable`) at ZeRO stages 0-3.
 
 One 2-rank gloo group trains a random-init GPT-2 at every stage in fp32 and bf16, with and
 without checkpointing; the fp32 runs must give a plain single-process PyTorch loop's losses and
@@ -21,8 +21,8 @@ from zerotrain.testing import run_on_ranks
 pytest.importorskip("transformers")
 
 WORLD, MICRO, SEQ, STEPS, LR = 2, 2, 16, 4, 1e-3
-# Stage 1 runs forward and recomputation exactly like stage 2 (whole parameters); it differs only
-# in the gradient reduction, covered by tests/engine/test_combinations.py.
+# With and without checkpointing, fp32 and bf16, at these stages; stage 1 (forward and
+# recomputation exactly like stage 2, whole parameters) runs once, fp32 with checkpointing.
 STAGES = (0, 2, 3)
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -114,6 +114,7 @@ def _all_cases():
         for bf16 in (False, True):
             for how in (None, "non_reentrant"):
                 out[stage, bf16, how] = _train(stage, bf16, how)
+    out[1, False, "non_reentrant"] = _train(1, False, "non_reentrant")
     out[3, False, "reentrant"] = _train(3, False, "reentrant")
     # The config section configures zerotrain.checkpointing at initialize (no configure call).
     ckpt.reset_profile_totals()
@@ -129,6 +130,7 @@ def test_gradient_checkpointing_at_every_stage_and_precision():
     want_losses, want_state = _plain_reference()
     results = run_on_ranks(_all_cases, WORLD, timeout=600)
     for rank, out in enumerate(results):
+        assert_close_trajectory(out[1, False, "non_reentrant"]["losses"], want_losses)
         for stage in STAGES:
             for how in (None, "non_reentrant"):
                 assert_close_trajectory(out[stage, False, how]["losses"], want_losses)
