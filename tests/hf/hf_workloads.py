@@ -142,3 +142,22 @@ def zerotrain_trainer_runs(out_dir: str) -> dict:
     except ValueError as error:
         result["mismatch"] = str(error)
     return result
+
+
+def train_causal_lm(engine, batches, micro: int) -> list[float]:
+    """One optimizer step per global batch of ``batches`` (``[steps, world * micro, seq]`` token
+    ids; this rank takes its ``micro`` rows, labels = inputs); each step's loss averaged over
+    the ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for ids in batches:
+        ids = ids[rank * micro:(rank + 1) * micro]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

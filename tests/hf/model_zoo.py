@@ -61,6 +61,7 @@ def zoo_runs(models=tuple(MODELS), combos=tuple(COMBOS)) -> dict:
     import torch.distributed as dist
 
     import zerotrain
+    from tests.hf.hf_workloads import train_causal_lm
 
     zerotrain.init_distributed()
     rank = dist.get_rank()
@@ -71,15 +72,7 @@ def zoo_runs(models=tuple(MODELS), combos=tuple(COMBOS)) -> dict:
             model = make_model(name)
             engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
                                               config=config(stage, precision))
-            losses = []
-            for step in range(STEPS):
-                ids = data[step, rank * MICRO:(rank + 1) * MICRO]
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                mean = loss.detach().float().clone()
-                dist.all_reduce(mean)
-                losses.append(mean.item() / WORLD)
+            losses = train_causal_lm(engine, data[:STEPS], MICRO)
             weights = engine.module_state_dict()  # gathered at stage 3 (collective)
             out[(name, stage, precision)] = {
                 "losses": losses,

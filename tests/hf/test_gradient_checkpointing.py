@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.engine.workloads import assert_close_trajectory
+from tests.hf.hf_workloads import train_causal_lm
 from zerotrain.testing import run_on_ranks
 
 pytest.importorskip("transformers")
@@ -67,13 +68,10 @@ def _enable(model, how):
 
 
 def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None):
-    import torch.distributed as dist
-
     import zerotrain
     from zerotrain.zero.stage3 import in_backward
 
     zerotrain.init_distributed()
-    rank = dist.get_rank()
     model = _model()
     _enable(model, how)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
@@ -91,15 +89,7 @@ def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None)
             # dict.get bypasses stage 3's gather-on-access, so this only looks
             module.register_forward_pre_hook(
                 lambda m, args: seen.append((in_backward(), dict.get(m._parameters, "weight").numel() > 0)))
-    losses = []
-    for ids in _batches():
-        ids = ids[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
+    losses = train_causal_lm(engine, _batches(), MICRO)
     state = {k: v.float() for k, v in engine.module_state_dict().items()}
     engine.destroy()
     return {"losses": losses, "state": state, "seen": seen}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.engine.workloads import assert_close_trajectory
+from tests.hf.hf_workloads import train_causal_lm
 from zerotrain.testing import run_on_ranks
 
 pytest.importorskip("transformers")
@@ -58,11 +59,8 @@ def _plain_reference():
 
 
 def _train(stage: int, bf16: bool = False, prefetch: bool = True):
-    import torch.distributed as dist
-
     import zerotrain
 
-    rank = dist.get_rank()
     model = _lora_model()
     adapter_numel, base_numel = _counts(model)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -75,15 +73,7 @@ def _train(stage: int, bf16: bool = False, prefetch: bool = True):
         cfg["bf16"] = {"enabled": True}
     # All parameters are handed over, as a Trainer does: the frozen ones must stay out of the optimizer.
     engine, optimizer, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    losses = []
-    for ids in _batches():
-        ids = ids[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
+    losses = train_causal_lm(engine, _batches(), MICRO)
     state_numel = sum(t.numel() for s in optimizer.state.values() for k, t in s.items()
                       if torch.is_tensor(t) and k != "step")
     optimized_numel = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
