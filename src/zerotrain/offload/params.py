@@ -98,17 +98,23 @@ class ShardSwapper:
         self._evict(unit)
 
     # -- residency ----------------------------------------------------------------------
-    def ensure(self, unit, dirty: bool = False) -> torch.Tensor:
-        """``unit``'s shard, resident; ``dirty``: the caller will write it."""
+    def ensure(self, unit, dirty: bool = False, fill: bool = True) -> torch.Tensor:
+        """``unit``'s tensor, resident; ``dirty``: the caller will write it; ``fill=False``:
+        the caller overwrites all of it (nothing is read)."""
         if unit in self.resident:
             self.resident.move_to_end(unit)
         else:
             tensor = self.tensor_of(unit).detach()
             numel = tensor.numel()
             self._make_room(numel, keep=unit)
-            if unit not in self._generation:  # never written: zeros
+            if unit not in self._generation or not fill:  # never written (zeros), or overwritten
+                slot = self._reading.pop(unit, None)
+                if slot is not None:  # a read ahead nobody needs
+                    self._wait(slot.futures)
+                    slot.unit, slot.futures = None, []
                 tensor.untyped_storage().resize_(self._nbytes(unit))
-                tensor.zero_()
+                if fill:
+                    tensor.zero_()
             else:
                 slot = self._reading.pop(unit, None)
                 if slot is None:

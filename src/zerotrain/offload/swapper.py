@@ -85,6 +85,7 @@ class OptimizerSwapper:
         self.stats = {"bytes_read": 0, "bytes_written": 0, "io_wait_s": 0.0, "step_s": 0.0}
         self.param_swapper = None  # NVMe parameter offload: shards read ahead of their update
         self.grad_swapper = None  # ... and the gradient shards
+        self._grad32 = None  # the chunk's gradient cast to the master's dtype
 
     def add_unit(self, unit, master: torch.Tensor | None) -> None:
         """Cut ``unit``'s shard into chunks; ``master`` (fp32, or None to step the shard itself
@@ -133,7 +134,9 @@ class OptimizerSwapper:
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, optimizer, shard_grads, grad_scale: float) -> None:
+    def step(self, optimizer, shard_grads, grad_scale: float, edited=None) -> None:
+        """One optimizer step over every chunk. ``edited``: the units whose 16-bit weights were
+        written outside the step since the last one (adopted into the master); None: all."""
         started = time.perf_counter()
         clock = [0.0]
         read0, written0 = self.io.bytes_read, self.io.bytes_written
@@ -166,16 +169,20 @@ class OptimizerSwapper:
         try:
             for i, chunk in enumerate(self.chunks):
                 if chunk.start == 0:  # a new unit: read shards and gradients ahead
-                    for shards in (self.param_swapper, self.grad_swapper):
-                        if shards is not None:
-                            shards.read_ahead(self.units[chunk.unit_index:])
+                    if self.grad_swapper is not None:
+                        self.grad_swapper.read_ahead(self.units[chunk.unit_index:])
+                    if self.param_swapper is not None:  # only shards the step reads
+                        self.param_swapper.read_ahead(
+                            [u for u in self.units[chunk.unit_index:]
+                             if self._reads_shard(u, chunk.swap_master, edited)])
                 if upcoming == i:
                     issue(blocking=True)
                 while upcoming < len(self.chunks) and issue(blocking=False):
                     pass  # read ahead into every free slot
                 slot, futures = reads.pop(i)
                 wait(futures, clock)
-                self._update(optimizer, chunk, slot, shard_grads[chunk.unit_index], grad_scale)
+                self._update(optimizer, chunk, slot, shard_grads[chunk.unit_index], grad_scale,
+                             edited)
                 for key, dtype in chunk.stored().items():
                     self._write(chunk, slot, key, dtype)
                 busy.append(slot)
@@ -193,13 +200,20 @@ class OptimizerSwapper:
         stats["io_wait_s"] = clock[0]
         stats["step_s"] = time.perf_counter() - started
 
+    @staticmethod
+    def _reads_shard(unit, swap_master: bool, edited) -> bool:
+        """Whether the step needs the shard's values (else it only writes it)."""
+        return not swap_master or edited is None or unit in edited
+
     def _update(self, optimizer, chunk: Chunk, slot: Slot, grad: torch.Tensor,
-                grad_scale: float) -> None:
+                grad_scale: float, edited=None) -> None:
         unit = self.units[chunk.unit_index]
-        shard = unit.resident_shard(dirty=True).detach().narrow(0, chunk.start, chunk.numel)
+        adopt = self._reads_shard(unit, chunk.swap_master, edited)
+        shard = unit.resident_shard(dirty=True, fill=adopt).detach().narrow(0, chunk.start, chunk.numel)
         if chunk.swap_master:
             master = slot.view("master", torch.float32, chunk.numel)
-            _adopt_changed(master, shard)  # in-place edits of the 16-bit weights since the last step
+            if adopt:  # in-place edits of the 16-bit weights since the last step
+                _adopt_changed(master, shard)
         else:
             master = shard  # fp32 in host memory: the shard itself is stepped
         p = chunk.param
@@ -207,8 +221,12 @@ class OptimizerSwapper:
         if self.grad_swapper is not None:  # read back if it was written out
             self.grad_swapper.ensure(unit)
         g = grad.narrow(0, chunk.start, chunk.numel)
-        p.grad = g if g.dtype == master.dtype and g.device == master.device else g.to(
-            master.device, master.dtype)
+        if g.dtype == master.dtype and g.device == master.device:
+            p.grad = g
+        else:  # cast into one reused buffer (a fresh chunk-sized one each time page-faults)
+            if self._grad32 is None or self._grad32.numel() < chunk.numel:
+                self._grad32 = torch.empty(self.chunk_numel, dtype=master.dtype, device=master.device)
+            p.grad = self._grad32.narrow(0, 0, chunk.numel).copy_(g)
         if grad_scale != 1.0:
             p.grad.mul_(grad_scale)
         if chunk.state_dtypes or chunk.scalars:  # stepped before: hand back its state

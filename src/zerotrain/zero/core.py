@@ -281,9 +281,10 @@ class ZeroStage:
             raise RuntimeError("engine.step(): this engine has no optimizer (initialize() got "
                                "none and the config has no 'optimizer' section)")
         if self.offload is not None:  # chunk by chunk through the swap files
+            edited = {u for u in self.trained if u.edited_since_recorded()}
             for unit in self.trained:
                 unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
-            self.offload.swapper.step(optimizer, self.shard_grads, grad_scale)
+            self.offload.swapper.step(optimizer, self.shard_grads, grad_scale, edited)
             if self.param_offload is not None:  # this step's reads and writes of shards
                 self._param_io = self.param_offload.swapper.take_stats()
             if self.grad_swapper is not None:

@@ -88,6 +88,7 @@ class FlatParamUnit:
     coordinator = None    # the ParameterCoordinator that gathers this unit (stage 3)
     master = None         # the optimizer's fp32 copy of the shard, when training in 16 bits
     param_swapper = None  # offload_param "nvme": zerotrain.offload.params.ParamSwapper
+    shard_edited = False  # the shard was written outside the step (NVMe offload adopts it)
     process_group = None  # the data-parallel group its shards are spread over
     _ds_status = False    # whether the parameters carry DeepSpeed's ds_status
 
@@ -114,11 +115,12 @@ class FlatParamUnit:
             for p in self.params:
                 p.ds_status = status
 
-    def resident_shard(self, dirty: bool = False) -> nn.Parameter:
+    def resident_shard(self, dirty: bool = False, fill: bool = True) -> nn.Parameter:
         """The shard, in memory (with NVMe parameter offload it may have been evicted to its
-        swap file: read back now). ``dirty``: the caller writes it (so it is written back)."""
+        swap file: read back now, unless ``fill`` is False: the caller overwrites all of it).
+        ``dirty``: the caller writes it (so it is written back)."""
         if self.param_swapper is not None:
-            return self.param_swapper.ensure(self, dirty)
+            return self.param_swapper.ensure(self, dirty, fill)
         return self.shard
 
     @torch.no_grad()
@@ -127,14 +129,21 @@ class FlatParamUnit:
         match it."""
         new = self.layout.shard(self.flat, self._rank)
         self.resident_shard(dirty=True).data.copy_(new)
+        self.shard_edited = True
         if self.master is not None:
             _adopt_changed(self.master.data, new)
 
     # -- edits made outside the optimizer -------------------------------------------------
+    def edited_since_recorded(self) -> bool:
+        """Whether a parameter was written in place, or the shard outside the step, since
+        ``record_versions``."""
+        return self.shard_edited or any(p._version != v for p, v in zip(self.params, self._versions))
+
     def record_versions(self) -> None:
         """Remember each parameter's version counter (bumped by every in-place write through
         the parameter: ``copy_``, ``load_state_dict``, ``nn.init``, EMA updates under no_grad)."""
         self._versions = [p._version for p in self.params]
+        self.shard_edited = False
 
     @torch.no_grad()
     def adopt_edits(self) -> None:
@@ -169,6 +178,7 @@ class FlatParamUnit:
                 for target in targets:
                     target.narrow(0, piece.shard_start, piece.numel).copy_(src)
         self.record_versions()
+        self.shard_edited = self.master is None  # no master written here: adopt at the step
 
     def reshard(self) -> None:
         """Keep only this rank's shard (a private copy) and free the full buffer."""
