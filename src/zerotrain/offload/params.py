@@ -135,6 +135,12 @@ class ShardSwapper:
             self.norms.pop(unit, None)
         return self.tensor_of(unit)
 
+    def ready(self, unit) -> bool:
+        """Whether ``unit``'s shard is resident or its read was issued ahead. (Not whether the
+        read has arrived: stage 3 decides prefetch gathers, collectives, by this, so it must be
+        the same on every rank, and I/O timing is not.)"""
+        return unit in self.resident or unit not in self._generation or unit in self._reading
+
     def read_ahead(self, units) -> None:
         """Start reading the next evicted shards of ``units`` (in order of use) into the free
         buffers (``buffer_count`` of them: what bounds reading ahead)."""

@@ -156,6 +156,8 @@ class ParameterCoordinator:
             numel = unit.layout.padded_numel
             if self.max_live_numel is not None and self.live_numel + numel > self.max_live_numel:
                 return
+            if self.param_swapper is not None and not self.param_swapper.ready(unit):
+                return  # its shard is on disk with no read issued: gathering would wait for it
             budget -= numel
             self._agree(unit)
             self._count(numel)
@@ -235,8 +237,9 @@ class ParameterCoordinator:
     def _use(self, unit: FlatParamUnit) -> None:
         order = self._backward_order if in_backward() else self._forward_order
         matched = order.see(unit)
-        if matched and self.param_swapper is not None:
-            self.param_swapper.read_ahead(order.upcoming())
+        if matched and self.param_swapper is not None:  # shards of units still to gather
+            self.param_swapper.read_ahead(
+                u for u in order.upcoming() if not u.gathered and u not in self._inflight)
         self.fetch(unit)
         if matched and self.prefetch_numel:
             self._prefetch(order)
