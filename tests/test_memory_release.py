@@ -66,8 +66,9 @@ def test_eager_trims_per_bucket_and_between_phases_off_never(libc):
     assert libc.trims == 1
 
 
-def _trims_per_step(policy):
-    """Train 2 steps at each stage under the config's ``memory_release``; trims counted."""
+def _trims_per_step(policies):
+    """Train 2 steps at each stage under each config ``memory_release``; trims and mmap
+    threshold settings counted (the stand-in libc makes the policy switchable in one process)."""
     import zerotrain
     from tests.engine.workloads import adamw_config, make_model, train_steps
 
@@ -76,22 +77,26 @@ def _trims_per_step(policy):
     memory_release._fix_mmap_threshold = memory_release._fix_mmap_threshold.__wrapped__
     zerotrain.init_distributed()
     out = {}
-    for stage in (1, 2, 3):
-        model = make_model()
-        engine, *_ = zerotrain.initialize(
-            model=model, config=adamw_config(2, memory_release=policy,
-                                             zero_optimization={"stage": stage}))
-        before = fake.trims
-        train_steps(engine, 2)
-        out[stage] = {"trims": fake.trims - before, "policy": memory_release.memory_release(),
-                      "threshold_set": len(fake.mallopts) > 0}
-        engine.destroy()
+    for policy in policies:
+        out[policy] = {}
+        for stage in (1, 2, 3):
+            model = make_model()
+            mallopts = len(fake.mallopts)
+            engine, *_ = zerotrain.initialize(
+                model=model, config=adamw_config(2, memory_release=policy,
+                                                 zero_optimization={"stage": stage}))
+            before = fake.trims
+            train_steps(engine, 2)
+            out[policy][stage] = {"trims": fake.trims - before,
+                                  "policy": memory_release.memory_release(),
+                                  "threshold_set": len(fake.mallopts) > mallopts}
+            engine.destroy()
     return out
 
 
 def test_config_key_reaches_the_engine():
-    eager, off = (run_on_ranks(_trims_per_step, world_size=2, args=(p,))[0]
-                  for p in ("eager", "off"))
+    result = run_on_ranks(_trims_per_step, world_size=2, args=(("eager", "off"),))[0]
+    eager, off = result["eager"], result["off"]
     for stage in (1, 2, 3):
         assert eager[stage]["policy"] == "eager" and eager[stage]["trims"] >= 4, eager
         assert eager[stage]["threshold_set"], eager
