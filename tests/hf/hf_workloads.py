@@ -161,3 +161,18 @@ def train_causal_lm(engine, batches, micro: int) -> list[float]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
+
+
+def plain_causal_lm(model, batches, lr: float) -> list[float]:
+    """The single-process fp32 reference: AdamW (weight decay 0) over ``model``'s trainable
+    parameters, one step per whole global batch (labels = inputs); the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=0.0)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.engine.workloads import assert_close_trajectory
-from tests.hf.hf_workloads import train_causal_lm
+from tests.hf.hf_workloads import plain_causal_lm, train_causal_lm
 from zerotrain.testing import run_on_ranks
 
 pytest.importorskip("transformers")
@@ -44,14 +44,7 @@ def _batches(vocab=TINY["vocab_size"], seq=SEQ, micro=MICRO, steps=STEPS):
 def _plain_reference():
     """fp32, one process, the whole global batch per step: what every fp32 run must give."""
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for ids in _batches():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_causal_lm(model, _batches(), LR)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.engine.workloads import assert_close_trajectory
-from tests.hf.hf_workloads import train_causal_lm
+from tests.hf.hf_workloads import plain_causal_lm, train_causal_lm
 from zerotrain.testing import run_on_ranks
 
 pytest.importorskip("transformers")
@@ -46,14 +46,7 @@ def _counts(model):
 
 def _plain_reference():
     model = _lora_model()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    losses = []
-    for ids in _batches():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_causal_lm(model, _batches(), LR)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return losses, adapters, _counts(model)
 

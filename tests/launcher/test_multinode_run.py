@@ -147,12 +147,29 @@ def single_node_losses(job) -> list[list[float]]:
     return [r["losses"] for r in records(job / "single")]
 
 
+def launch_two_nodes(job, *launcher_args, env):
+    """The hostfile job through ``launcher_args``, its records in ``job/multi``.
+
+    Seen under heavy load, not reproduced in isolation (openmpi once, ssh once): a rank aborted
+    *after* training, at interpreter exit, with "terminate called without an active exception"
+    (an open bug: some C++ thread still joinable at exit). That one signature is retried once,
+    printed so it stays visible; anything else fails at once."""
+    for attempt in range(2):
+        result = launch("--hostfile", "hosts", *launcher_args, "--master_port", str(_free_port()),
+                        "train.py", "--deepspeed_config", "ds.json", "--out", "multi", *ARGS,
+                        env=env)
+        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
+            return result
+        print("run aborted at exit; retrying once:\n" + result.stderr[-2000:])
+        for f in (job / "multi").iterdir():
+            f.unlink()
+    return result
+
+
 def test_ssh_two_nodes_train_like_one_node(sshd, job):
     (job / "multi").mkdir()
-    result = launch("--hostfile", "hosts", "--launcher", "ssh", f"--launcher_args={sshd['options']}",
-                    "--ssh_port", str(sshd["port"]), "--master_port", str(_free_port()),
-                    "train.py", "--deepspeed_config", "ds.json", "--out", "multi", *ARGS,
-                    env={"NCCL_ZT_TEST": "exported"})
+    result = launch_two_nodes(job, "--launcher", "ssh", f"--launcher_args={sshd['options']}",
+                              "--ssh_port", str(sshd["port"]), env={"NCCL_ZT_TEST": "exported"})
     assert result.returncode == 0, result.stdout + result.stderr
     multi = records(job / "multi")
     for rank, record in enumerate(multi):
@@ -248,19 +265,9 @@ def test_ssh_ctrl_c_stops_every_node(sshd, job):
 def test_openmpi_two_nodes_train(sshd, job):
     (job / "multi").mkdir()
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    for attempt in range(2):
-        result = launch("--hostfile", "hosts", "--launcher", "openmpi",
-                        f"--launcher_args=--mca plm_rsh_agent 'ssh {sshd['options']}'", "--ssh_port",
-                        str(sshd["port"]), "--master_port", str(_free_port()), "train.py",
-                        "--deepspeed_config", "ds.json", "--out", "multi", *ARGS, env=env)
-        # Seen once under heavy load (not reproduced in isolation): a rank aborted at exit with
-        # "terminate called without an active exception" after training. Retry that one
-        # signature once, so it stays visible in the output without failing CI; anything else fails.
-        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
-            break
-        print("openmpi run aborted at exit; retrying once:\n" + result.stderr[-2000:])
-        for f in (job / "multi").iterdir():
-            f.unlink()
+    result = launch_two_nodes(job, "--launcher", "openmpi",
+                              f"--launcher_args=--mca plm_rsh_agent 'ssh {sshd['options']}'",
+                              "--ssh_port", str(sshd["port"]), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     multi = records(job / "multi")
     assert [r["env"]["CROSS_RANK"] for r in multi] == ["0", "1"] and all(r["rest"] == ARGS for r in multi)
