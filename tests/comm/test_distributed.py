@@ -181,3 +181,41 @@ def test_mpi_discovery_across_nodes_needs_master_addr(clean_env):
 def test_no_mpi_launcher_changes_nothing(clean_env):
     assert distributed.discover_mpi_environment() is False
     assert "RANK" not in os.environ and "MASTER_ADDR" not in os.environ
+
+
+# -- teardown -------------------------------------------------------------------------------
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _teardown_while_the_engine_lives():
+    import torch
+
+    import zerotrain
+    from zerotrain.comm.distributed import destroy_distributed
+    from zerotrain.models import GPT, GPTConfig
+
+    before = _threads()
+    model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ids = torch.randint(0, 64, (2, 16))
+    engine.backward(engine(ids, labels=ids).loss)
+    engine.step()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # user code building torch optimizers after init
+    during = _threads()
+    destroy_distributed()  # what the atexit hook runs; the engine is still referenced here
+    return before, during, _threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_teardown_joins_the_gloo_worker_threads_before_interpreter_exit():
+    """A group that outlives destroy_process_group() keeps gloo's worker threads until the
+    interpreter finalizes; one still finishing a collective then needs the GIL and the rank
+    aborts ("terminate called without an active exception"). torch.distributed.nn.functional,
+    which torch.optim imports lazily, pinned the group in its default arguments."""
+    for before, during, after in run_on_ranks(_teardown_while_the_engine_lives, world_size=2):
+        assert during > before  # gloo's transport loop and worker threads
+        assert after == before

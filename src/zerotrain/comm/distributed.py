@@ -17,6 +17,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds ``group.WORLD`` into its functions' default
+    # arguments when first imported (torch.optim imports it lazily). Imported once a default
+    # group exists, it pins that group past destroy_process_group(): gloo's worker threads then
+    # outlive the interpreter and a rank aborts at exit ("terminate called without an active
+    # exception"). Imported now, before any group exists, it binds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 from zerotrain.accelerator import get_accelerator
 from zerotrain.log import logger
 
