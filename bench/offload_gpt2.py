@@ -14,8 +14,11 @@ model without offload (for the "within 1.5x of in-memory" comparison; only where
 
 Reported per model: peak RSS (VmHWM), RSS before initialize (the model as built), median
 seconds per step (steps 2..N), bytes read and written per step (optimizer chunks, parameter
-shards, gradient shards), the share of the step spent waiting on swap I/O, and the swap
-footprint on disk. The machine is shared with other jobs: seconds are indicative.
+shards, gradient shards), the share of the step spent waiting on swap I/O, the disk's busy
+time per step (wall time with any swap read or write under way) against bytes moved over the
+disk's bandwidth, and the swap footprint on disk. The disk's sequential O_DIRECT bandwidth each
+way is measured first, in the same run, on a 4 GiB file under --nvme-path (``--disk-gib 0``
+skips it). Seconds depend on what else the machine runs: compare within one run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,38 @@ def _status_kib(field: str) -> int:
             if line.startswith(field):
                 return int(line.split()[1])
     return 0
+
+
+def disk_bandwidth(folder: str, gib: int, block: int = 8 << 20) -> dict:
+    """Sequential write then read of a ``gib`` GiB file with O_DIRECT (buffered where the file
+    system refuses it), ``block`` bytes per call: bytes per second each way."""
+    import mmap
+
+    path = os.path.join(folder, "zerotrain-bench-bandwidth")
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    total = gib * GIB
+    flags = getattr(os, "O_DIRECT", 0)
+    out = {}
+    try:
+        for way in ("write", "read"):
+            try:
+                fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if way == "write" else os.O_RDONLY) | flags, 0o600)
+            except OSError:
+                flags = 0
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC if way == "write" else os.O_RDONLY, 0o600)
+            t0 = time.perf_counter()
+            for offset in range(0, total, block):
+                (os.pwritev if way == "write" else os.preadv)(fd, [buf], offset)
+            if way == "write":
+                os.fsync(fd)
+            out[way] = total / (time.perf_counter() - t0)
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    out["direct"] = bool(flags)
+    return out
 
 
 def worker(model_key: str, steps: int, nvme: str, in_memory: bool) -> dict:
@@ -90,6 +125,7 @@ def worker(model_key: str, steps: int, nvme: str, in_memory: bool) -> dict:
             record.update(read=sum(p["bytes_read"] for p in parts),
                           written=sum(p["bytes_written"] for p in parts),
                           io_wait_s=sum(p["io_wait_s"] for p in parts),
+                          io_busy_s=stats["io_busy_s"],
                           disk=stats["swap_file_bytes"] + stats["params"]["swap_file_bytes"],
                           direct_io=stats["direct_io"])
         records.append(record)
@@ -104,6 +140,7 @@ def worker(model_key: str, steps: int, nvme: str, in_memory: bool) -> dict:
         out.update(read_per_step=statistics.median(r["read"] for r in later),
                    written_per_step=statistics.median(r["written"] for r in later),
                    io_wait_share=statistics.median(r["io_wait_s"] / r["s"] for r in later),
+                   io_busy_per_step=statistics.median(r["io_busy_s"] for r in later),
                    disk_bytes=max(r["disk"] for r in records), direct_io=records[-1]["direct_io"])
     engine.destroy()
     return out
@@ -115,6 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--nvme-path", default="/work/offload_swap")
     parser.add_argument("--in-memory", action="store_true")
+    parser.add_argument("--disk-gib", type=int, default=4)
     parser.add_argument("--json")
     parser.add_argument("--worker")
     args = parser.parse_args()
@@ -127,6 +165,12 @@ def main() -> None:
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29911",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
     results = []
+    disk = None
+    if args.disk_gib and not args.in_memory:
+        disk = disk_bandwidth(args.nvme_path, args.disk_gib)
+        results.append({"disk_bandwidth": disk})
+        print(f"disk: write {disk['write'] / 1e9:.2f} GB/s, read {disk['read'] / 1e9:.2f} GB/s "
+              f"({'O_DIRECT' if disk['direct'] else 'buffered'}, {args.disk_gib} GiB)", flush=True)
     for key in args.models.split(","):
         command = [sys.executable, __file__, "--worker", key, "--steps", str(args.steps),
                    "--nvme-path", args.nvme_path] + (["--in-memory"] if args.in_memory else [])
@@ -143,7 +187,12 @@ def main() -> None:
         if result["offload"]:
             line += (f", read {result['read_per_step'] / 1e9:.1f} GB + written "
                      f"{result['written_per_step'] / 1e9:.1f} GB per step, I/O wait "
-                     f"{100 * result['io_wait_share']:.0f}%, on disk {result['disk_bytes'] / 1e9:.1f} GB")
+                     f"{100 * result['io_wait_share']:.0f}%, disk busy {result['io_busy_per_step']:.1f} s/step, "
+                     f"on disk {result['disk_bytes'] / 1e9:.1f} GB")
+            if disk:
+                floor = result["read_per_step"] / disk["read"] + result["written_per_step"] / disk["write"]
+                result["io_floor_s"] = floor
+                line += f"; bytes / bandwidth {floor:.1f} s (busy {result['io_busy_per_step'] / floor:.2f}x)"
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -143,6 +143,7 @@ def test_nvme_swap_files_live_while_training_and_go_after(runs):
             stats = record["stats"]
             assert stats["bytes_read"] > 0 and stats["bytes_written"] >= stats["bytes_read"]
             assert 0 <= stats["io_wait_s"] <= stats["step_s"] and 0 <= stats["io_wait_share"] <= 1
+            assert stats["io_busy_s"] > 0  # the disk was busy during the step's swaps
             assert stats["swap_file_bytes"] >= stats["bytes_written"] > 0 and stats["direct_io"]
             assert record["memory"]["optimizer_state"] == 0
             assert 0 < record["memory"]["offload_buffers"]
@@ -167,3 +168,27 @@ def test_nvme_checkpoints_resume_bit_identically_and_reshard(runs, monkeypatch):
     zerotrain.init_distributed()
     single = checkpoint_cases.load_on_one_rank(str(checkpoints), str(nvme))
     checkpoint_cases.check([r["checkpoint"] for r in results], single, nvme)
+
+
+def test_disk_activity_counts_overlapping_operations_once():
+    """``io_busy_s`` is the wall time with any swap I/O under way: two operations that overlap
+    count once, a gap between operations not at all."""
+    import threading
+    import time
+
+    from zerotrain.offload.aio import DiskActivity
+
+    clock = DiskActivity()
+
+    def hold(seconds):
+        with clock:
+            time.sleep(seconds)
+
+    threads = [threading.Thread(target=hold, args=(0.3,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.2)  # idle: not counted
+    hold(0.1)
+    assert 0.4 <= clock.busy_s < 0.55, clock.busy_s

@@ -47,7 +47,8 @@ def describe_stats(stats: dict) -> str:
     wait_s = sum(p["io_wait_s"] for p in parts)
     disk = sum(p.get("swap_file_bytes", 0) for p in parts)
     return (f"offload read={read / 2**30:.3f}GB written={written / 2**30:.3f}GB "
-            f"io_wait={wait_s:.2f}s swap_on_disk={disk / 2**30:.3f}GB")
+            f"io_wait={wait_s:.2f}s io_busy={stats.get('io_busy_s', 0.0):.2f}s "
+            f"swap_on_disk={disk / 2**30:.3f}GB")
 
 
 def chunk_numel(zero_config) -> int:

@@ -67,6 +67,39 @@ def direct_io_supported(folder: str) -> bool:
         os.unlink(probe)
 
 
+class DiskActivity:
+    """Wall time during which at least one swap-file read or write was under way, across every
+    ``AsyncFileIO`` of the process: the I/O time a step spent, to compare with the bytes it
+    moved over the disk's bandwidth (overlapping operations count once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._busy = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy += time.perf_counter() - self._since
+
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            running = time.perf_counter() - self._since if self._active else 0.0
+            return self._busy + running
+
+
+DISK_ACTIVITY = DiskActivity()
+
+
 class AsyncFileIO:
     """Reads and writes whole swap files on ``threads`` background threads.
 
@@ -129,12 +162,13 @@ class AsyncFileIO:
         try:
             mem = memoryview(view.numpy())
             offset = 0
-            while offset < len(mem):
-                end = min(len(mem), offset + self.block_size)
-                written = os.pwritev(fd, [mem[offset:end]], offset)
-                if written <= 0:
-                    raise OSError(errno.EIO, "short write")
-                offset += written
+            with DISK_ACTIVITY:
+                while offset < len(mem):
+                    end = min(len(mem), offset + self.block_size)
+                    written = os.pwritev(fd, [mem[offset:end]], offset)
+                    if written <= 0:
+                        raise OSError(errno.EIO, "short write")
+                    offset += written
         except OSError as error:
             hint = (" (the disk is full: free space or point nvme_path at a larger drive)"
                     if error.errno == errno.ENOSPC else "")
@@ -160,13 +194,14 @@ class AsyncFileIO:
                     "truncated or replaced while training; restart from a checkpoint")
             mem = memoryview(view.numpy())
             offset = 0
-            while offset < len(mem):
-                end = min(len(mem), offset + self.block_size)
-                got = os.preadv(fd, [mem[offset:end]], offset)
-                if got <= 0:
-                    raise SwapFileError(f"swap file {path} ended after {offset} bytes of "
-                                        f"{len(mem)}: it was truncated while training")
-                offset += got
+            with DISK_ACTIVITY:
+                while offset < len(mem):
+                    end = min(len(mem), offset + self.block_size)
+                    got = os.preadv(fd, [mem[offset:end]], offset)
+                    if got <= 0:
+                        raise SwapFileError(f"swap file {path} ended after {offset} bytes of "
+                                            f"{len(mem)}: it was truncated while training")
+                    offset += got
         except OSError as error:
             raise SwapFileError(f"reading swap file {path} failed: {error}") from None
         finally:

@@ -20,6 +20,7 @@ from torch import nn
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.memory_release import TrimEvery, release_between_phases
+from zerotrain.offload.aio import DISK_ACTIVITY
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
@@ -114,6 +115,7 @@ class ZeroStage:
             name_of.setdefault(id(p), name)
         self.placement = placement
         self.offload = None  # NVMe: zerotrain.offload.NvmeOptimizerOffload
+        self._io_busy_since, self._io_busy_s = DISK_ACTIVITY.busy_s, 0.0  # swap I/O wall time
         self.param_offload = None  # NVMe: zerotrain.offload.NvmeParamOffload
         if placement.nvme is not None and optimizer is not None:
             self.offload = _nvme_offload(placement, plan, optimizer, shard_world, self.rank,
@@ -289,6 +291,8 @@ class ZeroStage:
                 self._param_io = self.param_offload.swapper.take_stats()
             if self.grad_swapper is not None:
                 self._grad_io = self.grad_swapper.take_stats()
+            self._io_busy_s = DISK_ACTIVITY.busy_s - self._io_busy_since
+            self._io_busy_since = DISK_ACTIVITY.busy_s
             _log.debug("offload: %s", self.offload_stats())
         else:
             self.adopt_edits()
@@ -367,7 +371,9 @@ class ZeroStage:
     # -- accounting ---------------------------------------------------------------------
     def offload_stats(self) -> dict:
         """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
-        (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``; and the swap
+        (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``, ``io_busy_s`` (wall
+        time with any swap read or write under way, parameters' and gradients' included, from
+        the previous step's end to this one's); and the swap
         footprint: ``swap_file_bytes`` on disk, ``swap_buffer_bytes`` in memory. Empty without
         NVMe offload."""
         if self.offload is None:
@@ -378,6 +384,7 @@ class ZeroStage:
         stats["swap_file_bytes"] = swapper.file_nbytes()
         stats["swap_buffer_bytes"] = swapper.buffer_nbytes
         stats["direct_io"] = self.offload.io.direct
+        stats["io_busy_s"] = self._io_busy_s
         if self.param_offload is not None:
             params = self.param_offload.swapper
             if self.grad_swapper is not None:
