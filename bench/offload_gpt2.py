@@ -9,8 +9,9 @@ Each model runs in its own process (``RANK=0 WORLD_SIZE=1``, ``OMP_NUM_THREADS``
 micro-batch 1 x 128 tokens, AdamW (lr 1e-4), ZeRO stage 3 with ``offload_optimizer`` and
 ``offload_param`` on NVMe (``sub_group_size`` 2^24, 4 optimizer buffers; 4 parameter buffers,
 ``buffer_size`` 2e8 elements since the 2.5B embedding's shard is 1.03e8 (buffers are sized to
-the largest shard they carry), ``max_in_cpu`` 1e8 elements). ``--in-memory`` runs the same
-model without offload (for the "within 1.5x of in-memory" comparison; only where it fits).
+the largest shard they carry), ``max_in_cpu`` 1e8 elements unless ``--max-in-cpu`` says
+otherwise). ``--in-memory`` runs the same model without offload (for the "within 1.5x of
+in-memory" comparison; only where it fits).
 
 Reported per model: peak RSS (VmHWM), RSS before initialize (the model as built), median
 seconds per step (steps 2..N), bytes read and written per step (optimizer chunks, parameter
@@ -81,7 +82,7 @@ def disk_bandwidth(folder: str, gib: int, block: int = 8 << 20) -> dict:
     return out
 
 
-def worker(model_key: str, steps: int, nvme: str, in_memory: bool) -> dict:
+def worker(model_key: str, steps: int, nvme: str, in_memory: bool, max_in_cpu: float) -> dict:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -101,7 +102,7 @@ def worker(model_key: str, steps: int, nvme: str, in_memory: bool) -> dict:
     if not in_memory:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 4}
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
-                                 "buffer_size": 2 * 10**8, "max_in_cpu": 10**8}
+                                 "buffer_size": 2 * 10**8, "max_in_cpu": max_in_cpu}
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
            "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
@@ -153,11 +154,14 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/work/offload_swap")
     parser.add_argument("--in-memory", action="store_true")
     parser.add_argument("--disk-gib", type=int, default=4)
+    parser.add_argument("--max-in-cpu", type=float, default=1e8,
+                        help="offload_param.max_in_cpu (elements of parameter and gradient shards "
+                             "kept in memory; DeepSpeed's default is 1e9)")
     parser.add_argument("--json")
     parser.add_argument("--worker")
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.worker, args.steps, args.nvme_path, args.in_memory)
+        result = worker(args.worker, args.steps, args.nvme_path, args.in_memory, args.max_in_cpu)
         print("RESULT " + json.dumps(result), flush=True)
         return
     os.makedirs(args.nvme_path, exist_ok=True)
@@ -173,7 +177,8 @@ def main() -> None:
               f"({'O_DIRECT' if disk['direct'] else 'buffered'}, {args.disk_gib} GiB)", flush=True)
     for key in args.models.split(","):
         command = [sys.executable, __file__, "--worker", key, "--steps", str(args.steps),
-                   "--nvme-path", args.nvme_path] + (["--in-memory"] if args.in_memory else [])
+                   "--nvme-path", args.nvme_path, "--max-in-cpu", str(args.max_in_cpu)] + (
+                       ["--in-memory"] if args.in_memory else [])
         run = subprocess.run(command, env=env, capture_output=True, text=True)
         line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT ")), None)
         if run.returncode != 0 or line is None:
