@@ -77,6 +77,7 @@ def zoo_runs(models=tuple(MODELS), combos=tuple(COMBOS)) -> dict:
             out[(name, stage, precision)] = {
                 "losses": losses,
                 "params": {k: v.detach().float().clone() for k, v in weights.items()} if rank == 0 else None}
+            engine.destroy()  # what a script should do between engines (collective)
             del engine, model
     return out
 
