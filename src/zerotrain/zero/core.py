@@ -267,6 +267,7 @@ class ZeroStage:
         if self.grad_swapper is not None:  # evicted gradients: the norm kept when written out
             norms = [self.grad_swapper.norm_of(u) for u in self.trained]
         else:
+            self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
         if not norms:
             device = self.units[0].shard.device if self.units else None
@@ -296,16 +297,15 @@ class ZeroStage:
             _log.debug("offload: %s", self.offload_stats())
         else:
             self.adopt_edits()
-            for master, grad in zip(self.masters, self.shard_grads):
-                master.grad = (grad if grad.dtype == master.dtype and grad.device == master.device
-                               else grad.to(master.device, master.dtype))
+            for master, grad in zip(self.masters, self.reduction.grads_for(self.masters)):
+                master.grad = grad  # cast to the master's dtype and device where they differ
             if grad_scale != 1.0:
                 torch._foreach_mul_([m.grad for m in self.masters], grad_scale)
             optimizer.step()
             for unit, master in zip(self.trained, self.masters):
                 if unit.master is not None:
                     unit.shard.data.copy_(master.detach())
-                    master.grad = None  # the fp32 copies of gradients live only for the step
+                master.grad = None  # gradients live for the step only (zero_grad may free them)
         if self.strategy.shards_optimizer and self.world_size > 1:
             # Stage 3's partitioned units are gathered when next used; the rest right away.
             for work in [u.all_gather(self.group) for u in self.trained if not u.resharded]:
@@ -373,9 +373,8 @@ class ZeroStage:
         """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
         (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``, ``io_busy_s`` (wall
         time with any swap read or write under way, parameters' and gradients' included, from
-        the previous step's end to this one's); and the swap
-        footprint: ``swap_file_bytes`` on disk, ``swap_buffer_bytes`` in memory. Empty without
-        NVMe offload."""
+        the previous step's end to this one's); and the swap footprint: ``swap_file_bytes`` on
+        disk, ``swap_buffer_bytes`` in memory. Empty without NVMe offload."""
         if self.offload is None:
             return {}
         swapper = self.offload.swapper
@@ -443,7 +442,6 @@ class ZeroStage:
         if self.offload is not None:
             self.offload.close()  # the swap files go; the optimizer state with them
         registry.unregister(self.units)
-
 
 
 def _check_optimizer(stage: int, optimizer) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from zerotrain.memory_release import TrimEvery, release_between_phases
 from zerotrain.zero.partition import FlatParamUnit
 
 
@@ -110,8 +111,20 @@ class ParameterCoordinator:
         self._calls: dict[FlatParamUnit, int] = {}
         self._shared: set[FlatParamUnit] = set()
         self.early_releases = 0  # frozen units released when their module's backward ended
+        # Tied trained units (an embedding shared with the output layer) whose remaining users
+        # in this backward are embeddings, which need no weights: after the other user's
+        # backward their storage is emptied, the parameters keeping their shape (the gradient
+        # is accumulated against it); any later gather refills it.
+        self._users: dict[FlatParamUnit, list[nn.Module]] = {}
+        self._done: dict[FlatParamUnit, set[nn.Module]] = {}
+        self._hollow: set[FlatParamUnit] = set()
+        self.hollowed = 0  # units emptied that way so far
         self.storage_refills = 0  # gathers into such an emptied storage (each allocates)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        # Forward saves activations on the heap between freed temporaries; the holes grow with
+        # depth (110M GPT-2: ~100 MiB by the output layer). Under memory_release "eager" they
+        # are handed back each eighth of the model gathered, and before any larger gather.
+        self._forward_trim = TrimEvery(sum(u.layout.padded_numel for u in self.units) // 8)
         self._position = {u: i for i, u in enumerate(self.units)}
         for u in self.units:
             u.coordinator = self
@@ -137,10 +150,14 @@ class ParameterCoordinator:
             work.wait()
             unit.finish_gather()
             return
-        if unit.gathered:
+        if unit in self._hollow:  # emptied in backward, used again (e.g. recomputation)
+            self._hollow.discard(unit)
+        elif unit.gathered:
             return
+        else:
+            self._count(unit.layout.padded_numel)
+        self._before_allocating(unit)
         self._agree(unit)
-        self._count(unit.layout.padded_numel)
         unit.start_gather(self.group, self._acquire(unit)).wait()
         unit.finish_gather()
 
@@ -159,9 +176,14 @@ class ParameterCoordinator:
             if self.param_swapper is not None and not self.param_swapper.ready(unit):
                 return  # its shard is on disk with no read issued: gathering would wait for it
             budget -= numel
+            self._before_allocating(unit)
             self._agree(unit)
             self._count(numel)
             self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit))
+
+    def _before_allocating(self, unit: FlatParamUnit) -> None:
+        if not in_backward():
+            self._forward_trim.reduced(unit.layout.padded_numel)
 
     agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
     param_swapper = None  # NVMe parameter offload: shards are read ahead along the recorded order
@@ -174,6 +196,7 @@ class ParameterCoordinator:
         work = self._inflight.pop(unit, None)
         if work is not None:
             work.wait()
+        self._hollow.discard(unit)
         if unit.gathered:
             flat = unit.release()
             self.live_numel -= unit.layout.padded_numel
@@ -264,7 +287,7 @@ class ParameterCoordinator:
     def _pre_forward(self, module: nn.Module, args) -> None:
         if module is self._root and not in_backward():
             self._forward_order.start()
-            self._calls = {}
+            self._calls, self._users = {}, {}
         own = self._module_units.get(module, ())
         self._stack.append((module, set(own)))
         for unit in own:
@@ -280,10 +303,16 @@ class ParameterCoordinator:
                 # Gathered in a fixed order: a set iterates in id order, which differs between
                 # ranks, and the gathers are collectives every rank must issue alike.
                 ordered = tuple(sorted(used, key=self._position.__getitem__))
-                register_multi_grad_hook(tensors, lambda grads, units=ordered: self._pre_backward(units),
-                                         mode="any")
+                register_multi_grad_hook(
+                    tensors, lambda grads, units=ordered, m=module: self._pre_backward(units, m),
+                    mode="any")
                 frozen = tuple(u for u in ordered if not u.trained)
                 inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                tied = tuple(u for u in ordered if u.trained and self._users.get(u))
+                if tied and inputs and not backward:
+                    register_multi_grad_hook(
+                        inputs, lambda grads, units=tied, m=module: self._module_backward_done(units, m),
+                        mode="all")
                 if frozen and inputs and not backward:
                     # "all": once every input's gradient is computed, the module's backward is
                     # over (a frozen unit is needed for nothing else). Releasing is local; only
@@ -295,6 +324,8 @@ class ParameterCoordinator:
                 for unit in used:
                     self._own_storage.pop(unit, None)
         if not backward:
+            for unit in used:
+                self._users.setdefault(unit, []).append(module)
             still_used = set().union(*(u for _, u in self._stack)) if self._stack else set()
             for unit in used - still_used:
                 self.release(unit)
@@ -304,9 +335,31 @@ class ParameterCoordinator:
                 self.release(unit)
         return None
 
-    def _pre_backward(self, units) -> None:
+    def _pre_backward(self, units, module: nn.Module) -> None:
+        if self._first_backward_use:
+            # The loss's backward (before any module's) freed its heap temporaries (the
+            # log-softmax output and gradient: 64 MiB on the 110M GPT-2) just as the first
+            # units are gathered: hand them back first, or the peak holds both.
+            self._first_backward_use = False
+            release_between_phases()
         for unit in units:
+            if unit in self._hollow and _needs_no_weights(module):
+                continue
             self._use(unit)
+
+    def _module_backward_done(self, units, module: nn.Module) -> None:
+        """``module``'s backward is over: a tied unit whose users still to come in this backward
+        are all embeddings (their backward reads indices, not weights) is emptied now."""
+        for unit in units:
+            done = self._done.setdefault(unit, set())
+            done.add(module)
+            rest = [m for m in self._users.get(unit, ()) if m not in done]
+            if (rest and all(_needs_no_weights(m) for m in rest) and unit.gathered
+                    and unit not in self._inflight and unit not in self._keep_whole
+                    and self._own_storage.get(unit) is unit.flat and unit not in self._hollow):
+                unit.flat.untyped_storage().resize_(0)
+                self._hollow.add(unit)
+                self.hollowed += 1
 
     def _post_backward(self, frozen_units) -> None:
         for unit in frozen_units:
@@ -315,8 +368,12 @@ class ParameterCoordinator:
                 self.early_releases += 1
 
     # -- backward boundaries ------------------------------------------------------------
+    _first_backward_use = False
+
     def begin_backward(self) -> None:
         self._backward_order.start()
+        self._first_backward_use = True
+        self._done = {}
 
     def end_backward(self) -> None:
         self._backward_order.finish()
@@ -342,6 +399,11 @@ class ParameterCoordinator:
         for u in self.units:
             u.coordinator = None
         self._pool, self.pool_numel, self._own_storage = {}, 0, {}
+
+
+def _needs_no_weights(module: nn.Module) -> bool:
+    """Modules whose backward reads no parameter values: ``nn.Embedding`` with its own forward."""
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
 
 
 def _key(buf: torch.Tensor) -> tuple:
