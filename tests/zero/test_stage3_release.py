@@ -68,11 +68,12 @@ def _train_cases():
         for _ in range(STEPS):
             losses += train_steps(engine, 1)
             held_after_step.append(sum(g.untyped_storage().nbytes() for g in stage.shard_grads))
+        weights = {k: v.detach().float().clone() for k, v in engine.module_state_dict().items()}
         trims_before = fake.trims
         with torch.no_grad():
             engine(torch.zeros(2, 16, dtype=torch.long))
         out[(dtype, policy)] = {
-            "losses": losses, "held_after_step": held_after_step,
+            "losses": losses, "weights": weights, "held_after_step": held_after_step,
             "freed_numel": stage.reduction.freed_numel,
             "shard_numel": sum(u.layout.shard_numel for u in stage.trained),
             "gradients_reported": engine.memory_breakdown()["gradients"],
@@ -89,6 +90,8 @@ def test_eager_release_frees_gradients_tied_weight_and_forward_holes_and_trains_
             off, eager = r[(dtype, "off")], r[(dtype, "eager")]
             # Same arithmetic: a fresh gradient is written where "off" adds to zeros.
             assert eager["losses"] == off["losses"], (dtype, eager["losses"], off["losses"])
+            for name, value in off["weights"].items():  # the last step's update included
+                assert torch.equal(eager["weights"][name], value), (dtype, name)
             # Shard gradients: freed between steps under "eager", held under "off"; the
             # breakdown reports what a step holds either way.
             assert eager["held_after_step"] == [0] * STEPS, eager["held_after_step"]

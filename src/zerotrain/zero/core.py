@@ -287,6 +287,7 @@ class ZeroStage:
             edited = {u for u in self.trained if u.edited_since_recorded()}
             for unit in self.trained:
                 unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
+            self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             self.offload.swapper.step(optimizer, self.shard_grads, grad_scale, edited)
             if self.param_offload is not None:  # this step's reads and writes of shards
                 self._param_io = self.param_offload.swapper.take_stats()

@@ -243,7 +243,7 @@ class ReduceScatterGradients(_Reduction):
     @property
     def nbytes(self) -> int:
         """Bytes of the shard gradients while held (from a unit's first reduction to the step)."""
-        return sum(self._shard_numels) * torch.empty((), dtype=self._grad_dtype).element_size()
+        return sum(self._shard_numels) * self._grad_dtype.itemsize
 
 
 class _WaitAll:
