@@ -146,7 +146,9 @@ def worker(args) -> None:
         sampler = RssSampler(args.rss_sample_ms / 1000, track_malloc=True)
         label_modules(model, sampler)
     mark = sampler.phase if sampler else (lambda label: None)
-    losses, step_s, cpu_s, rss, live, phase_s, faults = [], [], [], [], [], [], []
+    losses, step_s, cpu_s, rss, live, phase_s, faults, phase_faults = [], [], [], [], [], [], [], []
+    gc_s = _GcTimer()
+    gc_per_step = []
     for i, ids in enumerate(batches, 1):
         dist.barrier()
         mark(f"{i} forward")
@@ -154,25 +156,27 @@ def worker(args) -> None:
         if mode in ("ddp", "fsdp2"):
             loss = engine(ids, labels=ids).loss
             mark(f"{i} backward")
-            t1 = time.perf_counter()
+            t1, f1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             loss.backward()
             mark(f"{i} optimizer step")
-            t2 = time.perf_counter()
+            t2, f2 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             opt.step()
             opt.zero_grad(set_to_none=False)
         else:
             loss = engine(ids, labels=ids).loss
             mark(f"{i} backward")
-            t1 = time.perf_counter()
+            t1, f1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             engine.backward(loss)
             mark(f"{i} optimizer step")
-            t2 = time.perf_counter()
+            t2, f2 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             engine.step()
         mark(f"{i} after step")
         step_s.append(time.perf_counter() - t0)
         cpu_s.append(time.process_time() - c0)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
         faults.append((u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime))
+        phase_faults.append((f1 - u0.ru_minflt, f2 - f1, u1.ru_minflt - f2))
+        gc_per_step.append(gc_s.take())
         phase_s.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         losses.append(float(loss))
         rss.append(proc_status_mib("VmRSS"))
@@ -180,6 +184,7 @@ def worker(args) -> None:
         if mode == "zerotrain":
             live.append(engine.memory_breakdown())
     record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "cpu_s": cpu_s, "faults": faults,
+              "phase_faults": phase_faults, "gc_s": gc_per_step,
               "phase_s": phase_s, "rss_mib": rss,
               "rss_at_mib": rss_at, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
@@ -190,6 +195,26 @@ def worker(args) -> None:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _GcTimer:
+    """Seconds the interpreter's cyclic garbage collector ran, per generation, since the last take()."""
+
+    def __init__(self):
+        import gc
+
+        self._t0, self.spent = 0.0, [0.0, 0.0, 0.0]
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.spent[info["generation"]] += time.perf_counter() - self._t0
+
+    def take(self) -> list[float]:
+        out, self.spent = self.spent, [0.0, 0.0, 0.0]
+        return out
 
 
 def label_modules(model, sampler) -> None:
@@ -392,6 +417,12 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
     print("\nforward / backward / optimizer step s (median of steps 2.., rank 0): " + "; ".join(
         f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
         for k, reps in runs.items()))
+    print("\ngarbage collector s per step, generations 0 / 1 / 2 (mean of steps 2.., rank 0): " + "; ".join(
+        f"{k} " + " / ".join(f"{statistics.mean([g[j] for g in reps[0][0]['gc_s'][1:]]):.3f}" for j in range(3))
+        for k, reps in runs.items()))
+    print("\npage faults in forward / backward / optimizer step (median of steps 2.., rank 0): "
+          + "; ".join(f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_faults'][1:]]):.0f}"
+                                           for j in range(3)) for k, reps in runs.items()))
     print("\npage faults / system CPU s per step (median of steps 2.., rank 0): " + "; ".join(
         f"{k} {med([f[0] for f in reps[0][0]['faults'][1:]]):.0f} / "
         f"{med([f[1] for f in reps[0][0]['faults'][1:]]):.2f}" for k, reps in runs.items()))

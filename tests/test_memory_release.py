@@ -1,4 +1,6 @@
-"""The ``memory_release`` policy: "eager" trims the heap during every step, "off" never does.
+"""The ``memory_release`` policy: "eager" trims the heap several times a step and fixes the mmap
+threshold, "per_step" trims once a step (before backward), "off" never does; the default is
+"eager" at stage 3 and "per_step" at stages 0-2.
 
 Trims are counted through a stand-in for the C library, so the checks do not depend on what
 glibc does with the pages."""
@@ -35,7 +37,11 @@ def libc(monkeypatch):
     memory_release.set_memory_release("eager")
 
 
-def test_policy_follows_config_then_environment(monkeypatch, libc):
+def test_policy_follows_config_then_environment_then_stage(monkeypatch, libc):
+    monkeypatch.delenv("ZEROTRAIN_MEMORY_RELEASE", raising=False)
+    for stage, default in ((0, "per_step"), (1, "per_step"), (2, "per_step"), (3, "eager")):
+        memory_release.set_memory_release(None, stage)
+        assert memory_release.memory_release() == default
     monkeypatch.setenv("ZEROTRAIN_MEMORY_RELEASE", "off")
     memory_release.set_memory_release(None)
     assert memory_release.memory_release() == "off"
@@ -55,11 +61,22 @@ def test_eager_trims_per_bucket_and_between_phases_off_never(libc):
     assert memory_release.configure_allocator() and libc.mallopts == [
         (memory_release.M_MMAP_THRESHOLD, memory_release.MMAP_THRESHOLD_BYTES)]
 
+    memory_release.set_memory_release("per_step")
+    libc.trims, libc.mallopts = 0, []
+    for _ in range(4):
+        trim.reduced(50)
+    memory_release.release_between_phases()
+    assert libc.trims == 0
+    memory_release.release_before_backward()
+    assert libc.trims == 1
+    assert not memory_release.configure_allocator() and libc.mallopts == []
+
     memory_release.set_memory_release("off")
     libc.trims, libc.mallopts = 0, []
     for _ in range(4):
         trim.reduced(50)
     memory_release.release_between_phases()
+    memory_release.release_before_backward()
     assert libc.trims == 0
     assert not memory_release.configure_allocator() and libc.mallopts == []
     memory_release.release_freed_memory()  # one-time releases happen under either policy
@@ -82,9 +99,9 @@ def _trims_per_step(policies):
         for stage in (1, 2, 3):
             model = make_model()
             mallopts = len(fake.mallopts)
+            extra = {} if policy is None else {"memory_release": policy}
             engine, *_ = zerotrain.initialize(
-                model=model, config=adamw_config(2, memory_release=policy,
-                                                 zero_optimization={"stage": stage}))
+                model=model, config=adamw_config(2, zero_optimization={"stage": stage}, **extra))
             before = fake.trims
             train_steps(engine, 2)
             out[policy][stage] = {"trims": fake.trims - before,
@@ -95,9 +112,15 @@ def _trims_per_step(policies):
 
 
 def test_config_key_reaches_the_engine():
-    result = run_on_ranks(_trims_per_step, world_size=2, args=(("eager", "off"),))[0]
-    eager, off = result["eager"], result["off"]
+    result = run_on_ranks(_trims_per_step, world_size=2, args=(("eager", "per_step", "off", None),))[0]
+    eager, per_step, off, default = result["eager"], result["per_step"], result["off"], result[None]
     for stage in (1, 2, 3):
         assert eager[stage]["policy"] == "eager" and eager[stage]["trims"] >= 4, eager
         assert eager[stage]["threshold_set"], eager
         assert off[stage] == {"trims": 0, "policy": "off", "threshold_set": False}, off
+    for stage in (1, 2, 3):
+        # once per step before backward (stage 3 also before backward's first gather, when
+        # it has partitioned units to gather)
+        assert per_step[stage]["policy"] == "per_step" and not per_step[stage]["threshold_set"]
+        assert 2 <= per_step[stage]["trims"] <= (4 if stage == 3 else 2), per_step
+        assert default[stage] == (eager[stage] if stage == 3 else per_step[stage]), default

@@ -32,17 +32,25 @@ def _libc():
 
 
 # The config's ``memory_release`` (zerotrain only), process-wide like the allocator it tunes:
-# "eager" hands freed memory back to the OS during every step (lowest peak RSS; each page handed
-# back is zero-filled again by the kernel when reused: measured 20-35% of a CPU step's time on the
-# GPT-2 benchmarks, docs/benchmarks.md); "off" leaves glibc alone during training (DDP's step time,
-# a higher peak). One-time releases (after building the stage, zero.Init) happen either way.
-MEMORY_RELEASE_POLICIES = ("eager", "off")
+# "eager" fixes glibc's mmap threshold and hands freed memory back to the OS several times a step
+# (lowest peak RSS; every page handed back is zero-filled again by the kernel when reused: 20-35%
+# of a CPU step's time on the GPT-2 benchmarks, docs/benchmarks.md); "per_step" leaves the
+# threshold to glibc and hands memory back once a step, before backward allocates gradients
+# beside the saved activations (DDP's step time, a peak between the two); "off" leaves glibc alone
+# during training. One-time releases (after building the stage, zero.Init) happen under each.
+MEMORY_RELEASE_POLICIES = ("eager", "per_step", "off")
 _policy = {"name": os.environ.get("ZEROTRAIN_MEMORY_RELEASE", "eager")}
 
 
-def set_memory_release(policy: str | None) -> None:
-    """Select the policy (None: ``ZEROTRAIN_MEMORY_RELEASE``, else "eager")."""
-    name = policy if policy is not None else os.environ.get("ZEROTRAIN_MEMORY_RELEASE", "eager")
+def default_memory_release(stage: int) -> str:
+    """Stage 3 is chosen for memory: "eager". Stages 0-2 are chosen for speed: "per_step"."""
+    return "eager" if stage == 3 else "per_step"
+
+
+def set_memory_release(policy: str | None, stage: int = 3) -> None:
+    """Select the policy: the config's, else ``ZEROTRAIN_MEMORY_RELEASE``, else the default for
+    ``stage`` (:func:`default_memory_release`)."""
+    name = policy or os.environ.get("ZEROTRAIN_MEMORY_RELEASE") or default_memory_release(stage)
     if name not in MEMORY_RELEASE_POLICIES:
         raise ValueError(f"memory_release must be one of {', '.join(MEMORY_RELEASE_POLICIES)}, "
                          f"got {name!r} (config key memory_release or ZEROTRAIN_MEMORY_RELEASE)")
@@ -60,7 +68,7 @@ def configure_allocator() -> bool:
     live; smaller ones stay on the fast heap. glibc cannot undo this, so a process that built an
     "eager" engine (or ran zero.Init without a config saying "off") keeps it. Returns whether the
     setting is in force."""
-    if os.environ.get("ZEROTRAIN_MALLOC_TUNING", "1") == "0" or memory_release() == "off":
+    if os.environ.get("ZEROTRAIN_MALLOC_TUNING", "1") == "0" or memory_release() != "eager":
         return False
     return _fix_mmap_threshold()
 
@@ -76,15 +84,24 @@ def _fix_mmap_threshold() -> bool:
 
 def release_freed_memory() -> None:
     """Return the allocator's free pages to the OS now (for one-time releases; per-step ones go
-    through :func:`release_between_phases` and :class:`TrimEvery`, which follow the policy)."""
+    through :func:`release_before_backward`, :func:`release_between_phases` and
+    :class:`TrimEvery`, which follow the policy)."""
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim(0)
 
 
+def release_before_backward() -> None:
+    """The release at the start of backward (what forward and the loss freed goes back before
+    backward allocates gradients and gathers beside the saved activations): under "eager" and
+    "per_step"."""
+    if memory_release() != "off":
+        release_freed_memory()
+
+
 def release_between_phases() -> None:
-    """A per-step release (after forward, after the optimizer step), under the "eager" policy."""
+    """A per-step release elsewhere (after the optimizer step), under the "eager" policy."""
     if memory_release() == "eager":
         release_freed_memory()
 

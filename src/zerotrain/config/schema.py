@@ -250,9 +250,10 @@ class ZeroTrainConfig(_UnimplementedKeys):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     # zerotrain only: unknown top-level keys are errors instead of warnings (ZEROTRAIN_STRICT_CONFIG=1 too).
     strict: bool = False
-    # zerotrain only: "eager" hands freed memory back to the OS during every step (lowest peak
-    # RSS), "off" leaves glibc alone (faster on CPU); None: ZEROTRAIN_MEMORY_RELEASE, else "eager".
-    memory_release: Optional[Literal["eager", "off"]] = None
+    # zerotrain only (zerotrain.memory_release): "eager" hands freed memory back to the OS several
+    # times a step (lowest peak RSS), "per_step" once a step, "off" never (fastest on CPU); None:
+    # ZEROTRAIN_MEMORY_RELEASE, else "eager" at stage 3 and "per_step" at stages 0-2.
+    memory_release: Optional[Literal["eager", "per_step", "off"]] = None
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

@@ -32,7 +32,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     sharded over the data-parallel ``group`` (None: the world).
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
-    set_memory_release(config.memory_release)
+    set_memory_release(config.memory_release, config.zero_optimization.stage)
     configure_allocator()
     zero = config.zero_optimization
     strategy = STRATEGIES[zero.stage]

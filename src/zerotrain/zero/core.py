@@ -19,7 +19,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
-from zerotrain.memory_release import TrimEvery, release_between_phases
+from zerotrain.memory_release import TrimEvery, release_before_backward, release_between_phases
 from zerotrain.offload.aio import DISK_ACTIVITY
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
@@ -228,7 +228,7 @@ class ZeroStage:
             self.outside.begin_backward(boundary, no_sync)
         # What forward freed (its temporaries, the loss computation's) goes back to the OS
         # before backward allocates gradients beside the saved activations.
-        release_between_phases()
+        release_before_backward()
         if self.coordinator is not None:
             self.coordinator.begin_backward()
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from zerotrain.memory_release import TrimEvery, release_between_phases
+from zerotrain.memory_release import TrimEvery, release_before_backward
 from zerotrain.zero.partition import FlatParamUnit
 
 
@@ -341,7 +341,7 @@ class ParameterCoordinator:
             # log-softmax output and gradient: 64 MiB on the 110M GPT-2) just as the first
             # units are gathered: hand them back first, or the peak holds both.
             self._first_backward_use = False
-            release_between_phases()
+            release_before_backward()
         for unit in units:
             if unit in self._hollow and _needs_no_weights(module):
                 continue
