@@ -8,7 +8,9 @@ the ways to all-gather a flat fp32 buffer from 1/N shards and to reduce-scatter 
 - ``all_gather`` into a list of views of the output, ``all_gather_into_tensor``;
 - in place: this rank's shard already in its slice, the others zeroed, ``all_reduce`` (sum);
 - ``reduce_scatter`` of a list of views, ``reduce_scatter_tensor``;
-- in place: ``all_reduce`` of the buffer, keep this rank's slice.
+- in place: ``all_reduce`` of the buffer, keep this rank's slice;
+- zerotrain's gloo forms (``zerotrain.comm.collectives``): ``isend``/``irecv`` of each shard
+  straight into the output, and of each peer's rows, summed into this rank's slice.
 
 Memory: each op's peak RSS growth over the RSS before it (VmHWM reset with /proc/self/clear_refs),
 i.e. the temporaries the backend allocates per call. Reports medians over ``--reps`` rounds
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -44,9 +47,11 @@ def _rank(sizes_mib: list[int], reps: int):
     import torch
     import torch.distributed as dist
 
+    from zerotrain.comm import collectives
     from zerotrain.comm.distributed import init_distributed
     from zerotrain.memory_release import configure_allocator
 
+    os.environ["ZEROTRAIN_GLOO_COLLECTIVES"] = "send_recv"
     init_distributed()
     configure_allocator()  # what a zerotrain process runs with
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -83,10 +88,19 @@ def _rank(sizes_mib: list[int], reps: int):
             dist.all_reduce(flat)
             shard.copy_(flat.narrow(0, rank * n, n))
 
+        scratch = torch.empty(n * collectives.reduce_scatter_scratch_rows())
+
+        def ag_p2p():  # zerotrain's gloo form
+            collectives.all_gather_into(out, shard)
+
+        def rs_p2p():
+            collectives.reduce_scatter_into(shard, flat, scratch=scratch)
+
         ops = {"all_gather (list)": ag_list, "all_gather_into_tensor": ag_tensor,
                "all-gather as in-place all_reduce": ag_in_place,
                "reduce_scatter (list)": rs_list, "reduce_scatter_tensor": rs_tensor,
-               "reduce-scatter as in-place all_reduce": rs_in_place}
+               "reduce-scatter as in-place all_reduce": rs_in_place,
+               "all-gather by send/recv": ag_p2p, "reduce-scatter by send/recv": rs_p2p}
         times = {k: [] for k in ops}
         growth = {k: [] for k in ops}
         names = list(ops)

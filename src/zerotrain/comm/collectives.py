@@ -3,13 +3,15 @@
 One place picks the right torch API for the installed version (torch 2.13 renamed
 ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``*_single``; older torch only has the old
 names) and the fastest form per backend. On gloo, ``all_gather``/``reduce_scatter`` (list or tensor
-form) allocate a temporary as large as the whole buffer on every call, and on 2 ranks they were
-slower than an in-place ``all_reduce`` of the same buffer, which allocates nothing
-(``bench/collectives.py``, docs/benchmarks.md). So on gloo an all-gather is an in-place sum of
-a buffer whose other ranks' slices are zero (``x + 0`` is exact), and a reduce-scatter is an
-in-place all-reduce of which this rank keeps its slice. NCCL gets the native single-tensor
-collectives, in place where the output is a slice of the input. Timeouts come from the process
-group (see ``zerotrain.comm.distributed.default_timeout``).
+form) allocate a temporary as large as the whole buffer on every call, and even an in-place
+``all_reduce`` moves twice the bytes a gather needs. So on gloo an all-gather is one
+``isend``/``irecv`` pair per peer straight into the output's slices, and a reduce-scatter sends
+each peer its rows and sums the rows received into this rank's slice: half the time of the
+in-place ``all_reduce`` on 2 and 4 ranks, nothing allocated (``bench/collectives.py``,
+docs/benchmarks.md). ``ZEROTRAIN_GLOO_COLLECTIVES=all_reduce`` selects the previous in-place
+``all_reduce`` forms instead. NCCL gets the native single-tensor collectives, in place where the
+output is a slice of the input. Timeouts come from the process group (see
+``zerotrain.comm.distributed.default_timeout``); gloo's sends and receives wait with it too.
 
 Each call takes the next sequence number of its process group; when a collective times out or a
 peer dies, the error names the op, its size, that number and the ranks that had not arrived
@@ -19,6 +21,7 @@ with timed wrappers while it is enabled, and puts these back when it is disabled
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -108,6 +111,22 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+# How gloo all-gathers and reduce-scatters: "send_recv" (default) or "all_reduce" (in place).
+GLOO_FORMS = ("send_recv", "all_reduce")
+
+
+def gloo_form() -> str:
+    form = os.environ.get("ZEROTRAIN_GLOO_COLLECTIVES", "send_recv")
+    if form not in GLOO_FORMS:
+        raise ValueError(f"ZEROTRAIN_GLOO_COLLECTIVES must be one of {', '.join(GLOO_FORMS)}, "
+                         f"got {form!r}")
+    return form
+
+
+def _sends_and_receives(group) -> bool:
+    return _is_gloo(group) and gloo_form() == "send_recv"
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor``."""
     return _run("all_reduce", tensor, group, async_op, dist.all_reduce, tensor, op=op)
@@ -129,6 +148,107 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
+# -- collectives from point-to-point ops (gloo) ---------------------------------------------
+# Tags of their own, counted per group like the sequence numbers (every rank issues the same
+# collectives in the same order), above the small tags user code sends with.
+_P2P_TAG_BASE = 1 << 30
+_p2p_count: dict = {}
+
+
+def _next_tag(group) -> int:
+    key = None if group is None or group is dist.GroupMember.WORLD else group
+    n = _p2p_count.get(key, 0)
+    _p2p_count[key] = n + 1
+    return _P2P_TAG_BASE + n % _P2P_TAG_BASE
+
+
+def _peers(group) -> list[tuple[int, int]]:
+    """(group rank, global rank) of every other member of ``group``, starting after this rank
+    (so on more than 2 ranks not everyone sends to rank 0 first)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = [(rank + k) % world for k in range(1, world)]
+    if group is None or group is dist.GroupMember.WORLD:
+        return [(r, r) for r in ranks]
+    return [(r, dist.get_global_rank(group, r)) for r in ranks]
+
+
+class _Exchange:
+    """The sends and receives that make up one collective, waited for together."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, *args, **kwargs) -> bool:
+        for work in self.works:
+            work.wait(*args, **kwargs)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def get_future(self):
+        return torch.futures.collect_all([work.get_future() for work in self.works])
+
+
+def _exchange(sends, receives, group) -> _Exchange:
+    """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag."""
+    tag = _next_tag(group)
+    works = [dist.irecv(t, src, group=group, tag=tag) for src, t in receives]
+    works += [dist.isend(t, dst, group=group, tag=tag) for dst, t in sends]
+    return _Exchange(works)
+
+
+def _gather_by_send_recv(output, mine, group, async_op: bool):
+    n = mine.numel()
+    peers = _peers(group)
+    return _run("all_gather_into_tensor", output, group, async_op,
+                lambda group, async_op: _p2p_result(_exchange(
+                    [(g, mine) for _, g in peers],
+                    [(g, output.narrow(0, r * n, n)) for r, g in peers], group), async_op))
+
+
+def _p2p_result(exchange: _Exchange, async_op: bool):
+    if async_op:
+        return exchange
+    exchange.wait()
+    return None
+
+
+def reduce_scatter_scratch_rows(group=None) -> int:
+    """Shard-sized rows of scratch space a reduce-scatter on ``group`` receives into (pass them
+    as ``scratch`` to :func:`reduce_scatter_into` to avoid an allocation per call): one per peer
+    on gloo, none on backends that reduce in place."""
+    return dist.get_world_size(group) - 1 if _sends_and_receives(group) else 0
+
+
+def _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch):
+    world, n = dist.get_world_size(group), mine.numel()
+    if op != ReduceOp.SUM:
+        raise ValueError(f"reduce_scatter_into on gloo sums (op=SUM); got {op}")
+    rows = world - 1
+    if scratch is None:
+        scratch = torch.empty(rows * n, dtype=flat.dtype, device=flat.device)
+    elif scratch.numel() < rows * n:
+        raise ValueError(f"reduce_scatter_into: scratch has {scratch.numel()} elements, "
+                         f"needs {rows} x {n}")
+    peers = _peers(group)
+    received = [scratch.narrow(0, i * n, n) for i in range(rows)]
+
+    def reduce_locally():
+        if not _same_memory(mine, output):
+            output.copy_(mine)
+        for row in received:
+            output.add_(row)
+
+    return _run("reduce_scatter_tensor", flat, group, async_op,
+                lambda group, async_op: _p2p_result(_exchange(
+                    [(g, flat.narrow(0, r * n, n)) for r, g in peers],
+                    [(g, t) for (_, g), t in zip(peers, received)], group), async_op),
+                then=reduce_locally)
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``shard`` into the flat ``output`` (rank r's shard at ``r * shard.numel()``).
 
@@ -143,6 +263,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
     if _is_gloo(group):
         if not _same_memory(mine, shard):
             mine.copy_(shard.reshape(-1))
+        if gloo_form() == "send_recv":
+            return _gather_by_send_recv(output, mine, group, async_op)
         n = mine.numel()
         output.narrow(0, 0, start).zero_()
         output.narrow(0, start + n, output.numel() - start - n).zero_()
@@ -154,11 +276,13 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
-                        async_op: bool = False):
+                        async_op: bool = False, scratch: torch.Tensor | None = None):
     """Reduce ``flat`` across ranks and keep this rank's contiguous slice in ``output``.
 
     ``flat`` is used as scratch space: its contents are undefined afterwards. Passing this rank's
-    slice of ``flat`` as ``output`` avoids a copy (and NCCL then reduces in place)."""
+    slice of ``flat`` as ``output`` avoids a copy (and NCCL then reduces in place). On gloo the
+    peers' rows are received into ``scratch`` (:func:`reduce_scatter_scratch_rows` rows of
+    ``output``'s size; allocated per call when not given) and summed when the work is waited for."""
     world = dist.get_world_size(group)
     if flat.numel() != output.numel() * world:
         raise ValueError(
@@ -167,6 +291,8 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SU
         )
     mine, _ = _rank_slice(flat, world, group)
     if _is_gloo(group):
+        if gloo_form() == "send_recv":
+            return _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch)
         then = None if _same_memory(mine, output) else (lambda: output.copy_(mine))
         return _run("reduce_scatter_tensor", flat, group, async_op, dist.all_reduce, flat, op=op,
                     then=then)

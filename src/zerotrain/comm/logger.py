@@ -337,9 +337,10 @@ def all_gather_into(output, shard, group=None, async_op: bool = False):
                               async_op, (output, shard, group, async_op))
 
 
-def reduce_scatter_into(output, flat, op=_c.ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce_scatter_into(output, flat, op=_c.ReduceOp.SUM, group=None, async_op: bool = False,
+                        scratch=None):
     return comms_logger.timed(ORIGINALS["reduce_scatter_into"], "reduce_scatter_tensor", _n(flat), group,
-                              async_op, (output, flat, op, group, async_op))
+                              async_op, (output, flat, op, group, async_op, scratch))
 
 
 def barrier(group=None) -> None:

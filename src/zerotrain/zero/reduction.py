@@ -155,7 +155,9 @@ class ReduceScatterGradients(_Reduction):
         # Slots hold one bucket (or the largest unit, if smaller); bigger units go in chunks.
         # One bucket in four slots: up to three reductions stay in flight while backward goes on
         # (with two slots backward waited ~0.35 s per step on the 110M GPT-2).
-        self.staging = StagingPool(4 if overlap else 1, min(largest, max(slot_numel, world_size)),
+        self._scratch_rows = collectives.reduce_scatter_scratch_rows(group) if world_size > 1 else 0
+        self.staging = StagingPool(4 if overlap else 1,
+                                   min(largest, max(slot_numel, world_size + self._scratch_rows)),
                                    precision.comm_dtype, device)
 
     def _launch(self, bucket: GradientBucket):
@@ -171,7 +173,10 @@ class ReduceScatterGradients(_Reduction):
                                                   device=self._device)
         world, shard = self.world_size, bucket.layout.shard_numel
         self._agree(bucket)
-        chunk = self.staging.chunk_numel(world)
+        # Gloo receives the peers' rows beside the slot's own (one row per peer): chunks shrink
+        # so both fit, keeping the staging memory what it was.
+        rows = self._scratch_rows if self._use_reduce_scatter else 0
+        chunk = self.staging.chunk_numel(world + rows)
         pending = []
         for c0 in range(0, shard, chunk):
             n = min(chunk, shard - c0)
@@ -185,7 +190,9 @@ class ReduceScatterGradients(_Reduction):
                 continue
             mine = wire.narrow(0, self.rank * n, n)  # reduced in place: this rank's slice
             if self._use_reduce_scatter:
-                work = collectives.reduce_scatter_into(mine, wire, group=self.group, async_op=True)
+                work = collectives.reduce_scatter_into(
+                    mine, wire, group=self.group, async_op=True,
+                    scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None)
             else:
                 work = collectives.all_reduce(wire, group=self.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which

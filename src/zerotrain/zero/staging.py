@@ -50,9 +50,10 @@ class StagingPool:
         self.slots = [StagingSlot(numel, dtype, device) for _ in range(count)]
         self._next = 0
 
-    def chunk_numel(self, world_size: int) -> int:
-        """Elements of each rank's shard that one slot can reduce at a time."""
-        return max(1, self.slots[0].flat.numel() // world_size)
+    def chunk_numel(self, rows: int) -> int:
+        """Elements of each rank's shard that one slot can reduce at a time, when a chunk takes
+        ``rows`` rows of the slot (one per rank, plus any the backend receives into)."""
+        return max(1, self.slots[0].flat.numel() // rows)
 
     def acquire(self) -> StagingSlot:
         slot = self.slots[self._next]
