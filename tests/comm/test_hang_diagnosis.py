@@ -9,7 +9,7 @@ from zerotrain.testing import run_on_ranks
 TIMEOUT = 2.0
 
 
-def _skip_one(debug: bool):
+def _skip_one(debug: bool, op: str = "all_reduce"):
     import torch
     import torch.distributed as dist
 
@@ -35,7 +35,11 @@ def _skip_one(debug: bool):
         return None
     start = time.monotonic()
     try:
-        collectives.all_reduce(t, async_op=True).wait()
+        if op == "all_reduce":
+            collectives.all_reduce(t, async_op=True).wait()
+        else:  # gloo: isend/irecv with each peer
+            full = torch.zeros(t.numel() * dist.get_world_size())
+            collectives.all_gather_into(full, t, async_op=True).wait()
         result = {"message": "no error"}
     except comm.CollectiveError as error:
         result = {"message": str(error), "missing": error.missing, "seq": error.seq,
@@ -60,6 +64,19 @@ def test_skipped_collective_names_the_missing_rank():
         assert "rank 2: no report" in message
         assert "its last completed collective is broadcast #2 (4.0 KB)" in message
         assert "Timed out" in message  # the backend's own error is kept
+
+
+def test_send_recv_gather_names_the_missing_rank():
+    """gloo's all-gather is built from sends and receives: a skipped one fails the same way."""
+    results = run_on_ranks(_skip_one, 3, args=(False, "all_gather_into"), comm_timeout=TIMEOUT)
+    assert results[2] is None
+    for rank, r in enumerate(results[:2]):
+        assert r["missing"] == [2], r["message"]
+        assert (r["op"], r["seq"]) == ("all_gather_into_tensor", 3)
+        assert TIMEOUT - 0.5 < r["elapsed"] < TIMEOUT + 3.0
+        assert r["message"].startswith(
+            f"all_gather_into_tensor #3 (12.0 KB) on the default group of 3 ranks failed on "
+            f"rank {rank} after {TIMEOUT:.1f} s: rank 2 had not arrived."), r["message"]
 
 
 def _diagnose_with_reports(monkeypatch, reports: dict, progress: dict | None = None, **kw):
