@@ -6,7 +6,10 @@ same as under "off":
 - a tied embedding/output weight's gathered buffer is emptied once the output layer's backward
   is over (the embedding's backward reads indices only), instead of living to the end of backward;
 - in 16-bit training each shard gradient is freed as soon as the step has its fp32 copy;
-- forward hands back its heap holes as it gathers (trims counted through a stand-in libc).
+- forward hands back its heap holes as it gathers (trims counted through a stand-in libc);
+- where backward starts (the step's peak) the gather pool is dropped and nothing is gathered
+  ahead until the first module's backward is over; the staging slots hold no memory between
+  backwards.
 """
 
 from __future__ import annotations
@@ -64,10 +67,21 @@ def _train_cases():
             return optimizer_step(*args, **kwargs)
 
         engine.optimizer.step = step
+        first_use_inflight, staging_held = [], []
+        pre_backward = coordinator._pre_backward
+
+        def record_first_use(units, module):
+            first = coordinator._first_backward_use
+            pre_backward(units, module)
+            if first:  # gathers started ahead by the first backward use (the output layer)
+                first_use_inflight.append(len(coordinator._inflight))
+
+        coordinator._pre_backward = record_first_use
         losses = []
         for _ in range(STEPS):
             losses += train_steps(engine, 1)
             held_after_step.append(sum(g.untyped_storage().nbytes() for g in stage.shard_grads))
+            staging_held.append(sum(s.flat is not None for s in stage.reduction.staging.slots))
         weights = {k: v.detach().float().clone() for k, v in engine.module_state_dict().items()}
         trims_before = fake.trims
         with torch.no_grad():
@@ -79,7 +93,9 @@ def _train_cases():
             "gradients_reported": engine.memory_breakdown()["gradients"],
             "hollowed": coordinator.hollowed, "at_embedding_backward": at_embedding_backward,
             "wte_bytes": wte.layout.padded_numel * wte.shard.element_size(),
-            "at_step": at_step, "forward_trims": fake.trims - trims_before}
+            "at_step": at_step, "forward_trims": fake.trims - trims_before,
+            "first_use_inflight": first_use_inflight, "staging_held": staging_held,
+            "pool_drops": coordinator.pool_drops}
         engine.destroy()
     return out
 
@@ -105,6 +121,13 @@ def test_eager_release_frees_gradients_tied_weight_and_forward_holes_and_trains_
                 assert case["at_embedding_backward"] == [0] * STEPS, case["at_embedding_backward"]
             # Forward trims only under "eager".
             assert eager["forward_trims"] > 0 and off["forward_trims"] == 0
+            # Where backward starts: under "eager" no idle pool, no gathers ahead, no staging
+            # memory held since the last backward; under "off" prefetching starts right away.
+            assert eager["pool_drops"] == STEPS and off["pool_drops"] == 0
+            assert eager["first_use_inflight"] == [0] * STEPS, eager["first_use_inflight"]
+            assert min(off["first_use_inflight"][1:]) > 0, off["first_use_inflight"]  # after recording
+            assert eager["staging_held"] == [0] * STEPS, eager["staging_held"]
+            assert min(off["staging_held"]) > 0, off["staging_held"]
         # fp32: the step reads the shard gradients themselves. bf16 under "eager": each one is
         # freed once cast to fp32, so none is left when the optimizer steps.
         fp32 = r[("fp32", "eager")]

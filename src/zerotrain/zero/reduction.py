@@ -205,6 +205,11 @@ class ReduceScatterGradients(_Reduction):
         self._trim.reduced(bucket.layout.padded_numel)
         return _WaitAll(pending) if pending else None
 
+    def end_backward(self) -> None:
+        super().end_backward()
+        if self._frees():  # idle until the next backward's first reduction
+            self.staging.release_memory()
+
     def _land(self, index: int, start: int, reduced: torch.Tensor, fresh: bool) -> None:
         target = self.shard_grads[index].narrow(0, start, reduced.numel())
         target.copy_(reduced) if fresh else target.add_(reduced)

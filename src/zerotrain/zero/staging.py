@@ -5,7 +5,9 @@ its slice of the slot); any stage reducing in another dtype than it accumulates 
 
 Reusing a fixed number of buffers (four of a quarter bucket when communication overlaps
 backward, one otherwise) bounds the full-size gradient memory to one bucket however large the
-model is, and allocates nothing per step.
+model is. A slot's memory is allocated when it is first acquired; ``release_memory()`` hands it
+back between backwards (stage 3 under ``memory_release: "eager"``: the peak comes early in
+backward, before any unit is reduced, and need not hold idle slots).
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ class _Pending:
 
 class StagingSlot:
     def __init__(self, numel: int, dtype: torch.dtype, device):
-        self.flat = torch.zeros(numel, dtype=dtype, device=device)
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.flat: torch.Tensor | None = None  # allocated when first acquired
         self.pending: _Pending | None = None
+
+    def allocate(self) -> None:
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def track(self, work, then: Callable[[], object]) -> _Pending:
         self.pending = _Pending(work, then)
@@ -53,14 +60,22 @@ class StagingPool:
     def chunk_numel(self, rows: int) -> int:
         """Elements of each rank's shard that one slot can reduce at a time, when a chunk takes
         ``rows`` rows of the slot (one per rank, plus any the backend receives into)."""
-        return max(1, self.slots[0].flat.numel() // rows)
+        return max(1, self.slots[0].numel // rows)
 
     def acquire(self) -> StagingSlot:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
         slot.release()
+        slot.allocate()
         return slot
+
+    def release_memory(self) -> None:
+        """Wait for every slot's collective and free the slots' memory (reallocated on use)."""
+        for slot in self.slots:
+            slot.release()
+            slot.flat = None
 
     @property
     def nbytes(self) -> int:
-        return sum(s.flat.numel() * s.flat.element_size() for s in self.slots)
+        """Bytes of the slots while allocated (during a backward's reductions)."""
+        return sum(s.numel * s.dtype.itemsize for s in self.slots)
