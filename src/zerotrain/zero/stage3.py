@@ -337,13 +337,14 @@ class ParameterCoordinator:
         return None
 
     def _pre_backward(self, units, module: nn.Module) -> None:
-        first = self._first_backward_use
-        if first:
+        # Under "eager" the first use (the output layer's backward) gathers nothing ahead.
+        peak_start = self._first_backward_use and memory_release() == "eager"
+        if self._first_backward_use:
             # The loss's backward (before any module's) freed its heap temporaries (the
             # log-softmax output and gradient: 64 MiB on the 110M GPT-2) just as the first
             # units are gathered: hand them back first, or the peak holds both.
             self._first_backward_use = False
-            if memory_release() == "eager":
+            if peak_start:
                 # The output layer's backward is the step's peak (every activation saved, its
                 # weight gathered, its weight gradient allocated): hold no idle pooled buffers
                 # there, and gather nothing ahead until it is over (110M GPT-2: -38 MiB at the
@@ -354,7 +355,7 @@ class ParameterCoordinator:
         for unit in units:
             if unit in self._hollow and _needs_no_weights(module):
                 continue
-            self._use(unit, prefetch=not (first and memory_release() == "eager"))
+            self._use(unit, prefetch=not peak_start)
 
     def _module_backward_done(self, units, module: nn.Module) -> None:
         """``module``'s backward is over: a tied unit whose users still to come in this backward

@@ -6,8 +6,8 @@ its slice of the slot); any stage reducing in another dtype than it accumulates 
 Reusing a fixed number of buffers (four of a quarter bucket when communication overlaps
 backward, one otherwise) bounds the full-size gradient memory to one bucket however large the
 model is. A slot's memory is allocated when it is first acquired; ``release_memory()`` hands it
-back between backwards (stage 3 under ``memory_release: "eager"``: the peak comes early in
-backward, before any unit is reduced, and need not hold idle slots).
+back between backwards (the reduce-scatter stages under ``memory_release: "eager"``: stage 3's
+peak comes early in backward, before any unit is reduced, and need not hold idle slots).
 """
 
 from __future__ import annotations
