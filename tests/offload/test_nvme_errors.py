@@ -190,8 +190,13 @@ def test_zero_init_with_offload_param_then_initialize_trains_from_swap_files(tmp
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     assert init.host and init.pin_memory and all(is_partitioned(p) for p in model.parameters())
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
-    with caplog.at_level(logging.INFO, logger="zerotrain"):
-        _step(engine)
+    log = logging.getLogger("zerotrain")  # does not propagate to caplog's root handler
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="zerotrain"):
+            _step(engine)
+    finally:
+        log.removeHandler(caplog.handler)
     assert any(r.getMessage().startswith("offload read=") for r in caplog.records), caplog.text
     assert "swap_on_disk=" in memory_status("after a step")["line"]
     swapper = engine._zero.param_offload.swapper
