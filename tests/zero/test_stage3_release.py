@@ -6,7 +6,8 @@ same as under "off":
 - a tied embedding/output weight's gathered buffer is emptied once the output layer's backward
   is over (the embedding's backward reads indices only), instead of living to the end of backward;
 - in 16-bit training each shard gradient is freed as soon as the step has its fp32 copy;
-- forward hands back its heap holes as it gathers (trims counted through a stand-in libc);
+- forward hands back its heap holes as it gathers (trims counted through a stand-in libc), and
+  backward once per eighth of the model, not after every module;
 - where backward starts (the step's peak) the gather pool is dropped and nothing is gathered
   ahead until the first module's backward is over; the staging slots hold no memory between
   backwards.
@@ -143,3 +144,41 @@ def test_eager_release_frees_gradients_tied_weight_and_forward_holes_and_trains_
         # bf16 follows fp32 loosely (rounding), so the bf16 path is really exercised.
         gap = max(abs(a - b) / b for a, b in zip(r[("bf16", "eager")]["losses"], fp32["losses"]))
         assert 0 < gap < 0.05, gap
+
+
+def _backward_trims(bucket: int) -> list[int]:
+    import zerotrain
+    from tests.engine.workloads import adamw_config, make_model, train_steps
+    from zerotrain import memory_release
+
+    fake = _CountingLibc()
+    memory_release._libc = lambda: fake
+    memory_release._fix_mmap_threshold = memory_release._fix_mmap_threshold.__wrapped__
+    zerotrain.init_distributed()
+    model = make_model()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket}
+    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
+        2, memory_release="eager", zero_optimization=zero))
+    per_backward, backward = [], engine.backward
+
+    def counted(loss, *args, **kwargs):
+        before = fake.trims
+        out = backward(loss, *args, **kwargs)
+        per_backward.append(fake.trims - before)
+        return out
+
+    engine.backward = counted
+    train_steps(engine, STEPS)
+    units = len(engine._zero.trained)
+    engine.destroy()
+    return per_backward + [units]
+
+
+def test_eager_stage3_trims_backward_per_eighth_of_the_model_not_per_module():
+    """Stage 3's units are single modules: with a small bucket, trimming per unit reduced would
+    hand memory back after nearly every module (and fault it in again at the next). Backward
+    trims once per eighth of the model, plus once where it starts (and once more where the
+    first module's backward begins)."""
+    *per_backward, units = run_on_ranks(_backward_trims, world_size=2, args=(2000,))[0]
+    assert units > 12, units  # enough modules that per-unit trimming would exceed the bound
+    assert all(1 <= n <= 8 + 2 for n in per_backward), (per_backward, units)
