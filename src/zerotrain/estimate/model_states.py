@@ -194,9 +194,11 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
         window = min(biggest + prefetch, max(settings.max_live_parameters, biggest))
         gathered = e * min(total, window)
     # Step: fp32 copies of 16-bit shard gradients (zerotrain builds Adam/AdamW with fused
-    # kernels, which allocate no per-element temporaries), one chunk at a time: at most an
-    # eighth of the shards or the largest unit's shard (ZeroStage._step_chunks).
-    chunk = min(shard, max(max(u.shard for u in units), shard // 8))
+    # kernels, which allocate no per-element temporaries), one chunk at a time.
+    from zerotrain.zero.core import plan_step_chunks
+
+    shards = [u.shard for u in units]
+    chunk = max(sum(shards[i] for i in c) for c in plan_step_chunks(shards))
     transient = 4 * chunk if g != 4 else 0
     return StageBytes(stage, parameters, masters, gradients, optimizer, comm, gathered, transient,
                       shard_numel=shard, largest_unit_numel=largest)

@@ -10,6 +10,8 @@ all-gathered (stages 1-2) or gathered when next used (stage 3's partitioned unit
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -103,7 +105,6 @@ class ZeroStage:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         shard_world, self.shard_rank = ((self.world_size, self.rank) if strategy.shards_optimizer
                                         else (1, 0))
-        self.trim = TrimEvery(options.unit_numel)
 
         param_groups = optimizer.param_groups if optimizer is not None else []
         # Trainable parameters no optimizer group holds: kept whole, their gradients averaged
@@ -152,13 +153,9 @@ class ZeroStage:
                     offload.close()
             raise
         self.trained = [u for u in self.units if u.trained]
-        if strategy.partitions_parameters:
-            # Stage 3's units are single modules: a trim after each one's reduction was ~40
-            # malloc_trim calls a backward, each handing back memory the next unit faults in
-            # again. Once per eighth of the model holds the same peak (110M GPT-2: 60k fewer
-            # page faults a step, +3 MiB).
-            self.trim.numel = max(self.trim.numel,
-                                  sum(u.layout.padded_numel for u in self.units) // 8)
+        self.trim = TrimEvery(strategy.trim_numel(options.unit_numel, self.units))
+        # The trained units in the groups a 16-bit step casts and steps together (see step()).
+        self._chunk_plan = plan_step_chunks([u.layout.shard_numel for u in self.trained])
         if self.offload is not None:  # the optimizer steps the swapped chunks
             self.masters = []
             for g, group_dict in enumerate(param_groups):
@@ -332,24 +329,13 @@ class ZeroStage:
 
         Where the masters are copies (16-bit training, or masters on another device), each
         gradient is cast into a new fp32 tensor for the step: stepping all at once holds every
-        one of them (and the optimizer's temporaries) together, which is the peak of a bf16
+        one of them (and the optimizer's temporaries) together, which was the peak of a bf16
         step. An optimizer known to keep per-parameter state and skip parameters without a
-        gradient then steps a chunk of at most an eighth of the shards (or the largest unit)
-        at a time (bf16 GPT-2 110M stage 3: the step's peak 1498 -> MiB). Otherwise one call
-        steps everything."""
-        indices = list(range(len(self.trained)))
-        if not any(u.master is not None for u in self.trained) or not _steps_per_parameter(optimizer):
-            return [indices]
-        sizes = [u.layout.shard_numel for u in self.trained]
-        budget = max(max(sizes, default=0), sum(sizes) // 8)
-        chunks, numel = [[]], 0
-        for i, size in zip(indices, sizes):
-            if chunks[-1] and numel + size > budget:
-                chunks.append([])
-                numel = 0
-            chunks[-1].append(i)
-            numel += size
-        return chunks
+        gradient then steps one chunk (``plan_step_chunks``) at a time (bf16 GPT-2 110M stage 3:
+        peak 1505 -> 1442 MiB, now in backward). Otherwise one call steps everything."""
+        if any(u.master is not None for u in self.trained) and _steps_per_parameter(type(optimizer)):
+            return self._chunk_plan
+        return [list(range(len(self.trained)))]
 
     def adopt_edits(self) -> None:
         """Make in-place edits to the module's (16-bit) parameters since the last step the
@@ -480,20 +466,33 @@ class ZeroStage:
         registry.unregister(self.units)
 
 
-def _steps_per_parameter(optimizer) -> bool:
-    """Whether ``optimizer.step()`` is one of the built-in steps that keep state per parameter
-    and pass over parameters without a gradient, so several calls in one training step, each
-    over some of the parameters, equal one call over all (a subclass overriding ``step`` is
-    not assumed to)."""
-    import inspect
+def plan_step_chunks(shard_numels: list[int]) -> list[list[int]]:
+    """Consecutive indices into ``shard_numels`` grouped into chunks of at most an eighth of
+    their sum, or the largest one where that is bigger (also the estimator's step transient)."""
+    budget = max(max(shard_numels, default=0), sum(shard_numels) // 8)
+    chunks, numel = [[]], 0
+    for i, size in enumerate(shard_numels):
+        if chunks[-1] and numel + size > budget:
+            chunks.append([])
+            numel = 0
+        chunks[-1].append(i)
+        numel += size
+    return chunks
 
+
+@functools.lru_cache(maxsize=None)
+def _steps_per_parameter(optimizer_class: type) -> bool:
+    """Whether the class's ``step()`` is one of the built-in steps that keep state per
+    parameter and pass over parameters without a gradient, so several calls in one training
+    step, each over some of the parameters, equal one call over all (a subclass overriding
+    ``step`` is not assumed to)."""
     from zerotrain.ops.adam.fused_adam import FusedAdam
     from zerotrain.optim.lion import Lion
 
     known = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
              torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
              torch.optim.Adadelta, FusedAdam, Lion)
-    step = inspect.unwrap(type(optimizer).step)
+    step = inspect.unwrap(optimizer_class.step)
     return any(step is inspect.unwrap(cls.step) for cls in known)
 
 
