@@ -57,7 +57,7 @@ def _train(policy: str):
         rss.append(_vm_rss_kib())
     units = [u.layout.padded_numel for u in coordinator.units]
     out = {"memory": engine.memory_breakdown(), "units": units, "allocated": allocated, "refills": refills,
-           "pool": pool, "rss_kib": rss, "held_after_forward": held_after_forward, "element": coordinator.units[0].shard.element_size(),
+           "pool": pool, "rss_kib": rss, "held_after_forward": held_after_forward, "element": coordinator.units[0].dtype.itemsize,
            "bucket": 6000, "pool_dropped": coordinator.pool_drops}
     engine.destroy()
     return out

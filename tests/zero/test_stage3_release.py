@@ -94,7 +94,7 @@ def _train_cases():
             "shard_numel": sum(u.layout.shard_numel for u in stage.trained),
             "gradients_reported": engine.memory_breakdown()["gradients"],
             "hollowed": coordinator.hollowed, "at_embedding_backward": at_embedding_backward,
-            "wte_bytes": wte.layout.padded_numel * wte.shard.element_size(),
+            "wte_bytes": wte.layout.padded_numel * wte.dtype.itemsize,
             "at_step": at_step, "forward_trims": fake.trims - trims_before,
             "first_use_inflight": first_use_inflight, "staging_held": staging_held,
             "pool_drops": coordinator.pool_drops}

@@ -2,7 +2,7 @@
 of every flat unit, the whole (unsharded) parameters and buffers, tied names, versions.
 
 The stage object is read through its stable interface only: ``units`` (``FlatParamUnit``s
-with ``names``, ``layout``, ``shard``, ``master``, ``group``) when it partitions anything; for
+with ``names``, ``layout``, ``shard_values()``, ``master``, ``group``) when it partitions anything; for
 fp32 stage 0 there are no units and the module's own parameters are stepped.
 """
 
@@ -31,7 +31,7 @@ class _ResidentShard:
     """A shard kept in an NVMe parameter swap file, read back only when it is written out."""
 
     def __init__(self, unit):
-        self.unit, self.dtype, self.shape = unit, unit.shard.dtype, unit.shard.shape
+        self.unit, self.dtype, self.shape = unit, unit.dtype, unit.shard.shape
 
     def numel(self) -> int:
         return self.shape.numel()
@@ -49,7 +49,7 @@ def unit_param(unit):
     """The unit's shard as a checkpoint writes it (read from its swap file when it is there)."""
     if unit.param_swapper is not None:
         return _ResidentShard(unit)
-    return unit.shard.detach()
+    return unit.shard_values()  # cast from the master where the shard is derived from it
 
 
 def unit_training_state(engine, unit, optimizer) -> tuple[object, dict, dict]:
@@ -139,7 +139,7 @@ def describe(engine, tag: str, exclude_frozen: bool) -> dict:
         saved += [f"state/{k}" for k in elementwise]
         layout = unit.layout
         units_meta.append({
-            "id": i, "group": unit.group, "dtype": dtype_name(unit.shard.dtype),
+            "id": i, "group": unit.group, "dtype": dtype_name(unit.dtype),
             "world_size": layout.world_size, "shard_numel": layout.shard_numel,
             "numel": layout.numel, "padded_numel": layout.padded_numel, "saved": saved,
             "params": [[name, s.offset, s.numel, list(s.shape)] for name, s in unit.named_slots()],

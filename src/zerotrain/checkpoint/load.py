@@ -150,7 +150,7 @@ def _values(reader, name, dtype, start, numel) -> torch.Tensor:
 
 def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None) -> None:
     layout = unit.layout
-    dtype = unit.shard.dtype
+    dtype = unit.dtype
     if not unit.resharded:  # the stage keeps the whole unit on every rank: fill all of it
         for name, slot in zip(unit.names, layout.slots):
             if match.loadable(name):
@@ -159,7 +159,7 @@ def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swappe
     pieces = [(name_of(unit, p), p.param_start, p.shard_start, p.numel)
               for p in layout.shard_pieces(rank)]
     pieces = [p for p in pieces if match.loadable(p[0])]
-    if unit.resharded and pieces:
+    if unit.resharded and not unit.derived and pieces:  # a derived shard: the master is written
         shard = unit.resident_shard(dirty=True).data  # NVMe parameter offload: read back first
         for name, start, at, n in pieces:
             shard.narrow(0, at, n).copy_(_values(reader, name, dtype, start, n))

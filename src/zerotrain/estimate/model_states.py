@@ -174,7 +174,9 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
     largest = max(u.padded for u in units)
     resharded = [u for u in units if stage == 3 and u.numel >= settings.param_persistence_threshold]
     whole = [u for u in units if u not in resharded] if stage == 3 else units
-    parameters = e * (sum(u.padded for u in whole) + sum(u.shard for u in resharded)) + frozen
+    # A 16-bit stage 3 keeps no 16-bit shard of a resharded unit: gathers cast the fp32 master.
+    kept_shards = 0 if settings.mixed else sum(u.shard for u in resharded)
+    parameters = e * (sum(u.padded for u in whole) + kept_shards) + frozen
     masters = 4 * shard if settings.mixed else 0
     gradients = g * (padded if stage < 2 else shard)
     optimizer = per_elem * shard + (4 * len(units) if has_step and shape.module is not None else 0)

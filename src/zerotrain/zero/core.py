@@ -146,6 +146,8 @@ class ZeroStage:
                     unit.shard = placement.place_shard(unit.shard)
                     if self.param_offload is not None:  # ... or on disk
                         self.param_offload.swapper.add_unit(unit)
+                    elif unit.master is not None and unit.master.device == unit.shard.device:
+                        unit.derive_shard_from_master()
                 self.units.append(unit)
         except BaseException:
             for offload in (self.offload, self.param_offload):
@@ -195,7 +197,7 @@ class ZeroStage:
             self.offload.swapper.grad_swapper = self.grad_swapper
         registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters)
         if checking_enabled():
-            device = self.units[0].shard.device if self.units else None
+            device = self.units[0].device if self.units else None
             agreement = CollectiveAgreement(group, self._describe_unit, device)
             self.reduction.agreement = agreement
             if self.coordinator is not None:
@@ -274,7 +276,7 @@ class ZeroStage:
             self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
         if not norms:
-            device = self.units[0].shard.device if self.units else None
+            device = self.units[0].device if self.units else None
             norms = [torch.zeros((), device=device)]
         squares = torch.stack(norms).square().sum()
         if self.strategy.shards_optimizer and self.world_size > 1:
@@ -312,7 +314,7 @@ class ZeroStage:
                 optimizer.step()
                 for i in chunk:
                     unit, master = self.trained[i], self.masters[i]
-                    if unit.master is not None:
+                    if unit.master is not None and not unit.derived:
                         unit.shard.data.copy_(master.detach())
                     master.grad = None  # gradients live for the step only (zero_grad may free them)
         if self.strategy.shards_optimizer and self.world_size > 1:
@@ -426,7 +428,7 @@ class ZeroStage:
         if self.outside is not None:
             grads += self.outside.grads.nbytes
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
-        shards = [u.shard for u in self.units if u.resharded]
+        shards = [u.shard for u in self.units if u.resharded and not u.derived]
         gathered = {id(p) for u in self.units if u.resharded and u.gathered for p in u.params}
         persistent = [p for p in module.parameters() if id(p) not in gathered]
         out = {
@@ -442,7 +444,7 @@ class ZeroStage:
             out["offload_buffers"] = (out.get("offload_buffers", 0)
                                       + self.param_offload.swapper.buffer_nbytes)
         if self.coordinator is not None:
-            element = self.units[0].shard.element_size()
+            element = self.units[0].dtype.itemsize
             out["gathered_parameters"] = self.coordinator.live_numel * element
             out["peak_gathered_parameters"] = self.coordinator.peak_live_numel * element
             out["gather_pool"] = self.coordinator.pool_nbytes  # released buffers kept for reuse

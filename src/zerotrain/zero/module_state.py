@@ -55,7 +55,7 @@ def load_module_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     in_units = set()
     for unit in units:
         values = [value_for(p, slot.shape) for p, slot in zip(unit.params, unit.layout.slots)]
-        unit.load_values([None if v is None else v.to(unit.shard.device) for v in values])
+        unit.load_values([None if v is None else v.to(unit.device) for v in values])
         in_units.update(id(p) for p in unit.params)
     for name, tensor in expected.items():
         if id(tensor) in in_units or name not in state_dict:

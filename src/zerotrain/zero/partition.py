@@ -28,7 +28,9 @@ class FlatParamUnit:
 
     Normally the shard is a view of the full buffer. After ``reshard()`` (stage 3) the shard is
     the only storage kept: the full buffer exists only between ``start_gather``/``finish_gather``
-    and ``release``, and the module parameters are empty placeholders otherwise.
+    and ``release``, and the module parameters are empty placeholders otherwise. A resharded
+    unit trained in 16 bits with its fp32 master beside it can drop even the shard
+    (``derive_shard_from_master``): it is the master rounded, so gathers cast the master.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int,
@@ -66,9 +68,40 @@ class FlatParamUnit:
     def gathered(self) -> bool:
         return self.flat is not None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (of the shard, whether kept or derived from the master)."""
+        return self.layout.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.master.device if self.shard is None else self.shard.device
+
+    @property
+    def derived(self) -> bool:
+        """Whether the 16-bit shard is not kept but cast from the fp32 master when needed."""
+        return self.shard is None
+
+    def derive_shard_from_master(self) -> None:
+        """Free the 16-bit shard of a resharded unit whose fp32 master is on the same device:
+        after every step and every load it equals the master rounded, so a gather casts the
+        master's slice straight into the gather buffer instead (16-bit stage 3 keeps 2 bytes
+        per shard element less, and the step copies nothing back)."""
+        if not (self.resharded and self.master is not None and self.param_swapper is None
+                and self.master.device == self.shard.device):
+            raise ValueError("only a resharded unit with an fp32 master on its shard's device "
+                             "can derive its shard from the master")
+        self.shard = None
+
+    def shard_values(self) -> torch.Tensor:
+        """This rank's shard in the parameters' dtype, to read (a new tensor when derived)."""
+        if self.derived:
+            return self.master.detach().to(self.dtype)
+        return self.resident_shard().detach()
+
     def cast(self, dtype: torch.dtype) -> None:
         """Move the buffers (and so every module parameter) to ``dtype``, freeing the old ones."""
-        if dtype == self.shard.dtype:
+        if dtype == self.dtype:
             return
         self.layout = self.layout.with_dtype(dtype)
         if self.resharded:
@@ -99,7 +132,9 @@ class FlatParamUnit:
         self._status = ZeroParamStatus
         self._ds_status = True
         pieces = {piece.slot.index: piece for piece in self.layout.shard_pieces(self._rank)}
-        shard = self.resident_shard().detach()  # views of its storage (refilled in place)
+        # Views of the shard's storage (refilled in place); of the fp32 master where the shard
+        # is derived from it.
+        shard = self.master.detach() if self.derived else self.resident_shard().detach()
         for i, (p, slot) in enumerate(zip(self.params, self.layout.slots)):
             p.ds_id = next(ids)
             p.ds_numel = slot.numel
@@ -119,6 +154,9 @@ class FlatParamUnit:
         """The shard, in memory (with NVMe parameter offload it may have been evicted to its
         swap file: read back now, unless ``fill`` is False: the caller overwrites all of it).
         ``dirty``: the caller writes it (so it is written back)."""
+        if self.derived:
+            raise RuntimeError("this unit's shard is derived from its fp32 master: read "
+                               "shard_values(), write the master")
         if self.param_swapper is not None:
             return self.param_swapper.ensure(self, dirty, fill)
         return self.shard
@@ -128,8 +166,9 @@ class FlatParamUnit:
         """The gathered full buffer was changed in place: make this rank's shard (and master)
         match it."""
         new = self.layout.shard(self.flat, self._rank)
-        self.resident_shard(dirty=True).data.copy_(new)
-        self.shard_edited = True
+        if not self.derived:
+            self.resident_shard(dirty=True).data.copy_(new)
+            self.shard_edited = True
         if self.master is not None:
             _adopt_changed(self.master.data, new)
 
@@ -169,7 +208,8 @@ class FlatParamUnit:
             for p, value in zip(self.params, values):
                 if value is not None:
                     p.copy_(value)
-        targets = ([] if not self.resharded else [self.resident_shard(dirty=True).data]) + (
+        kept = self.resharded and not self.derived
+        targets = ([self.resident_shard(dirty=True).data] if kept else []) + (
             [] if self.master is None else [self.master.data])
         for piece in self.layout.shard_pieces(self._rank):
             value = values[piece.slot.index]
@@ -189,7 +229,7 @@ class FlatParamUnit:
     def release(self) -> torch.Tensor | None:
         """Drop the full buffer; module parameters become empty placeholders. Returns the
         buffer (for a pool to reuse once nothing else, e.g. autograd, still refers to it)."""
-        empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
         flat, self.flat = self.flat, None
@@ -200,6 +240,10 @@ class FlatParamUnit:
         """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
         shard's dtype), or into a newly allocated full buffer."""
         self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
+        if self.derived:  # this rank's slice of the buffer is the input: nothing else to copy
+            shard = self.layout.shard(self.flat, self._rank)
+            shard.copy_(self.master.detach())
+            return collectives.all_gather_into(self.flat, shard, group=group, async_op=True)
         shard = self.resident_shard().detach()
         if shard.device != self.flat.device:  # offload_param: the shard lives in host memory
             shard = shard.to(self.flat.device, non_blocking=True)

@@ -101,7 +101,7 @@ class AllReduceGradients(_Reduction):
                                        dtype=precision.grad_accum_dtype)
         self.shard_grads = [b.layout.shard(b.flat, shard_rank) for b in self.grads.buckets]
         largest = max((u.layout.padded_numel for u in units), default=1)
-        device = units[0].shard.device if units else None
+        device = units[0].device if units else None
         needs_cast = precision.comm_dtype != precision.grad_accum_dtype
         self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
                         if needs_cast and world_size > 1 else None)
@@ -142,7 +142,7 @@ class ReduceScatterGradients(_Reduction):
         self._reduced = reduced  # called once a unit's gradients are copied out (stage 3 frees it)
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=False)
-        device = units[0].shard.device if units else None
+        device = units[0].device if units else None
         self._grad_dtype, self._device = precision.grad_accum_dtype, device
         self._shard_numels = [u.layout.shard_numel for u in units]
         self.shard_grads = [torch.zeros(n, dtype=self._grad_dtype, device=device)
