@@ -10,7 +10,7 @@ same as under "off":
   backward once per eighth of the model, not after every module;
 - where backward starts (the step's peak) the gather pool is dropped and nothing is gathered
   ahead until the first module's backward is over; the staging slots hold no memory between
-  backwards.
+  backwards; a pass's last gather drops the pool too (nothing in the pass would reuse it).
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def _train_cases():
 
         # The embedding's output needs no grad (token ids in): hook the sum it feeds instead.
         model.wpe.register_forward_hook(record_wte_storage)
+        # The gather pool at the forward's last gather (the output layer's).
+        pool_at_last_gather = []
+        last = list(model.modules())[-1]
+        last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(
+            coordinator.pool_numel))
         optimizer_step = engine.optimizer.step
 
         def step(*args, **kwargs):
@@ -97,7 +102,8 @@ def _train_cases():
             "wte_bytes": wte.layout.padded_numel * wte.dtype.itemsize,
             "at_step": at_step, "forward_trims": fake.trims - trims_before,
             "first_use_inflight": first_use_inflight, "staging_held": staging_held,
-            "pool_drops": coordinator.pool_drops}
+            "pool_drops": coordinator.pool_drops, "pool_at_last_gather": pool_at_last_gather,
+            "pool_after": coordinator.pool_numel}
         engine.destroy()
     return out
 
@@ -129,6 +135,10 @@ def test_eager_release_frees_gradients_tied_weight_and_forward_holes_and_trains_
             assert eager["first_use_inflight"] == [0] * STEPS, eager["first_use_inflight"]
             assert min(off["first_use_inflight"][1:]) > 0, off["first_use_inflight"]  # after recording
             assert eager["staging_held"] == [0] * STEPS, eager["staging_held"]
+            # A pass's last gather drops the pool under "eager" (once the order is recorded:
+            # from the second forward on), where "off" keeps it.
+            assert eager["pool_at_last_gather"][1:] == [0] * STEPS, eager["pool_at_last_gather"]
+            assert min(off["pool_at_last_gather"][1:]) > 0, off["pool_at_last_gather"]
             assert min(off["staging_held"]) > 0, off["staging_held"]
         # fp32: the step reads the shard gradients themselves, in one call. bf16 steps chunk by
         # chunk; under "eager" each chunk's shard gradients are freed once cast to fp32, so fewer

@@ -246,6 +246,9 @@ class ParameterCoordinator:
                 self.pool_numel -= free.pop().numel()
         self._pool = {k: v for k, v in self._pool.items() if v}
 
+    def _drop_pool(self) -> None:
+        self._pool, self.pool_numel = {}, 0
+
     @property
     def pool_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for free in self._pool.values() for b in free)
@@ -267,6 +270,10 @@ class ParameterCoordinator:
         self.fetch(unit)
         if matched and prefetch and self.prefetch_numel:
             self._prefetch(order)
+        if matched and not order.upcoming() and not self._inflight and memory_release() == "eager":
+            # The pass's last gather: pooled buffers would only sit through its peak (the output
+            # layer's forward; the embedding's backward). GPT-2 110M: -12 MiB fp32, -5 MiB bf16.
+            self._drop_pool()
 
     # -- hooks --------------------------------------------------------------------------
     def on_access(self, param: nn.Parameter) -> None:
@@ -349,7 +356,7 @@ class ParameterCoordinator:
                 # weight gathered, its weight gradient allocated): hold no idle pooled buffers
                 # there, and gather nothing ahead until it is over (110M GPT-2: -38 MiB at the
                 # peak; backward's own releases refill the pool from the next unit on).
-                self._pool, self.pool_numel = {}, 0
+                self._drop_pool()
                 self.pool_drops += 1
             release_before_backward()
         for unit in units:
