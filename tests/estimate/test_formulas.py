@@ -84,6 +84,11 @@ def test_7b_where_nothing_fits_points_at_offload_which_zerotrain_lacks():
     assert (rec.offload_alternative.stage, rec.offload_alternative.offload) == (1, "optimizer_cpu")
     assert any("not available in zerotrain yet" in line for line in rec.steps)
     assert "does not fit with what zerotrain runs today" in est.text()
+    # 16-bit stage 3 keeps no 16-bit shard beside the fp32 master (gathers cast it), except
+    # where the master is offloaded to the host: then the GPU keeps the 16-bit shard.
+    kept = est.row(3, "optimizer_cpu").gpu["parameters"] - est.row(3).gpu["parameters"]
+    assert 2 * shape.params // 4 * 0.99 < kept <= 2 * shape.params // 4 + 2 * 4096
+    assert est.row(3).gpu["parameters"] < 2 * shape.params // 4 / 1000  # the small units only
     # 8 x 12 GiB: even one replica of the weights is too much: stage 3 with offload, as seed 002.
     est = estimate(shape, Hardware(gpus_per_node=8, gpu_memory=12 * GiB), Workload(micro_batch=1, seq_len=512),
                    Settings(world_size=8, precision="bf16"))

@@ -86,7 +86,8 @@ class StageBytes:
 
     ``gathered``: stage 3's peak of whole units resident at once (gathered + pooled);
     ``step_transient``: what the optimizer step allocates for its duration (fp32 copies of
-    16-bit gradients)."""
+    16-bit gradients); ``derived_shards``: the 16-bit stage-3 shards not kept because the fp32
+    master beside them is cast at each gather (kept again when the master is offloaded)."""
 
     stage: int
     parameters: int
@@ -98,6 +99,7 @@ class StageBytes:
     step_transient: int = 0
     shard_numel: int = 0
     largest_unit_numel: int = 0
+    derived_shards: int = 0
 
     @property
     def model_states(self) -> int:
@@ -175,8 +177,8 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
     resharded = [u for u in units if stage == 3 and u.numel >= settings.param_persistence_threshold]
     whole = [u for u in units if u not in resharded] if stage == 3 else units
     # A 16-bit stage 3 keeps no 16-bit shard of a resharded unit: gathers cast the fp32 master.
-    kept_shards = 0 if settings.mixed else sum(u.shard for u in resharded)
-    parameters = e * (sum(u.padded for u in whole) + kept_shards) + frozen
+    derived = e * sum(u.shard for u in resharded) if settings.mixed else 0
+    parameters = e * (sum(u.padded for u in whole) + sum(u.shard for u in resharded)) + frozen - derived
     masters = 4 * shard if settings.mixed else 0
     gradients = g * (padded if stage < 2 else shard)
     optimizer = per_elem * shard + (4 * len(units) if has_step and shape.module is not None else 0)
@@ -203,4 +205,4 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
     chunk = max(sum(shards[i] for i in c) for c in plan_step_chunks(shards))
     transient = 4 * chunk if g != 4 else 0
     return StageBytes(stage, parameters, masters, gradients, optimizer, comm, gathered, transient,
-                      shard_numel=shard, largest_unit_numel=largest)
+                      shard_numel=shard, largest_unit_numel=largest, derived_shards=derived)

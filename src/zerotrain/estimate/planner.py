@@ -119,6 +119,7 @@ def build_row(stage: int, offload: str, shape: ModelShape, settings: Settings, h
         shard = -(-shape.params // world)
         offloaded = ranks * shard * (4 + per_elem + 4)
         masters, opt, grads, step = 0, 0, 0, 0
+        params += sb.derived_shards  # the master is on the host: the 16-bit shard is kept
         if offload != "optimizer_cpu":
             offloaded += ranks * shard * e
             params = 0

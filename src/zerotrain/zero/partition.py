@@ -83,14 +83,14 @@ class FlatParamUnit:
         return self.shard is None
 
     def derive_shard_from_master(self) -> None:
-        """Free the 16-bit shard of a resharded unit whose fp32 master is on the same device:
-        after every step and every load it equals the master rounded, so a gather casts the
-        master's slice straight into the gather buffer instead (16-bit stage 3 keeps 2 bytes
-        per shard element less, and the step copies nothing back)."""
+        """Free the 16-bit shard of a resharded unit whose fp32 master is on the device its
+        gathers fill: after every step and every load the shard equals the master rounded, so a
+        gather casts the master's slice straight into the gather buffer instead (16-bit stage 3
+        keeps 2 bytes per shard element less, and the step copies nothing back)."""
         if not (self.resharded and self.master is not None and self.param_swapper is None
-                and self.master.device == self.shard.device):
-            raise ValueError("only a resharded unit with an fp32 master on its shard's device "
-                             "can derive its shard from the master")
+                and self.master.device == self.layout.device == self.shard.device):
+            raise ValueError("only a resharded unit with an fp32 master beside its shard, on "
+                             "the device its gathers fill, can derive its shard from the master")
         self.shard = None
 
     def shard_values(self) -> torch.Tensor:
