@@ -78,3 +78,45 @@ def test_two_devices_nccl():
         for name, value in r["params"].items():
             assert torch.equal(value, per_rank[0][combo]["params"][name]), (combo, name)
     _assert_matches(per_rank[0], world=2)
+
+
+def _shard_placement(offload: bool) -> dict:
+    """bf16 stage 3 on the device: where each trained unit's shard and master live, and the
+    final weights (the same whether the 16-bit shard is derived or kept)."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.accelerator import get_accelerator
+
+    zerotrain.init_distributed()
+    device = torch.device(get_accelerator().current_device_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _config(3, "bf16", 1, "adamw")
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    model = make_model()
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = global_batches(STEPS, MICRO * world).to(device)
+    for step in range(STEPS):
+        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(engine(batch, labels=batch).loss)
+        engine.step()
+    trained = [u for u in engine._zero.units if u.trained and u.resharded]
+    out = {"derived": {u.derived for u in trained},
+           "master_devices": {u.master.device.type for u in trained},
+           "shard_devices": {u.shard.device.type for u in trained if not u.derived},
+           "params": {n: v.float().cpu() for n, v in engine.module_state_dict().items()}}
+    engine.destroy()
+    return out
+
+
+def test_bf16_stage3_derives_shards_on_device_and_keeps_them_under_optimizer_offload():
+    (on_device,) = run_on_ranks(_shard_placement, world_size=1, args=(False,), timeout=900)
+    (offloaded,) = run_on_ranks(_shard_placement, world_size=1, args=(True,), timeout=900)
+    # Masters on the device: the 16-bit shards are cast from them at each gather.
+    assert on_device["derived"] == {True} and on_device["master_devices"] == {"cuda"}
+    # Masters on the host: the device keeps its 16-bit shards (no fp32 over the bus).
+    assert offloaded["derived"] == {False} and offloaded["master_devices"] == {"cpu"}
+    assert offloaded["shard_devices"] == {"cuda"}
+    for name, value in on_device["params"].items():
+        torch.testing.assert_close(offloaded["params"][name], value, rtol=1e-2, atol=1e-3)
