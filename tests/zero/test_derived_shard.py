@@ -19,17 +19,22 @@ from zerotrain.testing import run_on_ranks
 STEPS = 3
 
 
+def _model_and_optimizer(optimizer: str, seed: int = 0):
+    model = make_model(seed=seed)
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)  # a frozen unit has no master to cast
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1, eps=1e-6))
+    return model, opt
+
+
 def _train(optimizer: str, derive: bool, ckpt_dir: str | None = None) -> dict:
     import zerotrain
     from zerotrain.zero.partition import FlatParamUnit
 
     if not derive:  # the shard kept, as before: the reference run
         FlatParamUnit.derive_shard_from_master = lambda self: None
-    model = make_model()
-    model.blocks[0].attn.qkv.weight.requires_grad_(False)  # a frozen unit has no master to cast
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1, eps=1e-6))
+    model, opt = _model_and_optimizer(optimizer)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "gradient_clipping": 0.5, "bf16": {"enabled": True},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
@@ -47,11 +52,7 @@ def _train(optimizer: str, derive: bool, ckpt_dir: str | None = None) -> dict:
     if ckpt_dir is not None:
         engine.save_checkpoint(ckpt_dir, tag="t")
         out["continued_live"] = train_steps(engine, 1)
-        fresh = make_model(seed=5)
-        fresh.blocks[0].attn.qkv.weight.requires_grad_(False)
-        fresh_params = [p for p in fresh.parameters() if p.requires_grad]
-        fresh_opt = (torch.optim.SGD(fresh_params, lr=0.05, momentum=0.9) if optimizer == "sgd"
-                     else torch.optim.AdamW(fresh_params, lr=2e-3, weight_decay=0.1, eps=1e-6))
+        fresh, fresh_opt = _model_and_optimizer(optimizer, seed=5)
         engine.destroy()
         loaded, *_ = zerotrain.initialize(model=fresh, optimizer=fresh_opt, config=cfg)
         loaded.load_checkpoint(ckpt_dir, tag="t")
