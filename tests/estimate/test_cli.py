@@ -26,7 +26,7 @@ def test_seed_002_command_line(capsys):
     assert code == 0
     assert "7,000,000,000 parameters" in out
     assert "refined   112.00 GB" in out  # 16 bytes/param of model states, beside the seed's 12
-    assert "stage 0 does not fit" in out and "not available in zerotrain yet" in out
+    assert "stage 0 does not fit" in out and "follow DeepSpeed's ZeRO-Offload/Infinity placement" in out
     assert "=> ZeRO stage 1" in out
 
 
@@ -38,7 +38,7 @@ def test_json_matches_the_schema_and_the_tables(capsys, tmp_path):
     assert code == 0
     report = EstimateReport.model_validate_json(out)  # extra keys or wrong types fail here
     assert report.model.params == 559_214_592 and len(report.rows) == 9
-    assert [(r.stage, r.offload) for r in report.rows if r.available_in_zerotrain] == [(0, "none"), (1, "none"),
+    assert [(r.stage, r.offload) for r in report.rows if r.recommendable] == [(0, "none"), (1, "none"),
                                                                                        (2, "none"), (3, "none")]
     stage1 = report.rows[1]
     assert stage1.per_gpu.model_states == stage1.per_gpu.parameters + stage1.per_gpu.gradients + \
@@ -79,7 +79,7 @@ def test_nothing_fits_writes_no_config(capsys, tmp_path):
     code, out, err = run(capsys, "--params", "70e9", "--num-gpus", "2", "--gpu-memory", "24GiB",
                          "--write-config", str(out_path))
     assert code == 1 and not out_path.exists() and "no config was written" in err
-    assert "does not fit with what zerotrain runs today" in out
+    assert "does not fit without offload" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -76,8 +76,9 @@ def build_estimate(args: argparse.Namespace):
         zero_cfg, raw, zero = _read_ds_config(args.config, world)
         offload = [k for k in ("offload_optimizer", "offload_param") if zero.get(k)]
         if offload:
-            print(f"note: {', '.join(offload)} in {args.config} is not available in zerotrain yet; "
-                  "the offload rows show what it would take", file=sys.stderr)
+            print(f"note: {', '.join(offload)} in {args.config}: the offload rows follow DeepSpeed's "
+                  "placement (zerotrain keeps gradients on the device until the step), and the "
+                  "recommendation is chosen among the rows without offload", file=sys.stderr)
         # Carried into --write-config (5e5 read as a float is written as 500000).
         zero_extra = {k: int(v) if isinstance(v, float) and v.is_integer() else v
                       for k, v in zero.items() if k != "stage" and not k.startswith("offload")}
@@ -159,7 +160,7 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.write_config:
         config = est.ds_config()
         if config is None:
-            print("--write-config: nothing zerotrain runs fits, so no config was written", file=sys.stderr)
+            print("--write-config: nothing without offload fits, so no config was written", file=sys.stderr)
             return 1
         with open(args.write_config, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)

@@ -3,7 +3,7 @@
 ``estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=1, num_nodes=1)`` and
 the ``zero3`` / ``_all_cold`` variants print DeepSpeed's table (per CPU | per GPU | options) with
 DeepSpeed's own formulas, so numbers match DeepSpeed's documentation and the scripts written
-against it, then one line with zerotrain's count for the options it runs today (no offload).
+against it, then one line with zerotrain's count without offload.
 They are importable from ``zerotrain.runtime.zero.stage_1_and_2`` / ``...stage3`` as well.
 """
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from zerotrain.estimate import activations as act_mod
 from zerotrain.estimate.activations import ActivationBytes
 from zerotrain.estimate.model_states import PRECISION_BYTES, Settings
-from zerotrain.estimate.planner import (NOT_IN_ZEROTRAIN, OFFLOAD_ROWS, Hardware, Recommendation, Row,
+from zerotrain.estimate.planner import (OFFLOAD_NOT_MODELLED, OFFLOAD_ROWS, Hardware, Recommendation, Row,
                                         Workload, build_row, recommend)
 from zerotrain.estimate.report import (CpuBytes, EstimateReport, GpuBytes, ModelReport,
                                        RecommendationReport, RowReport, SetupReport, ThumbReport)
@@ -63,7 +63,7 @@ class Estimate:
 
     def report(self) -> EstimateReport:
         s, hw, w, rec = self.shape, self.hardware, self.workload, self.recommendation
-        rows = [RowReport(stage=r.stage, offload=r.offload, available_in_zerotrain=r.available,
+        rows = [RowReport(stage=r.stage, offload=r.offload, recommendable=r.recommendable,
                           micro_batch=r.micro_batch, activation_checkpointing=r.activation_checkpointing,
                           per_gpu=GpuBytes(**r.gpu), per_node_cpu=CpuBytes(**r.cpu_per_node),
                           per_node_nvme=r.nvme_per_node, fits_gpu=r.fits_gpu, fits_cpu=r.fits_cpu,
@@ -82,7 +82,7 @@ class Estimate:
             max_micro_batch=rec.max_micro_batch, procedure=rec.steps, why_not=rec.why_not,
             offload_alternative=(f"{alt.label}: {alt.gpu_total / 2**30:.2f} GiB per GPU, "
                                  f"{alt.cpu_per_node['peak'] / 2**30:.2f} GiB host per node "
-                                 f"({NOT_IN_ZEROTRAIN})") if alt else None,
+                                 f"({OFFLOAD_NOT_MODELLED})") if alt else None,
             config=self.ds_config())
         return EstimateReport(
             model=ModelReport(name=str(s.name), source=s.source, params=s.params,

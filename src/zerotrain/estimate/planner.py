@@ -2,8 +2,8 @@
 recommended configuration.
 
 The recommendation follows the seeds' "finding the optimal configuration" procedure, restricted
-to what zerotrain runs today: the lowest ZeRO stage that fits at the requested micro-batch;
-if none does, offload (reported, but not available in zerotrain yet, so never recommended),
+to the rows whose bytes are zerotrain's own: the lowest ZeRO stage that fits at the requested micro-batch;
+if none does, offload (reported, but modelled on DeepSpeed's placement, so never recommended),
 then activation checkpointing, then a smaller micro-batch with gradient accumulation (same
 samples per step); finally the largest micro-batch that fits the chosen configuration.
 """
@@ -22,7 +22,11 @@ OFFLOADS = ("none", "optimizer_cpu", "optimizer_params_cpu", "optimizer_params_n
 OFFLOAD_ROWS = ((0, "none"), (1, "none"), (1, "optimizer_cpu"), (2, "none"), (2, "optimizer_cpu"),
                 (3, "none"), (3, "optimizer_cpu"), (3, "optimizer_params_cpu"),
                 (3, "optimizer_params_nvme"))
-NOT_IN_ZEROTRAIN = "offload is not available in zerotrain yet (the config keys raise NotImplementedError)"
+# zerotrain runs every offload row (docs/offload.md), but keeps gradients on the device until the
+# step where DeepSpeed moves them to the host as they are reduced: these bytes are DeepSpeed's.
+OFFLOAD_NOT_MODELLED = ("the offload rows follow DeepSpeed's placement, not zerotrain's (which keeps "
+                        "gradients on the device until the step, docs/offload.md), so they are not "
+                        "recommended")
 MAX_MICRO_BATCH = 1 << 16
 
 
@@ -75,7 +79,8 @@ class Row:
     activations_known: bool
 
     @property
-    def available(self) -> bool:
+    def recommendable(self) -> bool:
+        """Whether the bytes are zerotrain's own (offload rows are DeepSpeed's placement)."""
         return self.offload == "none"
 
     @property
@@ -214,7 +219,7 @@ def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload
                     if o.fits), None)
     if offload is not None:
         log.append(f"{offload.label} would fit ({offload.gpu_total / GiB:.2f} GiB per GPU), but "
-                   f"{NOT_IN_ZEROTRAIN}")
+                   f"{OFFLOAD_NOT_MODELLED}")
     if not ckpt:
         for s in range(4):
             r = make_row(s, "none", micro, True)
@@ -234,7 +239,7 @@ def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload
                                f"({smaller * gas} samples per step per GPU)")
                     return _finish(r, gas, make_row, hw, log, offload)
     why = [f"{r.label}: {explain(r, hw, make_row(r.stage, 'none', micro, True))}" for r in rows]
-    log.append("nothing zerotrain runs today fits, even at micro-batch 1 with activation "
+    log.append("nothing without offload fits, even at micro-batch 1 with activation "
                "checkpointing at stage 3")
     return Recommendation(None, workload.gradient_accumulation_steps, None, log, offload, why)
 

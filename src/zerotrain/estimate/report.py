@@ -40,7 +40,7 @@ class CpuBytes(_Strict):
 class RowReport(_Strict):
     stage: Literal[0, 1, 2, 3]
     offload: Literal["none", "optimizer_cpu", "optimizer_params_cpu", "optimizer_params_nvme"]
-    available_in_zerotrain: bool
+    recommendable: bool  # the bytes are zerotrain's placement (offload rows are DeepSpeed's)
     micro_batch: int = Field(ge=1)
     activation_checkpointing: bool
     per_gpu: GpuBytes
@@ -132,14 +132,14 @@ def render_text(report: EstimateReport) -> str:
     for r in report.rows:
         g, c = r.per_gpu, r.per_node_cpu
         name = r.offload.replace("optimizer_params", "opt+params").replace("optimizer", "opt")
-        mark = "" if r.available_in_zerotrain else " *"
+        mark = "" if r.recommendable else " *"
         out.append(f"{r.stage:>5} {name + mark:<23} | {_g(g.parameters):>6} {_g(g.master_parameters):>6} "
                    f"{_g(g.gradients):>6} {_g(g.optimizer_state):>7} | {_g(g.activations):>6} "
                    f"{_g(g.communication_buffers):>5} {_g(g.gathered_parameters):>6} {_g(g.transient):>5} "
                    f"{_g(g.reserve):>7} | {_g(g.peak):>8} {_fit(r.fits_gpu):>4} | {_g(c.peak):>9} "
                    f"{_fit(r.fits_cpu):>4} | {_g(r.per_node_nvme):>9}")
-    out.append("* offload rows follow DeepSpeed's ZeRO-Offload/Infinity placement; "
-               "not available in zerotrain yet")
+    out.append("* offload rows follow DeepSpeed's ZeRO-Offload/Infinity placement; zerotrain runs "
+               "offload with gradients on the device until the step, so they are not recommended")
     out += ["", "Fine-tuning rules of thumb (seed 000) vs this estimator (whole model, one GPU, "
             "activations excluded):"]
     for t in report.fine_tuning_rules_of_thumb:
@@ -154,7 +154,7 @@ def render_text(report: EstimateReport) -> str:
                    f"{'on (enable it in the model)' if rec.activation_checkpointing else 'off'}"
                    + (f"; largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""))
     else:
-        out.append("  => does not fit with what zerotrain runs today:")
+        out.append("  => does not fit without offload:")
         out += [f"     {w}" for w in rec.why_not]
     if rec.offload_alternative:
         out.append(f"  (DeepSpeed alternative: {rec.offload_alternative})")
