@@ -146,9 +146,7 @@ class ZeroStage:
                     unit.shard = placement.place_shard(unit.shard)
                     if self.param_offload is not None:  # ... or on disk
                         self.param_offload.swapper.add_unit(unit)
-                    elif unit.master is not None and unit.master.device == unit.layout.device:
-                        # (a master on the host of a GPU keeps the 16-bit shard: a gather
-                        # would move fp32 across the bus)
+                    elif unit.shard_derivable:
                         unit.derive_shard_from_master()
                 self.units.append(unit)
         except BaseException:

@@ -82,13 +82,20 @@ class FlatParamUnit:
         """Whether the 16-bit shard is not kept but cast from the fp32 master when needed."""
         return self.shard is None
 
+    @property
+    def shard_derivable(self) -> bool:
+        """Whether the shard can be dropped: resharded, with an fp32 master beside it on the
+        device its gathers fill (a master on a GPU's host keeps it: a gather would move fp32
+        across the bus), and not swapped to NVMe."""
+        return (self.resharded and self.master is not None and self.param_swapper is None
+                and self.master.device == self.layout.device == self.shard.device)
+
     def derive_shard_from_master(self) -> None:
-        """Free the 16-bit shard of a resharded unit whose fp32 master is on the device its
-        gathers fill: after every step and every load the shard equals the master rounded, so a
-        gather casts the master's slice straight into the gather buffer instead (16-bit stage 3
-        keeps 2 bytes per shard element less, and the step copies nothing back)."""
-        if not (self.resharded and self.master is not None and self.param_swapper is None
-                and self.master.device == self.layout.device == self.shard.device):
+        """Free the 16-bit shard (see ``shard_derivable``): after every step and every load it
+        equals the master rounded, so a gather casts the master's slice straight into the gather
+        buffer instead (16-bit stage 3 keeps 2 bytes per shard element less, and the step copies
+        nothing back)."""
+        if not self.shard_derivable:
             raise ValueError("only a resharded unit with an fp32 master beside its shard, on "
                              "the device its gathers fill, can derive its shard from the master")
         self.shard = None

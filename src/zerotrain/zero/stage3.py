@@ -68,6 +68,11 @@ class _UseOrder:
     def upcoming(self):
         return self.order[self.pos:]
 
+    @property
+    def at_end(self) -> bool:
+        """The recorded pass has no use left."""
+        return not self.recording and self.pos >= len(self.order)
+
 
 class _GatheringParameters(dict):
     """A module's ``_parameters`` that gathers a partitioned parameter when read in a forward."""
@@ -270,7 +275,7 @@ class ParameterCoordinator:
         self.fetch(unit)
         if matched and prefetch and self.prefetch_numel:
             self._prefetch(order)
-        if matched and not order.upcoming() and not self._inflight and memory_release() == "eager":
+        if matched and order.at_end and not self._inflight and memory_release() == "eager":
             # The pass's last gather: pooled buffers would only sit through its peak (the output
             # layer's forward; the embedding's backward). GPT-2 110M: -12 MiB fp32, -5 MiB bf16.
             self._drop_pool()
