@@ -3,6 +3,7 @@
     python bench/gpt2_110m.py [--model 110m|17m] [--systems ddp,zt1,zt2,zt3,zt3_bf16,fsdp2]
                               [--steps 6] [--repeats 1] [--json out.json]
                               [--deepspeed-python /path/to/venv/bin/python]   # adds ds0..ds3
+                              [--device cuda --nproc 1]   # on GPUs, NCCL
 
 `--model 110m` (default): `transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12,
 vocab_size=32768, n_positions=256, dropouts 0)`, micro-batch 2 x seq 128 per rank;
@@ -21,6 +22,10 @@ Per rank: peak RSS (VmHWM of /proc/self/status — `ru_maxrss` would include the
 pre-exec peak), RSS after each step (VmRSS), median step time (steps 2..N), the losses (step 1
 compared with DDP's), and zerotrain's `engine.memory_breakdown()` live bytes, so the gap
 peak RSS - live bytes is reported. The machine is shared: compare ratios, not seconds.
+
+`--device cuda` runs every system on GPUs (one per rank, `--nproc` ranks, NCCL): the model and
+batches on the device, each phase timed after `torch.cuda.synchronize()`, and the peak of
+`torch.cuda.max_memory_allocated()` reported beside RSS.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-NPROC = 2
 MIB = 2**20
 SYSTEMS = {  # key: (label, mode, stage, dtype)
     "ddp": ("torch DDP", "ddp", 0, "fp32"),
@@ -87,13 +91,18 @@ def worker(args) -> None:
           "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
     if dtype == "bf16":
         ds["bf16"] = {"enabled": True}
+    cuda = args.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if mode in ("ddp", "fsdp2"):
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         model = transformers.GPT2LMHeadModel(cfg)
     elif mode == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed("gloo")
+        deepspeed.init_distributed(backend)
         if stage == 3:
             with deepspeed.zero.Init(config_dict_or_path=ds):
                 model = transformers.GPT2LMHeadModel(cfg)
@@ -119,11 +128,15 @@ def worker(args) -> None:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        engine = DistributedDataParallel(model)
+        if cuda:
+            model.cuda()
+        engine = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     elif mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        if cuda:
+            model.cuda()
         for block in model.transformer.h:
             fully_shard(block)
         engine = fully_shard(model)
@@ -139,6 +152,9 @@ def worker(args) -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=gen)
                for _ in range(args.steps)]
+    if cuda:
+        batches = [b.cuda() for b in batches]
+        sync()
     sampler = None
     if args.rss_sample_ms > 0:
         from rss_sampler import RssSampler
@@ -149,27 +165,41 @@ def worker(args) -> None:
     losses, step_s, cpu_s, rss, live, phase_s, faults, phase_faults = [], [], [], [], [], [], [], []
     gc_s = _GcTimer()
     gc_per_step = []
+    # BENCH_CPROFILE=FILE (as a system's setting, e.g. zt3:BENCH_CPROFILE=/tmp/p.txt): rank 0's
+    # host time by function over steps 2.., the 40 largest by own time, written to FILE.
+    profile_to = os.environ.get("BENCH_CPROFILE") if dist.get_rank() == 0 else None
+    profiler = None
     for i, ids in enumerate(batches, 1):
+        if profile_to and i == 2:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         dist.barrier()
         mark(f"{i} forward")
         t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         if mode in ("ddp", "fsdp2"):
             loss = engine(ids, labels=ids).loss
+            sync()
             mark(f"{i} backward")
             t1, f1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             loss.backward()
+            sync()
             mark(f"{i} optimizer step")
             t2, f2 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             opt.step()
             opt.zero_grad(set_to_none=False)
         else:
             loss = engine(ids, labels=ids).loss
+            sync()
             mark(f"{i} backward")
             t1, f1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             engine.backward(loss)
+            sync()
             mark(f"{i} optimizer step")
             t2, f2 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             engine.step()
+        sync()
         mark(f"{i} after step")
         step_s.append(time.perf_counter() - t0)
         cpu_s.append(time.process_time() - c0)
@@ -183,10 +213,19 @@ def worker(args) -> None:
         in_use_at[f"after step {i}"] = malloc_in_use_mib()
         if mode == "zerotrain":
             live.append(engine.memory_breakdown())
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        Path(profile_to).write_text(text.getvalue())
     record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "cpu_s": cpu_s, "faults": faults,
               "phase_faults": phase_faults, "gc_s": gc_per_step,
               "phase_s": phase_s, "rss_mib": rss,
-              "rss_at_mib": rss_at, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
+              "rss_at_mib": rss_at,
+              "peak_device_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
               "memory_breakdown": live[-1] if live else None,
               "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
               "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
@@ -309,10 +348,11 @@ def launch(key: str, args, out: Path) -> list[dict]:
     if mode in ("ddp", "fsdp2", "deepspeed"):
         python = args.deepspeed_python if mode == "deepspeed" else sys.executable
         cmd = [python, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(NPROC)]
+               "--nproc-per-node", str(args.nproc)]
     else:
-        cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(NPROC)]
+        cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(args.nproc)]
     cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
+            "--device", args.device,
             "--model", args.model, "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
             "--rss-sample-ms", str(args.rss_sample_ms), "--zero", args.zero, "--out", str(out)]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
@@ -346,6 +386,9 @@ def main(argv=None) -> None:
                          '\'{"stage3_prefetch_bucket_size": 13000000}\'')
     ap.add_argument("--rss-sample-ms", type=float, default=0.0,
                     help="sample RSS every N ms and report the peak per phase (module running)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one GPU per rank, NCCL (default: CPU, gloo)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks per system (default 2)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--mode", default="ddp")
     ap.add_argument("--stage", type=int, default=0)
@@ -368,8 +411,14 @@ def main(argv=None) -> None:
         for rep in range(args.repeats):
             order = keys if rep % 2 == 0 else keys[::-1]  # alternate the order across repeats
             for k in order:
-                out = Path(tmp) / f"{k}_{rep}.jsonl"
-                runs[k].append(launch(k, args, out))
+                out = Path(tmp) / f"{keys.index(k)}_{rep}.jsonl"  # keys may hold paths
+                try:
+                    runs[k].append(launch(k, args, out))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # report the others
+                    print(f"  {system(k)[0]} FAILED: {e}", file=sys.stderr, flush=True)
+    runs = {k: reps for k, reps in runs.items() if reps}
+    if not runs:
+        sys.exit("no system ran")
     report(runs, args)
 
 
@@ -389,11 +438,15 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
                    "peak_by_rank": [r["peak_rss_mib"] for r in recs],
                    "rss_steps_mib": rss_steps, "losses": recs[0]["losses"],
                    "live_mib": live, "rss_at_mib": recs[0]["rss_at_mib"],
-                   "memory_breakdown": recs[0]["memory_breakdown"], "params": recs[0]["params"]}
+                   "memory_breakdown": recs[0]["memory_breakdown"], "params": recs[0]["params"],
+                   "peak_device_mib": med([max(r.get("peak_device_mib") or 0 for r in recs)
+                                           for recs in reps])}
     base = rows.get("ddp")
     P = next(iter(rows.values()))["params"]
+    where = (f"{args.nproc} CUDA device(s), NCCL" if args.device == "cuda"
+             else f"{args.nproc} gloo ranks")
     print(f"\nHF GPT-2 {P / 1e6:.1f}M parameters, micro-batch {args.micro} x seq {args.seq} per "
-          f"rank, {NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
+          f"rank, {where}, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
           f"{args.steps} steps, {args.repeats} launch(es) per system; peak = VmHWM, max over "
           "ranks; step = median of steps 2.., slower rank\n")
     print("| system | peak RSS MiB | / DDP | step s | / DDP | CPU s per step | / DDP | "
@@ -410,6 +463,13 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
         print(f"| {r['label']} | {r['peak_rss_mib']:.0f} | {rr} | {r['step_s']:.2f} | {sr} | "
               f"{r['cpu_s']:.2f} | {cr} | "
               f"{live} | {gap} | {steps} | {r['losses'][0]:.5f} | {r['losses'][-1]:.5f} |")
+    if args.device == "cuda":
+        print("\n| system | peak device MiB (max_memory_allocated, max rank) | / DDP | step ms | / DDP |")
+        print("|---|---|---|---|---|")
+        for k, r in rows.items():
+            dr = f"{r['peak_device_mib'] / base['peak_device_mib']:.2f}" if base else "-"
+            sr = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+            print(f"| {r['label']} | {r['peak_device_mib']:.0f} | {dr} | {r['step_s'] * 1e3:.1f} | {sr} |")
     if base:
         print("\nstep-1 loss difference vs DDP: " + ", ".join(
             f"{k} {abs(r['losses'][0] - base['losses'][0]):.2e}" for k, r in rows.items()

@@ -43,7 +43,7 @@ def batch_for(step: int, micro_index: int, engine) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, TINY["vocab_size"], (micro * gas * world, SEQ), generator=g)
     lo = (micro_index * world + rank) * micro
-    return data[lo:lo + micro]
+    return data[lo:lo + micro].to(engine.device)
 
 
 def train(engine, steps: int) -> list[float]:
@@ -54,7 +54,7 @@ def train(engine, steps: int) -> list[float]:
     losses = []
     for _ in range(steps):
         step = engine.global_steps
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for m in range(engine.gradient_accumulation_steps()):
             batch = batch_for(step, m, engine)
             loss = engine(batch, labels=batch).loss

@@ -69,10 +69,10 @@ def train_steps(engine, steps: int) -> list[float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    data = global_batches(steps, micro * gas * world)
+    data = global_batches(steps, micro * gas * world).to(engine.device)
     losses = []
     for step in range(steps):
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=engine.device)
         for m in range(gas):
             lo = (m * world + rank) * micro
             batch = data[step, lo:lo + micro]

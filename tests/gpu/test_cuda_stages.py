@@ -2,10 +2,11 @@
 
 CI has no GPU: these skip there and run where one is at hand (``pytest -m gpu``). One process
 on one device with NCCL (world size 1: every collective still runs, through NCCL), and, with two
-or more devices, two ranks. The checks are the combination suite's (tests/engine/
-test_combinations.py): fp32 final weights equal the reference's (1e-4 relative: the reference
-runs on the CPU), 16-bit updates of the reference's size and direction; and the training state
-really lives on the device."""
+or more devices, two ranks. Every stage x fp32/bf16/fp16 x accumulation 1/3 x SGD (clipping
+1.0)/AdamW; the checks are the combination suite's (tests/engine/test_combinations.py): fp32
+final weights equal the reference's (1e-4 relative: the reference runs on the CPU), 16-bit
+updates of the reference's size and direction, no overflow-skipped steps; and the training
+state really lives on the device."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import itertools
 import pytest
 import torch
 
-from tests.engine.test_combinations import MICRO, STEPS, _check, _config
-from tests.engine.workloads import global_batches, make_model
+from tests.engine.test_combinations import (ACCUMULATION, MICRO, OPTIMIZERS, PRECISIONS, STEPS,
+                                            _check, _config)
+from tests.engine.workloads import global_batches, make_model, train_steps
 from zerotrain.testing import run_on_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-COMBOS = list(itertools.product((0, 1, 2, 3), ("fp32", "bf16"), ("sgd", "adamw")))
+COMBOS = list(itertools.product((0, 1, 2, 3), PRECISIONS, ACCUMULATION, OPTIMIZERS))
 
 
 def _train_on_device(combos) -> dict:
@@ -32,22 +34,18 @@ def _train_on_device(combos) -> dict:
 
     zerotrain.init_distributed()
     device = torch.device(get_accelerator().current_device_name())
-    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for stage, precision, optimizer in combos:
+    for stage, precision, gas, optimizer in combos:
         model = make_model()
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(stage, precision, 1, optimizer))
-        data = global_batches(STEPS, MICRO * world).to(device)
-        for step in range(STEPS):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
-            engine.backward(engine(batch, labels=batch).loss)
-            engine.step()
+                                          config=_config(stage, precision, gas, optimizer))
+        assert engine.device.type == device.type
+        train_steps(engine, STEPS)
         devices = {p.device.type for p in engine.module.parameters()}
         devices |= {t.device.type for s in engine.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0}
         state = engine.module_state_dict()
-        out[(stage, precision, optimizer)] = {
+        out[(stage, precision, gas, optimizer)] = {
             "params": {n: v.float().cpu() for n, v in state.items()},
             "devices": devices, "skipped": engine.skipped_steps, "dist_backend": dist.get_backend()}
         engine.destroy()
@@ -57,7 +55,7 @@ def _train_on_device(combos) -> dict:
 def _assert_matches(results: dict, world: int) -> None:
     failures = []
     for stage in (0, 1, 2, 3):
-        per_stage = {(p, 1, o): r for (s, p, o), r in results.items() if s == stage}
+        per_stage = {(p, g, o): r for (s, p, g, o), r in results.items() if s == stage}
         failures += _check(per_stage, stage, world=world, fp32_rtol=1e-4)
     for combo, r in results.items():
         if r["devices"] != {"cuda"}:

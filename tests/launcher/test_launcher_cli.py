@@ -129,3 +129,25 @@ def test_bind_core_list_implies_binding_and_reaches_the_rank_command(script):
     assert opts.bind_cores_to_rank and opts.bind_core_list == "0-1"
     _, command = worker_command(opts, [0, 1])
     assert "--bind_cores=0-1" in command[:command.index("--")]
+
+
+def test_launch_config_without_a_shutdown_timeout_field(monkeypatch):
+    """torch 2.11's LaunchConfig has no ``shutdown_timeout``: the launch goes on without it (the
+    agent's own 30 s), unless a non-default timeout was asked for, which is refused by name."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from zerotrain.launcher import launch
+    from zerotrain.launcher.errors import LaunchError
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(LaunchConfig) if f.name != "shutdown_timeout"]
+    older = dataclasses.make_dataclass("LaunchConfig", fields)
+    opts = launch.LaunchOptions(script="train.py", nproc=2)
+    assert launch.build_launch_config(opts, 2, 29501, logs_specs=None).shutdown_timeout == opts.shutdown_timeout
+    monkeypatch.setattr(launch, "LaunchConfig", older)
+    config = launch.build_launch_config(opts, 2, 29501, logs_specs=None)
+    assert isinstance(config, older) and config.nproc_per_node == 2
+    opts.shutdown_timeout = 60
+    with pytest.raises(LaunchError, match="shutdown_timeout.*upgrade torch"):
+        launch.build_launch_config(opts, 2, 29501, logs_specs=None)

@@ -243,7 +243,8 @@ def _set_state(optimizer, key, reader, pieces, numel, scalars0, shape=None) -> N
                 flat = torch.zeros(numel, dtype=values.dtype, device=key.device)
             flat.narrow(0, at, n).copy_(values)
         state[what.removeprefix("state/")] = flat if shape is None else flat.view(shape)
-    state.update(_copy_scalars(scalars0.get(_scalar_key(reader, sources[0][0]), {})))
+    scalars = _copy_scalars(scalars0.get(_scalar_key(reader, sources[0][0]), {}))
+    state.update(_place_scalars(optimizer, key, scalars))
     optimizer.state[key] = state
 
 
@@ -258,3 +259,20 @@ def _scalar_key(reader, name) -> str:
 
 def _copy_scalars(scalars: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+
+
+def _place_scalars(optimizer, key: torch.Tensor, scalars: dict) -> dict:
+    """Scalar state tensors (loaded on the host) where ``torch.optim.Optimizer.load_state_dict``
+    would put them: ``step`` on the stepped tensor's device in fp32 when its group is fused or
+    capturable (torch's fused/capturable kernels read it there), else left on the host; any other
+    tensor on the stepped tensor's device."""
+    group = next((g for g in optimizer.param_groups if any(p is key for p in g["params"])), {})
+    out = {}
+    for k, v in scalars.items():
+        if torch.is_tensor(v):
+            if k != "step":
+                v = v.to(device=key.device)
+            elif group.get("fused") or group.get("capturable"):
+                v = v.to(dtype=torch.float32, device=key.device)
+        out[k] = v
+    return out

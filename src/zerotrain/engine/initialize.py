@@ -68,6 +68,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
 
     device = get_accelerator().device(get_local_rank())
+    # Also when the caller created the process group itself (init_distributed then returns at
+    # once): object collectives and bare ``.cuda()`` calls use the current device (DeepSpeed's
+    # engine sets it too).
+    get_accelerator().set_device(get_local_rank())
     model.to(device)
     _broadcast_from_rank0(model, group)
 

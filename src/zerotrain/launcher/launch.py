@@ -217,6 +217,7 @@ def build_launch_config(
     """
     restartable = opts.max_restarts > 0
     return LaunchConfig(
+        **_shutdown_timeout_argument(opts),
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
         nproc_per_node=nproc,
@@ -231,8 +232,19 @@ def build_launch_config(
         local_addr=opts.master_addr if restartable and opts.node_rank == 0 else None,
         max_restarts=opts.max_restarts,
         log_line_prefix_template="[rank${rank}]: ",
-        shutdown_timeout=opts.shutdown_timeout,
     )
+
+
+def _shutdown_timeout_argument(opts: LaunchOptions) -> dict:
+    """``shutdown_timeout`` for LaunchConfig, which has the field only in newer torch releases
+    (torch 2.11 has not; its agent then gives the other ranks a fixed 30 s)."""
+    if any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig)):
+        return {"shutdown_timeout": opts.shutdown_timeout}
+    if opts.shutdown_timeout != DEFAULT_SHUTDOWN_TIMEOUT:
+        raise LaunchError("shutdown_timeout", f"torch {torch.__version__}'s elastic launcher has "
+                          "no shutdown timeout to set (it waits 30 s); drop the option or upgrade "
+                          "torch")
+    return {}
 
 
 @contextmanager

@@ -212,8 +212,8 @@ class ShardSwapper:
         """fp32 L2 norm of ``unit``'s tensor, without reading it back when evicted."""
         if unit in self.resident:
             return torch._foreach_norm([self.tensor_of(unit).detach()], 2, dtype=torch.float32)[0]
-        if unit not in self._generation:
-            return torch.zeros(())
+        if unit not in self._generation:  # never written: zeros (on the tensor's device)
+            return torch.zeros((), device=self.tensor_of(unit).device)
         return self.norms[unit]
 
     def discard_all(self) -> None:

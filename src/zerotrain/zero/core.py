@@ -197,11 +197,16 @@ class ZeroStage:
             self.offload.swapper.grad_swapper = self.grad_swapper
         registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters)
         if checking_enabled():
-            device = self.units[0].device if self.units else None
-            agreement = CollectiveAgreement(group, self._describe_unit, device)
+            agreement = CollectiveAgreement(group, self._describe_unit, self._compute_device)
             self.reduction.agreement = agreement
             if self.coordinator is not None:
                 self.coordinator.agreement = agreement
+
+    @property
+    def _compute_device(self) -> torch.device:
+        """Where the model computes (the collectives' device): the units' full buffers', not
+        their shards' (in host memory under offload_param)."""
+        return self.units[0].layout.device if self.units else get_accelerator().device()
 
     def _wait_reduction(self, unit: FlatParamUnit) -> None:
         """Wait until ``unit``'s launched gradient reduction has landed in its shard gradient."""
@@ -276,10 +281,11 @@ class ZeroStage:
             self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
         if not norms:
-            device = self.units[0].device if self.units else None
-            norms = [torch.zeros((), device=device)]
+            norms = [torch.zeros((), device=self._compute_device)]
         squares = torch.stack(norms).square().sum()
         if self.strategy.shards_optimizer and self.world_size > 1:
+            # Shard gradients may live in host memory (offload_param): NCCL reduces device tensors.
+            squares = squares.to(self._compute_device)
             collectives.all_reduce(squares, group=self.group)
         return squares.sqrt()
 

@@ -236,7 +236,9 @@ class FlatParamUnit:
     def release(self) -> torch.Tensor | None:
         """Drop the full buffer; module parameters become empty placeholders. Returns the
         buffer (for a pool to reuse once nothing else, e.g. autograd, still refers to it)."""
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Placeholders on the device the module computes on (not the shard's: host memory under
+        # offload_param), so ``next(model.parameters()).device`` still names it.
+        empty = torch.empty(0, dtype=self.dtype, device=self.layout.device)
         for p in self.params:
             p.data = empty
         flat, self.flat = self.flat, None
@@ -269,6 +271,8 @@ class FlatParamUnit:
 def _adopt_changed(master: torch.Tensor, weights: torch.Tensor) -> None:
     """Copy into the fp32 ``master`` the 16-bit ``weights`` that differ from its rounding: edited
     values are taken, untouched ones keep their fp32 precision."""
+    if weights.device != master.device:  # offloaded master (host) of device weights
+        weights = weights.to(master.device)
     if weights.dtype == master.dtype:
         master.copy_(weights)
         return

@@ -142,7 +142,10 @@ class ReduceScatterGradients(_Reduction):
         self._reduced = reduced  # called once a unit's gradients are copied out (stage 3 frees it)
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=False)
+        # Shard gradients live beside the shards (host memory under offload_param); the staging
+        # slots, which the collectives send and receive, where the gradients are computed.
         device = units[0].device if units else None
+        compute_device = units[0].layout.device if units else None
         self._grad_dtype, self._device = precision.grad_accum_dtype, device
         self._shard_numels = [u.layout.shard_numel for u in units]
         self.shard_grads = [torch.zeros(n, dtype=self._grad_dtype, device=device)
@@ -158,7 +161,7 @@ class ReduceScatterGradients(_Reduction):
         self._scratch_rows = collectives.reduce_scatter_scratch_rows(group) if world_size > 1 else 0
         self.staging = StagingPool(4 if overlap else 1,
                                    min(largest, max(slot_numel, world_size + self._scratch_rows)),
-                                   precision.comm_dtype, device)
+                                   precision.comm_dtype, compute_device)
 
     def _launch(self, bucket: GradientBucket):
         """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
@@ -212,6 +215,8 @@ class ReduceScatterGradients(_Reduction):
 
     def _land(self, index: int, start: int, reduced: torch.Tensor, fresh: bool) -> None:
         target = self.shard_grads[index].narrow(0, start, reduced.numel())
+        if reduced.device != target.device:  # offload_param: reduced on the device, kept on the host
+            reduced = reduced.to(target.device)
         target.copy_(reduced) if fresh else target.add_(reduced)
 
     def zero(self) -> None:
