@@ -89,6 +89,9 @@ def worker(args) -> None:
           "optimizer": {"type": "AdamW",
                         "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
           "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
+    leaf_classes = os.environ.get("BENCH_LEAF_CLASSES")  # zt3:BENCH_LEAF_CLASSES= : per-module units
+    if leaf_classes is not None and mode == "zerotrain":
+        ds["zero_optimization"]["leaf_module"] = {"classes": [c for c in leaf_classes.split(",") if c]}
     if dtype == "bf16":
         ds["bf16"] = {"enabled": True}
     cuda = args.device == "cuda"

@@ -32,6 +32,7 @@ comm.log_summary runtime.lr_schedules.WarmupLR runtime.lr_schedules.WarmupDecayL
 runtime.lr_schedules.WarmupCosineLR runtime.lr_schedules.OneCycle runtime.lr_schedules.LRRangeTest
 runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live
 runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live
+utils.set_z3_leaf_modules utils.unset_z3_leaf_modules utils.get_z3_leaf_modules utils.z3_leaf_module
 """.split()}
 
 EXERCISED: set[str] = set()
@@ -318,3 +319,18 @@ def test_memory_estimators_print_deepspeeds_table(capsys):
     estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
     printed = capsys.readouterr().out
     assert printed.count("Estimated memory needed for params, optim states and gradients") == 2
+
+
+@exercises("utils.set_z3_leaf_modules", "utils.unset_z3_leaf_modules", "utils.get_z3_leaf_modules",
+           "utils.z3_leaf_module")
+def test_leaf_module_flags():
+    """DeepSpeed's MoE recipe: ``deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`` before
+    initialize (tests/zero/test_leaf_modules.py trains with the flags)."""
+    from zerotrain.models.gpt import Block
+    from zerotrain.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+
+    model = make_model()
+    assert set_z3_leaf_modules(model, [Block]) == list(model.blocks)
+    assert get_z3_leaf_modules(model) == list(model.blocks) and z3_leaf_module(model.blocks[0])
+    unset_z3_leaf_modules(model, ["Block"])
+    assert not any(z3_leaf_module(m) for m in model.modules())

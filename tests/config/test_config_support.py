@@ -41,8 +41,10 @@ SUPPORTED = [
     # Performance hints of DeepSpeed's implementation: accepted (docs/config.md says why).
     {"zero_optimization": {"stage": 3, "contiguous_gradients": False, "round_robin_gradients": True,
                            "sub_group_size": 1000, "stage3_max_reuse_distance": 0,
-                           "stage3_module_granularity_threshold": 100, "allgather_partitions": False,
-                           "memory_efficient_linear": False}},
+                           "allgather_partitions": False, "memory_efficient_linear": False}},
+    # stage-3 leaf modules (tests/zero/test_leaf_modules.py)
+    {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100,
+                           "leaf_module": {"classes": "my.Block", "names": ["h.0"], "name_suffixes": "moe"}}},
     {"strict": True},
     # zerotrain.checkpointing reads the section (tests/checkpointing)
     {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 4,
@@ -89,7 +91,6 @@ UNSUPPORTED = [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update"),
     ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
-    ({"zero_optimization": {"stage": 3, "leaf_module": {"names": "moe"}}}, "zero_optimization.leaf_module.names"),
     ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 10}},
      "zero_optimization.model_persistence_threshold=10"),
     ({"zero_optimization": {"stage": 3, "override_module_apply": False}}, "zero_optimization.override_module_apply"),

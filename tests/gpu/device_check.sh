@@ -29,12 +29,12 @@ export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, \
 'pydantic', pydantic.VERSION, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 200 python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider --timeout 300 \
+timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider --timeout 300 \
   -o addopts="-ra" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -20
 grep -E "^E  " "$OUT/gpu_tests.log" | head -40
-timeout 360 python3 bench/gpt2_110m.py --device cuda --nproc 1 --model 110m --systems "$SYSTEMS" \
+timeout ${BENCH_TIMEOUT:-360} python3 bench/gpt2_110m.py --device cuda --nproc 1 --model 110m --systems "$SYSTEMS" \
   --steps "$STEPS" "${DS[@]}" --json "$OUT/bench_110m.json" > "$OUT/bench_110m.log" 2>&1
 echo "bench exit $?"
 grep -v "^  File\|^    " "$OUT/bench_110m.log" | tail -40

@@ -118,10 +118,6 @@ PENDING: tuple[Pending, ...] = (
     Pending(f"{_Z}.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow offload"),
     Pending(f"{_Z}.pipeline_loading_checkpoint", lambda c: c.zero_optimization.pipeline_loading_checkpoint,
             "pipeline parallelism"),
-    *(Pending(f"{_Z}.leaf_module.{name}",
-              lambda c, name=name: _stage3(c) and bool(getattr(c.zero_optimization.leaf_module, name)),
-              "stage-3 leaf modules (gathering a module's whole subtree at once)")
-      for name in ("classes", "names", "name_suffixes")),
     Pending(f"{_Z}.model_persistence_threshold",
             lambda c: _stage3(c) and c.zero_optimization.model_persistence_threshold != sys.maxsize,
             "a cap on the total size of persistent stage-3 parameters (lower "

@@ -1,4 +1,5 @@
-"""``deepspeed.utils`` names scripts import: ``logger``, ``log_dist``, ``RepeatingLoader``."""
+"""``deepspeed.utils`` names scripts import: ``logger``, ``log_dist``, ``RepeatingLoader``, and the
+stage-3 leaf-module functions (``set_z3_leaf_modules`` and friends, zerotrain.zero.leaves)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 from zerotrain.log import logger
 from zerotrain.runtime.dataloader import RepeatingLoader
 
-__all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer"]
+_LEAF_FUNCTIONS = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+                   "z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
+__all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer", *_LEAF_FUNCTIONS]
 
 
 def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
@@ -30,4 +33,8 @@ def __getattr__(name: str):
         from zerotrain.utils.timer import ThroughputTimer
 
         return ThroughputTimer
+    if name in _LEAF_FUNCTIONS:
+        from zerotrain.zero import leaves
+
+        return getattr(leaves, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ from zerotrain.memory_release import configure_allocator, release_freed_memory, 
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gathered import GatheredParameters
 from zerotrain.zero.init import Init, is_partitioned, materialize
+from zerotrain.zero.leaves import leaf_modules
 from zerotrain.zero.core import StageOptions, ZeroStage
 from zerotrain.zero.strategy import STRATEGIES
 from zerotrain.zero.stage0 import ReplicatedGradients
@@ -57,7 +58,9 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
                            use_reduce_scatter=zero.reduce_scatter,
                            ignore_unused_parameters=zero.ignore_unused_parameters,
                            param_persistence_threshold=int(zero.param_persistence_threshold),
-                           prefetch_numel=prefetch, max_live_numel=int(zero.max_live_parameters))
+                           prefetch_numel=prefetch, max_live_numel=int(zero.max_live_parameters),
+                           leaf_modules=(tuple(leaf_modules(module, zero))
+                                         if strategy.partitions_parameters else ()))
     if optimizer is not None:  # which optimizers may step flat shards (config's rule)
         check_zero_optimizer(config, optimizer)
     from zerotrain.offload import build_placement  # offload settings -> where state lives

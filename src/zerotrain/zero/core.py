@@ -27,6 +27,7 @@ from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.init import is_partitioned, materialize
+from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
 from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_alignment
@@ -85,6 +86,7 @@ class StageOptions:
     param_persistence_threshold: int = 0
     prefetch_numel: int = 0
     max_live_numel: int | None = None
+    leaf_modules: tuple = ()  # stage 3: modules whose subtree is one unit (zero/leaves.py)
 
 
 class ZeroStage:
@@ -110,7 +112,9 @@ class ZeroStage:
         # Trainable parameters no optimizer group holds: kept whole, their gradients averaged
         # like DDP's (so they neither grow every step nor differ between ranks).
         outside = outside_optimizer(param_groups, module) if optimizer is not None else []
-        plan = strategy.plan(param_groups, module, options.unit_numel, optimizer is not None)
+        leaves = leaf_of(module, options.leaf_modules) if strategy.partitions_parameters else {}
+        plan = strategy.plan(param_groups, module, options.unit_numel, optimizer is not None,
+                             leaf_of=leaves)
         name_of = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name_of.setdefault(id(p), name)
@@ -182,7 +186,8 @@ class ZeroStage:
         if strategy.partitions_parameters:
             self.coordinator = ParameterCoordinator(
                 module, [u for u in self.units if u.resharded], group,
-                prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel)
+                prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
+                leaf_of=leaves)
             if self.param_offload is not None:  # reads go ahead along the recorded order
                 self.coordinator.param_swapper = self.param_offload.swapper
                 if self.offload is not None:

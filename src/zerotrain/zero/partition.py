@@ -332,13 +332,16 @@ def outside_optimizer(param_groups: Sequence[dict], module: nn.Module) -> list[n
 
 
 def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: bool = True,
-                      all_frozen: bool = False) -> list[tuple[int | None, list[nn.Parameter]]]:
+                      all_frozen: bool = False, leaf_of: dict | None = None
+                      ) -> list[tuple[int | None, list[nn.Parameter]]]:
     """Stage 3's units: each module's own parameters (per param group), so a unit is gathered
-    exactly when its module runs. Modules are walked in reverse registration order, which
-    approximates the order backward completes them; a parameter shared by several modules (tied
-    weights) belongs to the first module that registers it. With ``frozen``, parameters that do
-    not require gradients (every parameter, with ``all_frozen``: an engine without optimizer)
-    form units of group None, partitioned too; nothing steps them."""
+    exactly when its module runs; a leaf module's (``leaf_of``: module -> its outermost leaf,
+    zero/leaves.py) whole subtree instead. Modules are walked in reverse registration order,
+    which approximates the order backward completes them; a parameter shared by several modules
+    (tied weights) belongs to the first module that registers it (or that module's leaf). With
+    ``frozen``, parameters that do not require gradients (every parameter, with ``all_frozen``:
+    an engine without optimizer) form units of group None, partitioned too; nothing steps them."""
+    leaf_of = leaf_of or {}
     group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
     for p in module.parameters():
         if all_frozen or not p.requires_grad:  # frozen even if an optimizer group lists it
@@ -350,11 +353,14 @@ def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: b
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None:
-                first_owner.setdefault(id(p), m)
+                first_owner.setdefault(id(p), leaf_of.get(m, m))
     units = []
     for m in reversed(list(module.modules())):
+        if leaf_of.get(m, m) is not m:
+            continue  # inside a leaf: part of the leaf's unit
+        params = m.parameters() if m in leaf_of else m._parameters.values()
         by_group: dict[int | None, list[nn.Parameter]] = {}
-        for p in m._parameters.values():
+        for p in params:
             if p is None or first_owner[id(p)] is not m or id(p) not in group_of:
                 continue
             by_group.setdefault(group_of[id(p)], []).append(p)

@@ -92,7 +92,8 @@ class ParameterCoordinator:
     """Fetches and releases the partitioned units of ``module``'s parameters around their use."""
 
     def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
-                 prefetch_numel: int = 0, max_live_numel: int | None = None):
+                 prefetch_numel: int = 0, max_live_numel: int | None = None,
+                 leaf_of: dict | None = None):
         self.units = list(units)
         self.group = group
         self.prefetch_numel = prefetch_numel
@@ -139,11 +140,18 @@ class ParameterCoordinator:
         self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
         self._handles = []
         self._module_units: dict[nn.Module, list[FlatParamUnit]] = {}
+        self._wrapped: list[nn.Module] = []  # modules whose _parameters gather on access
+        leaf_of = leaf_of or {}
         for m in module.modules():
-            own = _unique(self._unit_of.get(id(p)) for p in m._parameters.values() if p is not None)
+            if any(id(p) in self._unit_of for p in m._parameters.values() if p is not None):
+                m._parameters = _GatheringParameters(self, m._parameters)
+                self._wrapped.append(m)
+            if leaf_of.get(m, m) is not m:
+                continue  # inside a leaf: the leaf's hooks gather and release its whole subtree
+            params = m.parameters() if m in leaf_of else m._parameters.values()
+            own = _unique(self._unit_of.get(id(p)) for p in params if p is not None)
             if own:
                 self._module_units[m] = own
-                m._parameters = _GatheringParameters(self, m._parameters)
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._root = module
@@ -286,6 +294,8 @@ class ParameterCoordinator:
         if unit is None or not self._stack:
             return  # outside a forward: use zerotrain.zero.GatheredParameters
         used = self._stack[-1][1]
+        if unit in used and unit.gathered and unit not in self._hollow and unit not in self._inflight:
+            return  # read again inside the module that gathered it (each weight access lands here)
         if unit not in used:
             used.add(unit)
             self._note_call(unit)
@@ -316,9 +326,8 @@ class ParameterCoordinator:
                 # Gathered in a fixed order: a set iterates in id order, which differs between
                 # ranks, and the gathers are collectives every rank must issue alike.
                 ordered = tuple(sorted(used, key=self._position.__getitem__))
-                register_multi_grad_hook(
-                    tensors, lambda grads, units=ordered, m=module: self._pre_backward(units, m),
-                    mode="any")
+                _before_backward_of(
+                    tensors, lambda units=ordered, m=module: self._pre_backward(units, m))
                 frozen = tuple(u for u in ordered if not u.trained)
                 inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
                 tied = tuple(u for u in ordered if u.trained and self._users.get(u))
@@ -415,12 +424,35 @@ class ParameterCoordinator:
                     p.data = view.clone()
             unit.flat = None
             self.live_numel -= unit.layout.padded_numel
-        for m in self._module_units:
+        for m in self._wrapped:
             if isinstance(m._parameters, _GatheringParameters):
                 m._parameters = dict(m._parameters)
         for u in self.units:
             u.coordinator = None
         self._pool, self.pool_numel, self._own_storage = {}, 0, {}
+
+
+def _before_backward_of(tensors, hook) -> None:
+    """Call ``hook()`` once per backward pass, when autograd is about to run the first of the
+    nodes that made ``tensors`` (a module's outputs): the module's backward starts there.
+
+    A node pre-hook, not a tensor hook: autograd runs a node's tensor hooks first, and those
+    include the release hooks of the module that consumed these outputs (registered on its
+    inputs), so that module's frozen units are released before this one's are gathered (with a
+    leaf block of a LoRA model, the other order held two blocks whole)."""
+    fired = {"task": None}
+
+    def once(*_):
+        task = torch._C._current_graph_task_id()
+        if fired["task"] != task:
+            fired["task"] = task
+            hook()
+
+    for node in _unique(t.grad_fn for t in tensors):
+        node.register_prehook(once)
+    leaves = [t for t in tensors if t.grad_fn is None]  # outputs that are leaf tensors
+    if leaves:
+        register_multi_grad_hook(leaves, once, mode="any")
 
 
 def _needs_no_weights(module: nn.Module) -> bool:

@@ -29,7 +29,8 @@ class ShardingStrategy:
         """Elements per flat unit, from the gradient bucket size."""
         return bucket_numel
 
-    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool):
+    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool,
+             leaf_of: dict | None = None):
         """``[(optimizer group index or None for frozen, [parameters])]`` in reduction order."""
         return plan_units(param_groups, unit_numel, list(module.parameters())[::-1])
 
@@ -80,8 +81,10 @@ class Stage3(Stage2):
     stage = 3
     partitions_parameters = True
 
-    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool):
-        return plan_module_units(param_groups, module, all_frozen=not has_optimizer)
+    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool,
+             leaf_of: dict | None = None):
+        return plan_module_units(param_groups, module, all_frozen=not has_optimizer,
+                                 leaf_of=leaf_of)
 
     def trim_numel(self, unit_numel: int, units) -> int:
         # Units are single modules: a trim after each one's reduction was ~40 malloc_trim calls
