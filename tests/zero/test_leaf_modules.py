@@ -148,3 +148,38 @@ def test_destroy_restores_the_modules_and_keeps_only_the_users_flags(runs):
             assert r["plain_parameters"], name
             # the config's leaves are the engine's choice: no flag left on the model
             assert r["flags_left"] == (2 if name.endswith("_flag") else 0), name
+
+
+# -- the default: a Hugging Face model's _no_split_modules ---------------------------------
+def _hf_runs() -> dict:
+    import transformers
+
+    import zerotrain
+
+    zerotrain.init_distributed()
+    out = {}
+    for name, zero_extra in (("default", {}), ("per_module", {"leaf_module": {}})):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        cfg = _config(3, "fp32", 1, "sgd")
+        cfg["zero_optimization"].update(zero_extra)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = train_steps(engine, 4)
+        out[name] = {"losses": losses, "units": len(engine._zero.units),
+                     "hooked": {type(m).__name__ for m in engine._zero.coordinator._module_units},
+                     "params": {n: v.clone() for n, v in engine.module_state_dict().items()}}
+        engine.destroy()
+    return out
+
+
+def test_hugging_face_blocks_are_leaves_unless_the_config_says_otherwise():
+    out = run_on_ranks(_hf_runs, world_size=2, timeout=300)[0]
+    default, per_module = out["default"], out["per_module"]
+    assert "GPT2Block" in default["hooked"] and "GPT2Block" not in per_module["hooked"]
+    # per block: ln_1, c_attn, c_proj (attn), ln_2, c_fc, c_proj (mlp) -> 1; wte (tied), wpe, ln_f
+    assert (default["units"], per_module["units"]) == (2 + 3, 2 * 6 + 3)
+    assert default["losses"] == pytest.approx(per_module["losses"], rel=1e-6)
+    for name, value in per_module["params"].items():
+        torch.testing.assert_close(default["params"][name], value, rtol=1e-5, atol=1e-7)
