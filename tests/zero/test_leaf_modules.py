@@ -150,19 +150,47 @@ def test_destroy_restores_the_modules_and_keeps_only_the_users_flags(runs):
             assert r["flags_left"] == (2 if name.endswith("_flag") else 0), name
 
 
-# -- the default: a Hugging Face model's _no_split_modules ---------------------------------
-def _hf_runs() -> dict:
+# -- the default: a Hugging Face model's _no_split_modules on an accelerator ----------------
+def _tiny_gpt2():
     import transformers
 
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def test_default_leaves_are_the_no_split_blocks_on_an_accelerator_only(monkeypatch):
+    from zerotrain.accelerator import CPUAccelerator
+    from zerotrain.config import load_config
+
+    def zero(**extra):
+        return load_config({"train_micro_batch_size_per_gpu": 1,
+                            "zero_optimization": {"stage": 3, **extra}}, world_size=1).zero_optimization
+
+    model = _tiny_gpt2()
+    blocks = list(model.transformer.h)
+    assert leaves.leaf_modules(model, zero()) == []  # the CPU: per-module units
+
+    class Device(CPUAccelerator):
+        name = "cuda"
+
+    monkeypatch.setattr(leaves, "get_accelerator", lambda: Device())
+    assert leaves.leaf_modules(model, zero()) == blocks
+    assert leaves.leaf_modules(model, zero(leaf_module={})) == []  # an explicit section wins
+    assert leaves.leaf_modules(model, zero(leaf_module={"names": ["transformer.h.1"]})) == blocks[1:]
+    assert "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock" in \
+        leaves.default_leaf_classes(model, on_accelerator=False)  # DeepSpeed's default, everywhere
+
+
+def _hf_runs() -> dict:
     import zerotrain
 
     zerotrain.init_distributed()
     out = {}
-    for name, zero_extra in (("default", {}), ("per_module", {"leaf_module": {}})):
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
-            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    for name, zero_extra in (("blocks", {"leaf_module": {"classes": "GPT2Block"}}),
+                             ("per_module", {})):
+        model = _tiny_gpt2()
         cfg = _config(3, "fp32", 1, "sgd")
         cfg["zero_optimization"].update(zero_extra)
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -174,9 +202,9 @@ def _hf_runs() -> dict:
     return out
 
 
-def test_hugging_face_blocks_are_leaves_unless_the_config_says_otherwise():
+def test_hugging_face_blocks_as_leaves_train_like_per_module_units():
     out = run_on_ranks(_hf_runs, world_size=2, timeout=300)[0]
-    default, per_module = out["default"], out["per_module"]
+    default, per_module = out["blocks"], out["per_module"]
     assert "GPT2Block" in default["hooked"] and "GPT2Block" not in per_module["hooked"]
     # per block: ln_1, c_attn, c_proj (attn), ln_2, c_fc, c_proj (mlp) -> 1; wte (tied), wpe, ln_f
     assert (default["units"], per_module["units"]) == (2 + 3, 2 * 6 + 3)

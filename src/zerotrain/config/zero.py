@@ -100,9 +100,9 @@ class AioConfig(Section):
 class LeafModuleConfig(Section):
     """`zero_optimization.leaf_module` (stage 3): modules whose whole subtree is gathered at once.
 
-    Each entry may be a string or a list of strings, as in DeepSpeed. DeepSpeed's default lists
-    three Hugging Face MoE block classes; zerotrain's is empty (leaf modules are not implemented,
-    so check_supported rejects a non-empty one at stage 3)."""
+    Each entry may be a string or a list of strings, as in DeepSpeed. Without the section,
+    zerotrain.zero.leaves picks the default (DeepSpeed's three Hugging Face MoE block classes,
+    and on a GPU the model's ``_no_split_modules``); a given section replaces it."""
 
     classes: list[str] = Field(default_factory=list)
     names: list[str] = Field(default_factory=list)

@@ -11,9 +11,12 @@ Any of these makes a leaf:
 - ``set_z3_leaf_modules(model, [BlockClass or "BlockClass"])`` (DeepSpeed's
   ``deepspeed.utils.set_z3_leaf_modules``), which flags module instances;
 - the config's ``zero_optimization.leaf_module`` (``classes``, ``names``, ``name_suffixes``);
-  without that section, zerotrain's default: the classes a Hugging Face model lists in
-  ``_no_split_modules`` (its transformer block: what FSDP users wrap) and DeepSpeed's default
-  MoE block classes. An explicit section, even an empty one, replaces the default;
+  without that section, DeepSpeed's default MoE block classes and, when training on an
+  accelerator, the classes a Hugging Face model lists in ``_no_split_modules`` (its transformer
+  block: what FSDP users wrap). On a GPU the per-module host work set stage 3's step time (110M
+  GPT-2 on an H200: 60 -> 37 ms a step with block leaves); on the CPU the arithmetic does, leaves
+  changed the step time within noise and added 20-100 MiB of peak RSS, so the CPU keeps
+  per-module units. An explicit section, even an empty one, replaces the default;
 - ``stage3_module_granularity_threshold``: outermost modules whose parameters per module of the
   subtree (DeepSpeed's granularity) are at most the threshold.
 
@@ -26,6 +29,7 @@ from typing import Iterable
 
 from torch import nn
 
+from zerotrain.accelerator import get_accelerator
 from zerotrain.log import log_rank0
 
 LEAF_FLAG = "_z3_leaf"  # DeepSpeed's attribute name: models flagged for DeepSpeed work unchanged
@@ -172,10 +176,11 @@ def granularity_leaves(model: nn.Module, threshold: int) -> list[nn.Module]:
     return leaves
 
 
-def default_leaf_classes(model: nn.Module) -> list[str]:
-    """zerotrain's leaf classes when the config has no ``leaf_module`` section: the model's
-    ``_no_split_modules`` (Hugging Face: the transformer block) and DeepSpeed's MoE blocks."""
-    no_split = getattr(model, "_no_split_modules", None) or []
+def default_leaf_classes(model: nn.Module, on_accelerator: bool) -> list[str]:
+    """zerotrain's leaf classes when the config has no ``leaf_module`` section: DeepSpeed's MoE
+    blocks, and on an accelerator the model's ``_no_split_modules`` (Hugging Face: the
+    transformer block)."""
+    no_split = (getattr(model, "_no_split_modules", None) or []) if on_accelerator else []
     if isinstance(no_split, str):
         no_split = [no_split]
     return [*(c for c in no_split if isinstance(c, str)), *DEEPSPEED_DEFAULT_CLASSES]
@@ -189,8 +194,11 @@ def leaf_modules(model: nn.Module, zero_config=None) -> list[nn.Module]:
     leaves = get_z3_leaf_modules(model)
     if zero_config is not None:
         section = zero_config.leaf_module
-        explicit = "leaf_module" in zero_config.model_fields_set
-        leaves += modules_of_classes(model, section.classes if explicit else default_leaf_classes(model))
+        if "leaf_module" in zero_config.model_fields_set:
+            classes = section.classes
+        else:
+            classes = default_leaf_classes(model, on_accelerator=get_accelerator().name != "cpu")
+        leaves += modules_of_classes(model, classes)
         found, missing = _by_names(model, section.names, suffix=False)
         leaves += found
         if missing:
