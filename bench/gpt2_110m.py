@@ -26,6 +26,11 @@ peak RSS - live bytes is reported. The machine is shared: compare ratios, not se
 `--device cuda` runs every system on GPUs (one per rank, `--nproc` ranks, NCCL): the model and
 batches on the device, each phase timed after `torch.cuda.synchronize()`, and the peak of
 `torch.cuda.max_memory_allocated()` reported beside RSS.
+
+Per-system settings (`SYSTEM:VAR=VALUE`): any environment variable, e.g.
+`zt3:ZEROTRAIN_MEMORY_RELEASE=off`; `BENCH_LEAF_CLASSES=GPT2Block` gives zerotrain's config
+`"leaf_module": {"classes": ["GPT2Block"]}` (empty: `{}`, per-module units);
+`BENCH_CPROFILE=FILE` writes rank 0's host time by function over steps 2.. to FILE.
 """
 
 from __future__ import annotations
