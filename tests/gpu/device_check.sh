@@ -5,7 +5,12 @@
 #    offload, checkpoints, activation checkpointing), 2. the 110M GPT-2 bench on one device.
 # Logs go to $OUT (default /tmp/zerotrain-gpu). Wheels in .whl/ (packages the machine lacks,
 # e.g. pydantic) are installed to /tmp/site first; a deepspeed package folder in .dspkg/ adds
-# the DeepSpeed systems to the bench.
+# the DeepSpeed systems to the bench. Both are prepared here and ignored by git, e.g.:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl pydantic==2.13.4 pydantic_core==2.46.4 \
+#       annotated-types==0.8.0 typing-inspection==0.4.2 hjson==3.1.0
+#   cp -r /work/dsvenv/lib/python3.11/site-packages/deepspeed .dspkg/
+# and travel with the device tool's carry (".whl", ".dspkg").
 set -u
 OUT=${OUT:-/tmp/zerotrain-gpu}
 mkdir -p "$OUT"
