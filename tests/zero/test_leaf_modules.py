@@ -188,9 +188,13 @@ def _hf_runs() -> dict:
 
     zerotrain.init_distributed()
     out = {}
-    for name, zero_extra in (("blocks", {"leaf_module": {"classes": "GPT2Block"}}),
-                             ("per_module", {})):
+    blocks = {"leaf_module": {"classes": "GPT2Block"}}
+    for name, zero_extra, recompute in (("blocks", blocks, None), ("per_module", {}, None),
+                                        ("blocks_reentrant", blocks, True),
+                                        ("blocks_non_reentrant", blocks, False)):
         model = _tiny_gpt2()
+        if recompute is not None:  # HF activation checkpointing: each block runs again in backward
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recompute})
         cfg = _config(3, "fp32", 1, "sgd")
         cfg["zero_optimization"].update(zero_extra)
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -208,6 +212,8 @@ def test_hugging_face_blocks_as_leaves_train_like_per_module_units():
     assert "GPT2Block" in default["hooked"] and "GPT2Block" not in per_module["hooked"]
     # per block: ln_1, c_attn, c_proj (attn), ln_2, c_fc, c_proj (mlp) -> 1; wte (tied), wpe, ln_f
     assert (default["units"], per_module["units"]) == (2 + 3, 2 * 6 + 3)
-    assert default["losses"] == pytest.approx(per_module["losses"], rel=1e-6)
-    for name, value in per_module["params"].items():
-        torch.testing.assert_close(default["params"][name], value, rtol=1e-5, atol=1e-7)
+    for leafy in ("blocks", "blocks_reentrant", "blocks_non_reentrant"):
+        assert out[leafy]["losses"] == pytest.approx(per_module["losses"], rel=1e-6), leafy
+        for name, value in per_module["params"].items():
+            torch.testing.assert_close(out[leafy]["params"][name], value, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, c=leafy, n=name: f"{c} {n}: {m}")

@@ -335,10 +335,12 @@ class ParameterCoordinator:
                     register_multi_grad_hook(
                         inputs, lambda grads, units=tied, m=module: self._module_backward_done(units, m),
                         mode="all")
-                if frozen and inputs and not backward:
+                if frozen and inputs:
                     # "all": once every input's gradient is computed, the module's backward is
                     # over (a frozen unit is needed for nothing else). Releasing is local; only
                     # gathers are collectives, and those happen in the same order on every rank.
+                    # Also for a forward recomputed in backward (reentrant checkpointing runs the
+                    # first forward without grad, so only the recomputation can say it).
                     register_multi_grad_hook(
                         inputs, lambda grads, units=frozen: self._post_backward(units), mode="all")
             else:  # outputs we cannot see into: backward will not gather these units again
