@@ -112,7 +112,7 @@ class ZeroStage:
         # Trainable parameters no optimizer group holds: kept whole, their gradients averaged
         # like DDP's (so they neither grow every step nor differ between ranks).
         outside = outside_optimizer(param_groups, module) if optimizer is not None else []
-        leaves = leaf_of(module, options.leaf_modules) if strategy.partitions_parameters else {}
+        leaves = leaf_of(module, options.leaf_modules)
         plan = strategy.plan(param_groups, module, options.unit_numel, optimizer is not None,
                              leaf_of=leaves)
         name_of = {}

@@ -107,8 +107,8 @@ def _by_names(model: nn.Module, names: Iterable[str], suffix: bool) -> tuple[lis
         hits = [m for n, m in named if (n.endswith(wanted) if suffix else n == wanted)]
         if not hits:
             missing.append(wanted)
-        found += [m for m in hits if all(m is not f for f in found)]
-    return found, missing
+        found += hits
+    return list(dict.fromkeys(found)), missing
 
 
 def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
@@ -209,13 +209,15 @@ def leaf_modules(model: nn.Module, zero_config=None) -> list[nn.Module]:
             log_rank0(f"zero_optimization.leaf_module.name_suffixes: no module name ends with {missing}")
         if zero_config.module_granularity_threshold > 0:
             leaves += granularity_leaves(model, int(zero_config.module_granularity_threshold))
-    return _unique(leaves)
+    return list(dict.fromkeys(leaves))  # modules hash by identity: duplicates go, order stays
 
 
 def leaf_of(model: nn.Module, leaves: Iterable[nn.Module]) -> dict[nn.Module, nn.Module]:
     """Every module inside a leaf (the leaf itself included) -> its outermost leaf."""
     leaves = set(leaves)
     out: dict[nn.Module, nn.Module] = {}
+    if not leaves:
+        return out
 
     def walk(module: nn.Module, leaf: nn.Module | None) -> None:
         if leaf is None and module in leaves:
@@ -229,11 +231,15 @@ def leaf_of(model: nn.Module, leaves: Iterable[nn.Module]) -> dict[nn.Module, nn
     return out
 
 
-def _unique(modules: list[nn.Module]) -> list[nn.Module]:
-    seen: set[int] = set()
-    return [m for m in modules if not (id(m) in seen or seen.add(id(m)))]
+def unit_parameters(module: nn.Module, leaf_of: dict[nn.Module, nn.Module]):
+    """The parameters ``module``'s stage-3 units take: its own, a leaf's whole subtree; None for
+    a module inside a leaf (the leaf's units hold them)."""
+    leaf = leaf_of.get(module)
+    if leaf is None:
+        return [p for p in module._parameters.values() if p is not None]
+    return list(module.parameters()) if leaf is module else None
 
 
 __all__ = ["z3_leaf_module", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "granularity_leaves",
-           "leaf_modules", "leaf_of"]
+           "leaf_modules", "leaf_of", "unit_parameters"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from zerotrain.comm import collectives
 from zerotrain.zero.flat import FlatLayout
+from zerotrain.zero.leaves import unit_parameters
 
 
 def shard_alignment(dtype: torch.dtype) -> int:
@@ -356,12 +357,12 @@ def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: b
                 first_owner.setdefault(id(p), leaf_of.get(m, m))
     units = []
     for m in reversed(list(module.modules())):
-        if leaf_of.get(m, m) is not m:
+        params = unit_parameters(m, leaf_of)
+        if params is None:
             continue  # inside a leaf: part of the leaf's unit
-        params = m.parameters() if m in leaf_of else m._parameters.values()
         by_group: dict[int | None, list[nn.Parameter]] = {}
         for p in params:
-            if p is None or first_owner[id(p)] is not m or id(p) not in group_of:
+            if first_owner[id(p)] is not m or id(p) not in group_of:
                 continue
             by_group.setdefault(group_of[id(p)], []).append(p)
         units.extend(sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerotrain.memory_release import TrimEvery, memory_release, release_before_backward
+from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
 
 
@@ -146,10 +147,10 @@ class ParameterCoordinator:
             if any(id(p) in self._unit_of for p in m._parameters.values() if p is not None):
                 m._parameters = _GatheringParameters(self, m._parameters)
                 self._wrapped.append(m)
-            if leaf_of.get(m, m) is not m:
+            params = unit_parameters(m, leaf_of)
+            if params is None:
                 continue  # inside a leaf: the leaf's hooks gather and release its whole subtree
-            params = m.parameters() if m in leaf_of else m._parameters.values()
-            own = _unique(self._unit_of.get(id(p)) for p in params if p is not None)
+            own = _unique(self._unit_of.get(id(p)) for p in params)
             if own:
                 self._module_units[m] = own
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
