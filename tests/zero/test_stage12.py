@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, make_model, train_steps
+from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, global_batches, make_model, train_steps
 from zerotrain.testing import run_on_ranks
 
 STEPS = 20
@@ -161,3 +161,61 @@ def test_memory_per_rank_matches_formula(world):
         assert largest > slot  # the chunked path is exercised
         assert s2["memory"]["communication_buffers"] == 4 * 4 * slot
         assert s0["memory"]["parameters"] == 4 * p
+
+
+def _stage1_reduction(reduce_scatter: bool) -> dict:
+    """One stage-1 step with the comms logger on: the collectives its backward issued, what the
+    parameters' ``.grad`` show after it, and the weights after 4 SGD steps with two backward
+    passes per step (a GAN's pattern: the second accumulates onto the first's reduced state)."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.comm import comms_logger
+
+    zerotrain.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (0, 1):
+        model = make_model()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": 6000,
+                                     "reduce_scatter": reduce_scatter},
+               "comms_logger": {"enabled": True, "prof_all": True}}
+        engine, *_ = zerotrain.initialize(model=model, config=cfg)
+        data = global_batches(8, 2 * world)
+        comms_logger.reset()
+        batch = data[0, 2 * rank:2 * rank + 2]
+        engine.backward(engine(batch, labels=batch).loss)
+        ops = {op: sum(row["count"] for row in sizes.values())
+               for op, sizes in comms_logger.summary()["ops"].items()}
+        grads_shown = [p.grad is not None for p in model.parameters()]
+        engine.step()
+        for step in range(1, 4):
+            for half in (0, 1):  # two backward passes, one step
+                batch = data[2 * step + half, 2 * rank:2 * rank + 2]
+                engine.backward(engine(batch, labels=batch).loss)
+            engine.step()
+        out[stage] = {"ops": ops, "grads_shown": grads_shown, "buckets": len(engine._zero.grads.buckets)
+                      if stage else None,
+                      "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        engine.destroy()
+    zerotrain.comm.configure(enabled=False)
+    return out
+
+
+@pytest.mark.parametrize("reduce_scatter", [True, False])
+def test_stage1_reduce_scatters_its_buckets_and_accumulates_across_backwards(reduce_scatter):
+    for r in run_on_ranks(_stage1_reduction, 2, args=(reduce_scatter,)):
+        s0, s1 = r[0], r[1]
+        buckets = s1["buckets"]
+        assert buckets > 2
+        if reduce_scatter:  # DeepSpeed's default: each rank gets its shard's sum, half the bytes
+            assert s1["ops"].get("reduce_scatter_tensor") == buckets
+            assert "all_reduce" not in s1["ops"], s1["ops"]
+            assert not any(s1["grads_shown"])  # the rest of a bucket is the other ranks' to hold
+        else:
+            assert s1["ops"].get("all_reduce") == buckets
+            assert all(s1["grads_shown"])
+        for name, p in s1["params"].items():  # SGD with momentum: exact on 2 ranks
+            torch.testing.assert_close(p, s0["params"][name], rtol=0, atol=1e-7)

@@ -88,13 +88,26 @@ class _Reduction:
         """Bytes of gradient memory held between steps."""
         raise NotImplementedError
 
+    @property
+    def communication_nbytes(self) -> int:
+        """Bytes of the staging slots the collectives go through."""
+        return self.staging.nbytes if self.staging is not None else 0
+
     def close(self) -> None:
         self.grads.remove_hooks()
 
 
 class AllReduceGradients(_Reduction):
+    """Gradients accumulated in persistent full-size buckets (``.grad`` views), reduced once
+    per accumulation window. With ``scatter`` (stage 1: the step reads only this rank's shard)
+    a bucket is reduce-scattered in place: half the bytes of an all-reduce, the same volume per
+    step as DDP's with the parameters' all-gather after the step. Only the shard holds the
+    average afterwards, so the parameters' ``.grad`` become None until ``zero()`` (as in
+    DeepSpeed's stages 1 and 2); another backward before it (a GAN's second discriminator loss)
+    first turns each bucket back into a sum to accumulate onto."""
+
     def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy, world_size: int,
-                 shard_rank: int, group, overlap: bool, trim: TrimEvery):
+                 shard_rank: int, group, overlap: bool, trim: TrimEvery, scatter: bool = False):
         self.world_size, self.group, self._trim = world_size, group, trim
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=True,
@@ -105,12 +118,42 @@ class AllReduceGradients(_Reduction):
         needs_cast = precision.comm_dtype != precision.grad_accum_dtype
         self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
                         if needs_cast and world_size > 1 else None)
+        # In-place reduce-scatters of the buckets themselves (on gloo each receives the peers'
+        # rows into a shard-sized temporary, freed when the reduction is waited for).
+        self.scatter = scatter and world_size > 1 and self.staging is None
+        self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
+        self._scattered = False  # buckets reduce-scattered since the last zero()
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        if self._scattered:
+            self._restore_sums()
+        super().begin_backward(boundary, no_sync)
+
+    def _restore_sums(self) -> None:
+        """Each bucket back to what accumulating onto needs: this rank's averaged shard times
+        the world size (the next reduction averages it again), zeros in the other ranks' parts."""
+        for bucket, shard in zip(self.grads.buckets, self.shard_grads):
+            start = shard.data_ptr() - bucket.flat.data_ptr()
+            start //= bucket.flat.element_size()
+            bucket.flat.narrow(0, 0, start).zero_()
+            end = start + shard.numel()
+            bucket.flat.narrow(0, end, bucket.flat.numel() - end).zero_()
+            shard.mul_(self.world_size)
+            bucket.attach()
+        self._scattered = False
 
     def _launch(self, bucket: GradientBucket):
         self._trim.reduced(bucket.layout.padded_numel)
         if self.world_size == 1:
             return None
         self._agree(bucket)
+        if self.scatter:
+            self._scattered = True
+            bucket.flat.div_(self.world_size)
+            bucket.free_grads()  # the rest of the bucket is the peers' to hold: no .grad shows it
+            mine = self.shard_grads[self._index[id(bucket)]]
+            return collectives.reduce_scatter_into(mine, bucket.flat, group=self.group,
+                                                   async_op=True)
         if self.staging is None:
             # Dividing before the sum keeps the launch inside backward, off the critical path.
             bucket.flat.div_(self.world_size)
@@ -123,6 +166,7 @@ class AllReduceGradients(_Reduction):
 
     def zero(self) -> None:
         self.grads.zero()
+        self._scattered = False
 
     @property
     def nbytes(self) -> int:

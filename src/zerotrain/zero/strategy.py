@@ -52,9 +52,14 @@ class Stage0(ShardingStrategy):
 
 
 class Stage1(ShardingStrategy):
-    """Optimizer state sharded; full gradients all-reduced once per window."""
+    """Optimizer state sharded; gradients reduce-scattered once per window (each rank steps
+    its shard; ``reduce_scatter: false`` all-reduces them whole instead)."""
 
     stage = 1
+
+    def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
+        return AllReduceGradients(units, core.precision, core.world_size, core.shard_rank,
+                                  core.group, overlap, core.trim, scatter=use_reduce_scatter)
 
 
 class Stage2(ShardingStrategy):
