@@ -55,24 +55,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingCollective:
-    """The handle of an async collective: ``wait()`` turns a timeout into a ``CollectiveError``."""
+    """The handle of an async collective: ``wait()`` turns a timeout into a ``CollectiveError``.
+    Waiting again is a no-op (a gloo receive waited for twice would wait for a second message)."""
 
-    __slots__ = ("work", "op", "seq", "group", "tensor", "started", "then")
+    __slots__ = ("work", "op", "seq", "group", "tensor", "started", "then", "done")
 
     def __init__(self, work, op: str, seq: int, group, tensor: torch.Tensor, started: float,
                  then=None):
         self.work, self.op, self.seq, self.group = work, op, seq, group
         self.tensor, self.started, self.then = tensor, started, then
+        self.done = False
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.tensor)
 
     def wait(self, *args, **kwargs):
+        if self.done:
+            return True
         try:
             result = self.work.wait(*args, **kwargs)
         except RuntimeError as exc:
             raise diagnose(exc, self.op, self.nbytes, self.seq, self.group, self.started) from exc
+        self.done = True
         if self.then is not None:  # finish the op's local part (e.g. copy out a slice) once
             then, self.then = self.then, None
             then()

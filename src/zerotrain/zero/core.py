@@ -447,7 +447,7 @@ class ZeroStage:
             "master_parameters": masters,
             "gradients": grads,
             "optimizer_state": optimizer_state_bytes(optimizer),
-            "communication_buffers": self.reduction.communication_nbytes,
+            "communication_buffers": self.reduction.staging.nbytes if self.reduction.staging else 0,
         }
         if self.offload is not None:  # what the swapper holds in memory (disk: offload_stats)
             out["offload_buffers"] = self.offload.swapper.buffer_nbytes

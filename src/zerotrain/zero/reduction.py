@@ -26,7 +26,7 @@ from zerotrain.memory_release import TrimEvery, memory_release, release_freed_me
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.partition import FlatParamUnit
-from zerotrain.zero.staging import StagingPool, _Pending
+from zerotrain.zero.staging import StagingPool
 
 
 class _Reduction:
@@ -88,11 +88,6 @@ class _Reduction:
         """Bytes of gradient memory held between steps."""
         raise NotImplementedError
 
-    @property
-    def communication_nbytes(self) -> int:
-        """Bytes of the staging slots the collectives go through."""
-        return self.staging.nbytes if self.staging is not None else 0
-
     def close(self) -> None:
         self.grads.remove_hooks()
 
@@ -108,7 +103,7 @@ class AllReduceGradients(_Reduction):
 
     def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy, world_size: int,
                  shard_rank: int, group, overlap: bool, trim: TrimEvery, scatter: bool = False):
-        self.world_size, self.group, self._trim = world_size, group, trim
+        self.world_size, self.rank, self.group, self._trim = world_size, shard_rank, group, trim
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=True,
                                        dtype=precision.grad_accum_dtype)
@@ -121,7 +116,6 @@ class AllReduceGradients(_Reduction):
         # In-place reduce-scatters of the buckets themselves (on gloo each receives the peers'
         # rows into a shard-sized temporary, freed when the reduction is waited for).
         self.scatter = scatter and world_size > 1 and self.staging is None
-        self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
         self._scattered = False  # buckets reduce-scattered since the last zero()
         self._in_flight: list = []
 
@@ -134,10 +128,9 @@ class AllReduceGradients(_Reduction):
         """Each bucket back to what accumulating onto needs: this rank's averaged shard times
         the world size (the next reduction averages it again), zeros in the other ranks' parts."""
         for bucket, shard in zip(self.grads.buckets, self.shard_grads):
-            start = shard.data_ptr() - bucket.flat.data_ptr()
-            start //= bucket.flat.element_size()
+            start = self.rank * bucket.layout.shard_numel
+            end = start + bucket.layout.shard_numel
             bucket.flat.narrow(0, 0, start).zero_()
-            end = start + shard.numel()
             bucket.flat.narrow(0, end, bucket.flat.numel() - end).zero_()
             shard.mul_(self.world_size)
             bucket.attach()
@@ -152,9 +145,9 @@ class AllReduceGradients(_Reduction):
             self._scattered = True
             bucket.flat.div_(self.world_size)
             bucket.free_grads()  # the rest of the bucket is the peers' to hold: no .grad shows it
-            mine = self.shard_grads[self._index[id(bucket)]]
-            work = _Pending(collectives.reduce_scatter_into(mine, bucket.flat, group=self.group,
-                                                            async_op=True), lambda: None)
+            mine = bucket.layout.shard(bucket.flat, self.rank)
+            work = collectives.reduce_scatter_into(mine, bucket.flat, group=self.group,
+                                                   async_op=True)
             # Each reduction in flight holds a shard-sized receive buffer (and, on gloo, the
             # backend's copies of what it sends): two at a time, not the whole model's worth
             # until the end of backward (GPT-2 110M: +150 MiB at the embedding's backward).
