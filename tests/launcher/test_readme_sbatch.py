@@ -80,7 +80,11 @@ def test_readme_sbatch_example_runs_in_a_stand_in_allocation(tmp_path):
     srun = json.loads((tmp_path / "srun_argv.json").read_text())
     assert srun[:7] == ["--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     agent = srun[7:]
-    assert agent[:4] == [sys.executable, "-u", "-m", "zerotrain.launcher.cli"]
+    # The agent runs under the launcher's own interpreter: the `zerotrain` script's shebang, which in a
+    # venv may be bin/python3 where pytest runs as bin/python (the same interpreter, two names).
+    assert os.path.dirname(agent[0]) == os.path.dirname(sys.executable), (agent[0], sys.executable)
+    assert os.path.samefile(agent[0], sys.executable), (agent[0], sys.executable)
+    assert agent[1:4] == ["-u", "-m", "zerotrain.launcher.cli"]
     assert agent[agent.index("--node_rank") + 1] == "slurm" and agent[agent.index("--nproc") + 1] == "4"
     records = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8)}
     for rank, record in records.items():
