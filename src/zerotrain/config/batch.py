@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .ranges import MAX_BATCH, check_grad_accum
+
 TB, MB, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
 
@@ -31,6 +33,7 @@ def resolve_batch_sizes(train_batch: Optional[int], micro_batch: Optional[int], 
         grad_acc = 1 if grad_acc is None else grad_acc
         train_batch = micro_batch * grad_acc * world_size if train_batch is None else train_batch
     _check_product(train_batch, micro_batch, grad_acc, world_size)
+    _check_bounds(train_batch, micro_batch, grad_acc, world_size)
     return train_batch, micro_batch, grad_acc
 
 
@@ -52,3 +55,12 @@ def _check_product(train_batch: int, micro_batch: int, grad_acc: int, world_size
     if train_batch != product:
         raise ValueError(f"{TB} {train_batch} != {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}"
                          f" = {product}; fix one of them, or leave one out and it is derived from the others")
+
+
+def _check_bounds(train_batch: int, micro_batch: int, grad_acc: int, world_size: int) -> None:
+    # The given values are bounded by the schema; these catch the derived ones.
+    shown = f" (= {TB} {train_batch} / ({MB} {micro_batch} * world_size {world_size}))"
+    check_grad_accum(grad_acc, shown)
+    if train_batch > MAX_BATCH:
+        raise ValueError(f"{TB} {train_batch} (= {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}) "
+                         f"is above {MAX_BATCH} samples; lower {MB} or {GAS}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+
+from .ranges import MAX_BATCH, MAX_GRAD_ACCUM, in_range
 
 
 class Section(BaseModel):
@@ -26,11 +28,29 @@ def lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-Int = Annotated[int, BeforeValidator(_reject_bool)]
+def _whole(value: Any) -> Any:
+    # An integral float (8.0, 1e3: what JSON writers and YAML emit) is that integer, as pydantic's
+    # lax mode has it, however large (pydantic refuses 1e30 with a parser message instead), so
+    # range checks report the number.
+    value = _reject_bool(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
 Float = Annotated[float, BeforeValidator(_reject_bool)]
-NonNegInt = Annotated[int, Field(ge=0), BeforeValidator(_reject_bool)]
-PosInt = Annotated[int, Field(gt=0), BeforeValidator(_reject_bool)]
+NonNegInt = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
+PosInt = Annotated[int, Field(gt=0), BeforeValidator(_whole)]
 LowerStr = Annotated[str, BeforeValidator(lower)]
+#: a float that must also be finite (no inf / NaN)
+FiniteFloat = Annotated[float, BeforeValidator(_reject_bool), AfterValidator(in_range())]
+#: a batch size in samples: 1..2**31-1 (ranges.py says why)
+BatchSize = Annotated[int, Field(gt=0), BeforeValidator(_whole),
+                      AfterValidator(in_range(1, MAX_BATCH, hint="a batch size in samples"))]
+#: gradient accumulation steps: 1..65536
+GradAccum = Annotated[int, Field(gt=0), BeforeValidator(_whole),
+                      AfterValidator(in_range(1, MAX_GRAD_ACCUM, hint="micro-batches per optimizer step"))]
 
 
 def steps_or_never(value: Any) -> Any:

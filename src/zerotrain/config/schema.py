@@ -12,12 +12,13 @@ import os
 import warnings
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from .batch import resolve_batch_sizes
 from .errors import UnknownConfigKeyWarning
-from .fields import (Float, Int, LowerStr, NonNegInt, PosInt, Section, known_keys, lower, reject_both_spellings,
-                     steps_or_never)
+from .fields import (BatchSize, FiniteFloat, Float, GradAccum, Int, LowerStr, NonNegInt, PosInt, Section, known_keys,
+                     lower, reject_both_spellings, steps_or_never)
+from .ranges import MAX_LOSS_SCALE, MAX_SCALE_POWER, in_range, optimizer_param_problems, scheduler_param_problems
 from .zero import ZeroConfig, legacy_zero_section
 
 
@@ -49,26 +50,17 @@ class FP16Config(Section):
 
     enabled: bool = False
     auto_cast: bool = False
-    loss_scale: Float = Field(0.0, ge=0.0)
-    initial_scale_power: Int = 16
-    loss_scale_window: Int = 1000
-    hysteresis: NonNegInt = 2
+    loss_scale: Annotated[Float, AfterValidator(in_range(0, MAX_LOSS_SCALE, hint="0 = dynamic scaling"))] = 0.0
+    initial_scale_power: Annotated[Int, AfterValidator(in_range(
+        0, MAX_SCALE_POWER, hint="the dynamic scale starts at 2**initial_scale_power; DeepSpeed's default is 16"))] = 16
+    loss_scale_window: Annotated[Int, AfterValidator(in_range(1, hint="clean steps before the scale doubles"))] = 1000
+    hysteresis: Annotated[Int, AfterValidator(in_range(1, hint="overflows tolerated before the scale halves"))] = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: Int = 1
+    min_loss_scale: Annotated[Int, AfterValidator(in_range(0, low_open=True, hint="the floor of the dynamic scale"))] = 1
     fp16_master_weights_and_grads: bool = False
     # DeepSpeed raises at the minimum scale by default and the run dies (its most reported fp16
     # failure); zerotrain keeps skipping with a warning unless this is set to true.
     raise_error_at_min_scale: bool = False
-
-    @model_validator(mode="after")
-    def _dynamic_scaling_bounds(self):
-        # Only dynamic scaling (enabled, loss_scale 0) divides by the window and halves down to the floor.
-        if self.enabled and self.loss_scale == 0:
-            for key in ("loss_scale_window", "min_loss_scale"):
-                if getattr(self, key) <= 0:
-                    raise ValueError(f"{key} must be > 0 with dynamic loss scaling (loss_scale 0), "
-                                     f"got {getattr(self, key)}")
-        return self
 
 
 class BF16Config(Section):
@@ -136,7 +128,7 @@ class FlopsProfilerConfig(Section):
     """`flops_profiler`: profile one training step."""
 
     enabled: bool = False
-    recompute_fwd_factor: Float = 0.0
+    recompute_fwd_factor: FiniteFloat = Field(0.0, ge=0.0)
     profile_step: PosInt = 1
     module_depth: Int = -1
     top_modules: PosInt = 1
@@ -221,9 +213,9 @@ class ZeroTrainConfig(_UnimplementedKeys):
     `load_config` does this for you. `raw` is the config dict as given (after "auto" filling).
     """
 
-    train_batch_size: Optional[PosInt] = None
-    train_micro_batch_size_per_gpu: Optional[PosInt] = None
-    gradient_accumulation_steps: Optional[PosInt] = None
+    train_batch_size: Optional[BatchSize] = None
+    train_micro_batch_size_per_gpu: Optional[BatchSize] = None
+    gradient_accumulation_steps: Optional[GradAccum] = None
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -235,7 +227,7 @@ class ZeroTrainConfig(_UnimplementedKeys):
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False
-    gradient_predivide_factor: Float = Field(1.0, gt=0.0)
+    gradient_predivide_factor: FiniteFloat = Field(1.0, gt=0.0)
     communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(lower)] = None
     dataloader_drop_last: bool = False
     zero_allow_untested_optimizer: bool = False
@@ -290,6 +282,17 @@ class ZeroTrainConfig(_UnimplementedKeys):
     def _one_half_precision(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16 and bf16 cannot both be enabled; set one of fp16.enabled / bf16.enabled to false")
+        return self
+
+    @model_validator(mode="after")
+    def _param_ranges(self):
+        problems = []
+        if self.optimizer is not None:
+            problems += optimizer_param_problems(self.optimizer.type, self.optimizer.params)
+        if self.scheduler is not None:
+            problems += scheduler_param_problems(self.scheduler.params)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")
