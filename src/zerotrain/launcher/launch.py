@@ -187,9 +187,10 @@ def restart_safe_environment(opts: LaunchOptions, environ: dict[str, str] = os.e
 
 def worker_command(opts: LaunchOptions, bind_cores: list[int] | None = None) -> tuple[str, list[str]]:
     """The (entrypoint, args) every rank runs: the per-rank entry shim (which pins itself to its
-    slice of ``bind_cores`` when given)."""
+    slice of ``bind_cores`` when given, and ends with this process: orphan_guard.py)."""
     mode = "exec" if opts.no_python else "module" if opts.module else "script"
-    args = ["-u", ENTRY_SCRIPT, f"--mode={mode}"]
+    args = ["-u", ENTRY_SCRIPT, f"--mode={mode}", f"--launcher_pid={os.getpid()}",
+            f"--grace={opts.shutdown_timeout:g}"]
     if opts.no_local_rank:
         args.append("--no_local_rank")
     if bind_cores:

@@ -4,6 +4,9 @@ The elastic agent gives every worker the same argv, so this shim adds the
 per-rank parts DeepSpeed users expect: ``--local_rank=N`` at the end of the
 script's arguments, the CROSS_RANK / CROSS_SIZE / LOCAL_SIZE variables and,
 with ``--bind_cores=LIST``, this rank's CPU affinity (its equal slice of LIST).
+With ``--launcher_pid=P`` (always given by the launcher) it first makes sure the
+rank and its process group end when the launcher does, even by SIGKILL
+(orphan_guard.py, ``--grace=S`` seconds between SIGTERM and SIGKILL).
 It then runs the target in this interpreter as ``__main__`` (``--mode=script``
 or ``--mode=module``) or replaces itself with it (``--mode=exec``).
 
@@ -22,17 +25,35 @@ from types import TracebackType
 _MODES = ("script", "module", "exec")
 
 
-def _parse(argv: list[str]) -> tuple[str, bool, str | None, str, list[str]]:
+def _option(opts: list[str], name: str, default: str | None = None) -> str | None:
+    return next((o.split("=", 1)[1] for o in opts if o.startswith(f"--{name}=")), default)
+
+
+def _parse(argv: list[str]) -> tuple[dict, str, list[str]]:
     if "--" not in argv:
         raise SystemExit("local_rank_entry: expected '[--mode=M] [--no_local_rank] [--bind_cores=L] "
-                         "-- target [args...]'")
+                         "[--launcher_pid=P] [--grace=S] -- target [args...]'")
     split = argv.index("--")
     opts, rest = argv[:split], argv[split + 1 :]
-    mode = next((o.split("=", 1)[1] for o in opts if o.startswith("--mode=")), "script")
-    bind = next((o.split("=", 1)[1] for o in opts if o.startswith("--bind_cores=")), None)
+    mode = _option(opts, "mode", "script")
     if mode not in _MODES or not rest:
         raise SystemExit(f"local_rank_entry: bad mode {mode!r} or missing target")
-    return mode, "--no_local_rank" not in opts, bind, rest[0], rest[1:]
+    pid = _option(opts, "launcher_pid")
+    parsed = dict(mode=mode, add_local_rank="--no_local_rank" not in opts, bind=_option(opts, "bind_cores"),
+                  launcher_pid=int(pid) if pid else None, grace=float(_option(opts, "grace", "5")))
+    return parsed, rest[0], rest[1:]
+
+
+def guard_against_orphaning(launcher_pid: int, grace: float) -> None:
+    """End this rank (and its process group) when the launcher ends (see orphan_guard.py, loaded
+    by path under a private name so that nothing of zerotrain or torch is imported)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "orphan_guard.py")
+    spec = importlib.util.spec_from_file_location("_zerotrain_orphan_guard", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.guard(launcher_pid, grace)
 
 
 def _expand(core_list: str) -> list[int]:
@@ -85,11 +106,14 @@ def _run_in_process(mode: str, target: str, args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run one rank's target with ``--local_rank=<LOCAL_RANK>`` appended."""
-    mode, add_local_rank, bind, target, args = _parse(sys.argv[1:] if argv is None else argv)
+    opts, target, args = _parse(sys.argv[1:] if argv is None else argv)
+    mode = opts["mode"]
+    if opts["launcher_pid"] is not None:
+        guard_against_orphaning(opts["launcher_pid"], opts["grace"])
     set_deepspeed_env()
-    if bind:
-        bind_to_cores(bind)
-    if add_local_rank:
+    if opts["bind"]:
+        bind_to_cores(opts["bind"])
+    if opts["add_local_rank"]:
         args = [*args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
     if mode == "exec":
         os.execvp(target, [target, *args])

@@ -6,6 +6,10 @@ node fails (its ssh client exits non-zero; pdsh reports "HOST: ssh exited with e
 and mpirun stop their own job), or on Ctrl-C / SIGTERM, every node is stopped: ssh sessions are
 closed (each node's agent stops at end of input), pdsh runs the stop command on every node, and
 srun/mpirun get the signal, which they forward to their tasks.
+
+Each client runs under orphan_guard.py: when the launcher itself is killed (SIGKILL included), the
+clients get SIGTERM (ssh sessions close, srun/mpirun forward it) and, ``_STOP_GRACE`` seconds later,
+their process groups SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from typing import IO, Callable
 
 from zerotrain.launcher.multinode import MultiNodePlan, launcher_env, node_commands, pdsh_stop_command
+from zerotrain.launcher.orphan_guard import guarded_command
 
 _TAIL = 20
 # Seconds the nodes get to stop (their agents' SIGTERM->SIGKILL grace is 5 s) before the local
@@ -82,6 +87,7 @@ class NodeRunner:
     def start(self) -> None:
         use_stdin = self.plan.launcher == "ssh"
         for name, command in zip(self._names(), node_commands(self.plan)):
+            command = guarded_command(command, os.getpid(), _STOP_GRACE)
             process = subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
                                        start_new_session=True)
