@@ -115,8 +115,13 @@ def test_cpu_adam_takes_deepspeeds_arguments():
         torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(2))], fp32_optimizer_states=False)
-    with pytest.raises(ValueError, match="bfloat16"):
-        DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])
+    # Built over 16-bit parameters (accelerate does, over a bf16 zero.Init model; the engine then
+    # points the groups at fp32 masters); stepping them is refused, naming what to do.
+    half = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    opt = DeepSpeedCPUAdam([half])
+    half.grad = torch.ones_like(half)
+    with pytest.raises(ValueError, match="bfloat16.*zerotrain.initialize"):
+        opt.step()
 
 
 def test_uncorrected_group_with_parameters_at_different_steps():
@@ -136,3 +141,36 @@ def test_uncorrected_group_with_parameters_at_different_steps():
     torch.testing.assert_close(b.detach().double(), expected_b, rtol=1e-5, atol=1e-6)
     expected_a = reference_adam(a0, grads_a, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, False, False)
     torch.testing.assert_close(a.detach().double(), expected_a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the AdamW never steps
+@pytest.mark.parametrize("cls", [FusedAdam, DeepSpeedCPUAdam])
+def test_given_param_groups_are_shared_as_torch_optimizers_do(cls):
+    # accelerate: DeepSpeedCPUAdam(torch_optimizer.param_groups, ...) and then a scheduler built
+    # over the torch optimizer keeps writing "lr" into those group dicts (issue 29 item 1).
+    torch.manual_seed(0)
+    a, b = torch.randn(5, requires_grad=True), torch.randn(3, requires_grad=True)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    original = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
+                                 lr=1e-2, betas=(0.8, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(original, lambda step: [0.0, 1.0, 0.5][min(step, 2)])
+    kwargs = {"adamw_mode": True} if cls is DeepSpeedCPUAdam else {"adam_w_mode": True}
+    opt = cls(original.param_groups, lr=1e-2, weight_decay=0.1, **kwargs)
+    assert all(mine is theirs for mine, theirs in zip(opt.param_groups, original.param_groups))
+    used, grads = [], [[torch.randn(5), torch.randn(3)] for _ in range(3)]
+    for step in range(3):
+        a.grad, b.grad = grads[step][0].clone(), grads[step][1].clone()
+        used.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        scheduler.step()
+    assert used == [[0.0, 0.0], [1e-2, 1e-2], [5e-3, 5e-3]]
+    # Each group keeps its own betas / weight decay; the lr schedule applies per step.
+    for p, p0, g, wd in ((a, a0, [x[0] for x in grads], 0.1), (b, b0, [x[1] for x in grads], 0.0)):
+        expected = p0.double()
+        m = v = torch.zeros_like(expected)
+        for t, (lr, grad) in enumerate(zip([0.0, 1e-2, 5e-3], g), start=1):
+            grad = grad.double()
+            expected = expected * (1 - lr * wd)
+            m, v = 0.8 * m + 0.2 * grad, 0.99 * v + 0.01 * grad * grad
+            expected = expected - lr * (m / (1 - 0.8**t)) / ((v / (1 - 0.99**t)).sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-7)

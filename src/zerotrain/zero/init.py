@@ -216,6 +216,7 @@ class Init:
       As in DeepSpeed its ``bf16``/``fp16`` sections set the dtype of the partitions (float32 when
       neither is enabled) unless ``dtype`` is given, and ``zero_optimization.offload_param``'s
       ``device`` and ``pin_memory`` stand for ``remote_device`` and ``pin_memory`` (as in DeepSpeed).
+      Unfilled ``"auto"`` values are ignored (their defaults apply), as DeepSpeed's Init does.
     - ``dtype``: cast floating-point parameters to it (float16, bfloat16 or float32) when they
       are partitioned. With neither ``dtype`` nor a config the constructors' dtype is kept
       (DeepSpeed would cast to float16; ``initialize`` casts to the config's precision anyway).
@@ -452,12 +453,16 @@ def _dtype_from_config(config_dict_or_path) -> torch.dtype:
     ``offload_param`` section when its device is not "none". Also applies the config's
     ``memory_release`` (zerotrain only), before Init tunes the allocator."""
     from zerotrain.config import load_config
+    from zerotrain.config.load import read_config
 
     if dist.is_initialized():
         world = dist.get_world_size()
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(config_dict_or_path, world_size=world)
+    data = _without_auto(read_config(config_dict_or_path))
+    if "train_batch_size" not in data and "train_micro_batch_size_per_gpu" not in data:
+        data["train_micro_batch_size_per_gpu"] = 1  # all "auto": Init reads no batch size
+    cfg = load_config(data, world_size=world)
     set_memory_release(cfg.memory_release)
     zero = cfg.zero_optimization
     offload = zero.offload_param if zero.offload_param_device != "none" else None
@@ -473,6 +478,22 @@ def _dtype_from_config(config_dict_or_path) -> torch.dtype:
     if cfg.fp16.enabled:
         return torch.float16, offload
     return torch.float32, offload
+
+
+def _without_auto(data):
+    """``data`` without its unfilled ``"auto"`` values (keys holding "auto", or a list with one),
+    so their defaults apply, as DeepSpeed's ``zero.Init`` reads a config: transformers creates
+    ``zero.Init`` from a config whose model-dependent "auto" values (``reduce_bucket_size``, ...)
+    are filled only later, at ``initialize``; accelerate likewise before ``prepare``."""
+    if isinstance(data, dict):
+        return {key: _without_auto(value) for key, value in data.items() if not _is_auto(value)}
+    return data
+
+
+def _is_auto(value) -> bool:
+    if isinstance(value, list):
+        return any(_is_auto(item) for item in value)
+    return isinstance(value, str) and value == "auto"
 
 
 def shutdown_init_context() -> None:

@@ -65,18 +65,28 @@ class FusedAdam(torch.optim.Adam):
         params = list(params)
         if not params:
             raise ValueError("FusedAdam got an empty parameter list")
+        # Given group dicts are kept, not copied (as torch optimizers do): accelerate builds
+        # DeepSpeedCPUAdam(optimizer.param_groups) and keeps stepping its scheduler over those
+        # dicts, so their "lr" must be the one this optimizer reads.
         groups = params if isinstance(params[0], dict) else [{"params": params}]
-        groups = [{**g, "params": list(g["params"])} for g in groups]
         kernel = _pick_kernel(_params_of(groups))
         self._default_bias_correction = bool(bias_correction)  # read by add_param_group below
+        self._kernel = kernel
+        self.adam_w_mode = bool(adam_w_mode)
         super().__init__(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, decoupled_weight_decay=bool(adam_w_mode), **kernel)
         self.defaults["bias_correction"] = bool(bias_correction)
-        self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = bool(set_grad_none)
 
     def add_param_group(self, param_group: dict) -> None:
         param_group.setdefault("bias_correction", self._default_bias_correction)
+        # Optimizer-wide choices win over keys a group brings from another torch optimizer (its
+        # lr, betas, eps, weight_decay, amsgrad are the group's own, as in DeepSpeed).
+        param_group["decoupled_weight_decay"] = self.adam_w_mode
+        if self._kernel.get("fused"):
+            param_group["fused"], param_group["foreach"] = True, None
+        else:
+            param_group["fused"] = None
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -136,9 +146,11 @@ class DeepSpeedCPUAdam(FusedAdam):
 
     ``adamw_mode`` (this class's spelling) selects decoupled weight decay.
     ``fp32_optimizer_states=False`` (keep moments in a 16-bit parameter's dtype) is not supported:
-    torch keeps Adam's moments in the parameter's dtype always, so 16-bit parameters with
-    ``fp32_optimizer_states=True`` (the default) are rejected too; give it fp32 parameters
-    (zerotrain's engine keeps fp32 master weights for fp16/bf16 training).
+    torch keeps Adam's moments in the parameter's dtype always, so stepping 16-bit parameters with
+    ``fp32_optimizer_states=True`` (the default) is refused too. Building it over 16-bit
+    parameters is allowed (accelerate does, over a bf16 ``zero.Init`` model): handed to
+    ``zerotrain.initialize``, the engine points its groups at fp32 master weights before any
+    step, as DeepSpeed's engine does.
     """
 
     def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
@@ -150,10 +162,6 @@ class DeepSpeedCPUAdam(FusedAdam):
                 raise ValueError(f"DeepSpeedCPUAdam: a parameter is on {p.device}, but this optimizer "
                                  "steps on the CPU; use FusedAdam for accelerator parameters, or "
                                  "zero_optimization.offload_optimizer to keep the states on the CPU")
-            if p.dtype != torch.float32:
-                raise ValueError(f"DeepSpeedCPUAdam: a parameter is {p.dtype}; it keeps fp32 moments "
-                                 "(fp32_optimizer_states) only for fp32 parameters here. Pass fp32 "
-                                 "(master) parameters, or use FusedAdam for 16-bit ones")
         if not fp32_optimizer_states:
             raise ValueError("DeepSpeedCPUAdam: fp32_optimizer_states=False (16-bit moments) is not "
                              "supported; leave it True (moments in fp32, the default)")
@@ -161,3 +169,16 @@ class DeepSpeedCPUAdam(FusedAdam):
                          adam_w_mode=adamw_mode, weight_decay=weight_decay, amsgrad=amsgrad,
                          set_grad_none=True)
         self.fp32_optimizer_states = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """As FusedAdam's; every parameter stepped must be fp32 (see the class docstring)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dtype != torch.float32:
+                    raise ValueError(
+                        f"DeepSpeedCPUAdam: a parameter is {p.dtype}; it keeps fp32 moments "
+                        "(fp32_optimizer_states) only for fp32 parameters here. Let "
+                        "zerotrain.initialize take the optimizer (its engine steps fp32 master "
+                        "weights for fp16/bf16 training), or use FusedAdam for 16-bit parameters")
+        return super().step(closure)
