@@ -36,10 +36,17 @@ _EXPORTS = {
 }
 # DeepSpeed's names for the same things, for code written against deepspeed.*
 _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
+# Subpackages reachable as attributes, as ``import deepspeed`` makes its own (``zerotrain.runtime.utils``
+# works too: each package loads its DeepSpeed-named submodules on first access, zerotrain._lazy).
 _SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher", "monitor",
-               "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression", "checkpointing"}
+               "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression", "checkpointing",
+               "checkpoint"}
 
 __all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SUBMODULES | set(_EXPORTS) | set(_ALIASES))
 
 
 def __getattr__(name: str):

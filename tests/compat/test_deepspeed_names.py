@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import pkgutil
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +61,103 @@ def test_every_provided_name_imports():
 def test_every_provided_name_is_exercised():
     assert sorted(set(PROVIDED) - EXERCISED) == []
     assert sorted(EXERCISED - set(PROVIDED)) == []
+
+
+# -- attribute paths after the top-level import (issue 29 item 15) -------------------------
+# ``import deepspeed`` loads most of its tree, so scripts write ``deepspeed.runtime.utils.set_random_seed``
+# without importing ``deepspeed.runtime.utils``. The file lists every module path DeepSpeed 0.19.8
+# makes reachable that way; each zerotrain module under the same name (found by pkgutil) must be
+# reachable from a bare ``import zerotrain`` too, and so must each PROVIDED name that lives there.
+REACHABLE_IN_DEEPSPEED = [line.strip() for line in
+                          (Path(__file__).parent / "deepspeed_reachable_modules.txt").read_text().splitlines()
+                          if line.strip() and not line.startswith("#")]
+
+_RESOLVE_IN_FRESH_PROCESS = """
+import json, sys
+import zerotrain
+torch_after_import = "torch" in sys.modules
+missing = {}
+for path in json.loads(sys.argv[1]):
+    obj = zerotrain
+    for part in path.split(".")[1:]:
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            missing[path] = str(exc)
+            break
+print(json.dumps({"torch_after_import": torch_after_import, "missing": missing}))
+"""
+
+
+def _zerotrain_modules():
+    import zerotrain
+
+    return ["zerotrain"] + [m.name for m in pkgutil.walk_packages(zerotrain.__path__, "zerotrain.")]
+
+
+def _deepspeed_name(zerotrain_name):
+    return "deepspeed" + zerotrain_name[len("zerotrain"):]
+
+
+def test_deepspeed_reachable_paths_are_attributes_after_import_zerotrain():
+    reachable = set(REACHABLE_IN_DEEPSPEED)
+    modules = [m for m in _zerotrain_modules() if _deepspeed_name(m) in reachable]
+    # A name is reachable in DeepSpeed when the module holding it is (compression.helper's are not).
+    names = [zt for ds, zt in PROVIDED.items() if ds.rpartition(".")[0] in reachable]
+    # The scripts' paths (issue 29 item 15), so the discovery above cannot pass by finding nothing.
+    for expected in ("zerotrain.runtime.utils", "zerotrain.runtime.zero", "zerotrain.ops.adam",
+                     "zerotrain.moe.utils", "zerotrain.runtime.zero.partition_parameters", "zerotrain.utils.timer"):
+        assert expected in modules
+    names += ["zerotrain.runtime.utils.set_random_seed", "zerotrain.ops.adam.FusedAdam",
+              "zerotrain.runtime.zero.Init", "zerotrain.runtime.zero.GatheredParameters",
+              "zerotrain.runtime.zero.ZeroParamStatus", "zerotrain.utils.recursive_getattr"]
+    paths = modules + names
+    result = subprocess.run([sys.executable, "-c", _RESOLVE_IN_FRESH_PROCESS, json.dumps(paths)],
+                            capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["missing"] == {}
+    # The submodules load on first access: the top-level import itself stays free of torch.
+    assert out["torch_after_import"] is False
+    # And each path is the object the dotted import gives.
+    for path in modules:
+        if path != "zerotrain":
+            assert resolve(path) is importlib.import_module(path)
+    assert resolve("zerotrain.runtime.zero.Init") is resolve("zerotrain.zero.Init")
+
+
+def test_modules_deepspeed_does_not_load_are_not_in_the_reference():
+    # zerotrain ships these DeepSpeed names, but `import deepspeed` does not load them (a script
+    # imports them itself); the walk above leaves them alone.
+    for name in ("deepspeed.compression", "deepspeed.compression.helper", "deepspeed.launcher.launch"):
+        assert name not in REACHABLE_IN_DEEPSPEED
+    assert len(REACHABLE_IN_DEEPSPEED) > 400 and "deepspeed.runtime.utils" in REACHABLE_IN_DEEPSPEED
+
+
+def test_pipeline_example_import_level_lines():
+    """DeepSpeedExamples training/pipeline_parallelism/train.py, with ``import zerotrain as deepspeed``:
+    everything it touches at import level and before initialize (PipelineModule itself is pending)."""
+    script = """
+import argparse, random, json
+import torch
+import zerotrain as deepspeed
+from zerotrain.pipe import PipelineModule
+from zerotrain.utils import RepeatingLoader
+parser = argparse.ArgumentParser(description='CIFAR')
+parser.add_argument('--seed', type=int, default=1138)
+args = deepspeed.add_config_arguments(parser).parse_args(['--deepspeed_config', 'ds.json'])
+torch.manual_seed(args.seed)
+deepspeed.runtime.utils.set_random_seed(args.seed)
+first = (random.random(), float(torch.rand(())))
+deepspeed.runtime.utils.set_random_seed(args.seed)
+print(json.dumps({"same": first == (random.random(), float(torch.rand(()))), "config": args.deepspeed_config,
+                  "pipe": deepspeed.pipe.PipelineModule is PipelineModule,
+                  "loader": list(zip(range(5), RepeatingLoader([1, 2])))}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {"same": True, "config": "ds.json", "pipe": True,
+                   "loader": [[0, 1], [1, 2], [2, 1], [3, 2], [4, 1]]}
 
 
 # -- one 2-rank run: the training surface ------------------------------------------------

@@ -6,6 +6,11 @@ TensorBoard and MLflow are optional extras (``pip install "zerotrain[tensorboard
 ``"zerotrain[mlflow]"``), imported only when their section is enabled.
 """
 
+from zerotrain._lazy import lazy_attributes
 from zerotrain.monitor.monitor import Monitor, MonitorMaster, missing_extra
 
 __all__ = ["Monitor", "MonitorMaster", "missing_extra"]
+
+# DeepSpeed-named submodules, attributes as after ``import deepspeed`` (loaded on first access;
+# neither imports its optional extra until a monitor is built).
+__getattr__, __dir__ = lazy_attributes(__name__, ("csv_monitor", "tensorboard"))

@@ -1,1 +1,12 @@
-"""DeepSpeed's ``deepspeed.runtime`` names that scripts import directly (``runtime.utils``)."""
+"""DeepSpeed's ``deepspeed.runtime`` names that scripts use (``runtime.utils.set_random_seed``).
+
+As after ``import deepspeed``, the submodules are attributes of the package
+(``zerotrain.runtime.utils``); they load on first access, so ``import zerotrain`` stays light.
+"""
+
+from zerotrain._lazy import lazy_attributes
+
+#: DeepSpeed-named submodules (``import deepspeed`` loads each of them).
+SUBMODULES = ("dataloader", "lr_schedules", "utils", "zero")
+
+__getattr__, __dir__ = lazy_attributes(__name__, SUBMODULES)

@@ -1,16 +1,21 @@
-"""``deepspeed.utils`` names scripts import: ``logger``, ``log_dist``, ``RepeatingLoader``, and the
-stage-3 leaf-module functions (``set_z3_leaf_modules`` and friends, zerotrain.zero.leaves)."""
+"""``deepspeed.utils`` names scripts import: ``logger``, ``log_dist``, ``RepeatingLoader``, the
+stage-3 leaf-module functions (``set_z3_leaf_modules`` and friends, zerotrain.zero.leaves) and
+``recursive_getattr`` / ``recursive_setattr``. The submodules ``timer`` and ``zero_to_fp32`` are
+attributes, as after ``import deepspeed``; they and the leaf functions load on first access."""
 
 from __future__ import annotations
 
 import logging
 
+from zerotrain._lazy import lazy_attributes
 from zerotrain.log import logger
 from zerotrain.runtime.dataloader import RepeatingLoader
 
 _LEAF_FUNCTIONS = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
                    "z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
-__all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer", *_LEAF_FUNCTIONS]
+__all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer", "recursive_getattr", "recursive_setattr",
+           *_LEAF_FUNCTIONS]
+SUBMODULES = ("timer", "zero_to_fp32")
 
 
 def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
@@ -28,13 +33,8 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
         logger.log(level, "[Rank %d] %s", rank, message)
 
 
-def __getattr__(name: str):
-    if name == "ThroughputTimer":
-        from zerotrain.utils.timer import ThroughputTimer
-
-        return ThroughputTimer
-    if name in _LEAF_FUNCTIONS:
-        from zerotrain.zero import leaves
-
-        return getattr(leaves, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(
+    __name__, SUBMODULES,
+    names={"ThroughputTimer": "zerotrain.utils.timer",
+           "recursive_getattr": "zerotrain.compression.helper", "recursive_setattr": "zerotrain.compression.helper",
+           **{name: "zerotrain.zero.leaves" for name in _LEAF_FUNCTIONS}})
