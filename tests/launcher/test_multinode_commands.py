@@ -31,23 +31,25 @@ def make_plan(launcher: str, **overrides) -> MultiNodePlan:
 
 
 AGENT = ["/venv/bin/python", "-u", "-m", "zerotrain.launcher.cli", "launch", "--no_ssh", "--num_nodes", "2"]
-RDZV = ["--master_addr", "10.0.0.1", "--master_port", "29500", "--rdzv_id", "zerotrain-abc", "--world", "w0:0,1@w1:0,2"]
+# The world reaches the agents as JSON: any node name (user@host) is unambiguous there.
+WORLD_ARG = '[["w0",[0,1]],["w1",[0,2]]]'
+RDZV = ["--master_addr", "10.0.0.1", "--master_port", "29500", "--rdzv_id", "zerotrain-abc", "--world", WORLD_ARG]
 TAIL = ["--no_local_rank", "--max_restarts", "2", "train.py", "--lr", "1"]
 
 
 def test_ssh_commands_exactly():
     commands = node_commands(make_plan("ssh"))
     remote = [f"cd /work && export NCCL_DEBUG=INFO PYTHONPATH=/work && exec {' '.join(AGENT)} --node_rank {r} "
-              f"{' '.join(RDZV)} --stop_on_stdin_eof {' '.join(TAIL)}" for r in (0, 1)]
-    assert commands == [["ssh", "-o", "ConnectTimeout=5", "-p", "2222", "-o", "BatchMode=yes", "w0", remote[0]],
-                        ["ssh", "-o", "ConnectTimeout=5", "-p", "2222", "-o", "BatchMode=yes", "w1", remote[1]]]
+              f"{shlex.join(RDZV)} --stop_on_stdin_eof {' '.join(TAIL)}" for r in (0, 1)]
+    assert commands == [["ssh", "-o", "ConnectTimeout=5", "-p", "2222", "-o", "BatchMode=yes", "--", "w0", remote[0]],
+                        ["ssh", "-o", "ConnectTimeout=5", "-p", "2222", "-o", "BatchMode=yes", "--", "w1", remote[1]]]
 
 
 def test_pdsh_command_exactly_with_percent_escaped():
     plan = make_plan("pdsh", launcher_args=[], target=["train.py", "--note", "100%"])
     [command] = node_commands(plan)
     remote = (f"cd /work && export NCCL_DEBUG=INFO PYTHONPATH=/work && exec {' '.join(AGENT)} --node_rank host=%h "
-              f"{' '.join(RDZV)} --write_pid_file --no_local_rank --max_restarts 2 train.py --note 100%%")
+              f"{shlex.join(RDZV)} --write_pid_file --no_local_rank --max_restarts 2 train.py --note 100%%")
     assert command == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1", remote]
     assert pdsh_stop_command(plan)[:6] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1"]
     assert "zerotrain-zerotrain-abc-node*.pid" in pdsh_stop_command(plan)[-1]

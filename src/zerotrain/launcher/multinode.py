@@ -26,7 +26,7 @@ import sys
 import uuid
 
 from zerotrain.launcher.errors import LaunchError
-from zerotrain.launcher.hostfile import World, format_world
+from zerotrain.launcher.hostfile import World, encode_world, host_of
 
 LAUNCHERS = ("pdsh", "ssh", "slurm", "openmpi")
 _HOST_PLACEHOLDER = f"ZEROTRAIN_HOST_{uuid.uuid4().hex}"
@@ -68,7 +68,7 @@ def agent_argv(plan: MultiNodePlan, node_rank: str, extra: list[str] = ()) -> li
             "--master_addr", plan.master_addr, "--master_port", str(plan.master_port),
             "--rdzv_id", plan.run_id]
     if plan.world is not None:
-        argv += ["--world", format_world(plan.world)]
+        argv += ["--world", encode_world(plan.world)]
     return [*argv, *extra, *plan.agent_flags, *plan.target]
 
 
@@ -80,10 +80,10 @@ def remote_shell_command(plan: MultiNodePlan, argv: list[str]) -> str:
 
 
 def ssh_command(plan: MultiNodePlan, host: str, remote: str) -> list[str]:
-    """``ssh [launcher args] [-p P] -o BatchMode=yes HOST REMOTE`` (user options first: ssh keeps
-    the first value it reads for an option)."""
+    """``ssh [launcher args] [-p P] -o BatchMode=yes -- HOST REMOTE`` (user options first: ssh keeps
+    the first value it reads for an option; ``--``: the host is never read as an option)."""
     port = ["-p", str(plan.ssh_port)] if plan.ssh_port else []
-    return ["ssh", *plan.launcher_args, *port, "-o", "BatchMode=yes", host, remote]
+    return ["ssh", *plan.launcher_args, *port, "-o", "BatchMode=yes", "--", host, remote]
 
 
 def node_commands(plan: MultiNodePlan) -> list[list[str]]:
@@ -147,7 +147,7 @@ def _resolve(host: str) -> str | None:
 
 def _all_loopback(hosts: list[str]) -> bool:
     # Every "node" is this machine (a one-machine test): a loopback address reaches them all.
-    addresses = [_resolve(h) for h in hosts]
+    addresses = [_resolve(host_of(h)) for h in hosts]
     return all(a is not None and ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
@@ -168,14 +168,15 @@ def resolve_master_addr(plan: MultiNodePlan) -> str:
     while other hosts do not, or that does not resolve, is asked for ``hostname -I`` over ssh
     (ssh/pdsh); with slurm/openmpi such a loopback name is passed as the name. Never an empty
     string: an address that cannot be found is an error naming --master_addr."""
-    host = plan.hosts[0]
+    node = plan.hosts[0]
+    host = host_of(node)
     if _is_ip(host):
         return host
     address = _resolve(host)
     if address is not None and (not ipaddress.ip_address(address).is_loopback or _all_loopback(plan.hosts)):
         return address
     if plan.launcher in ("ssh", "pdsh"):
-        asked = ask_host_address(plan, host)
+        asked = ask_host_address(plan, node)
         if asked:
             return asked
     elif address is not None:

@@ -62,13 +62,17 @@ def resolve_node_rank(spec: str | None, world: hostfile.World | None, nnodes: in
         raise LaunchError("--node_rank", f"required with --no_ssh: {forms} (e.g. --node_rank 0 on the first node)")
     if spec.startswith("host="):
         name = spec[len("host="):]
-        if world is None or name not in world:
-            raise LaunchError("--node_rank", f"host {name!r} is not one of the nodes ({', '.join(world or [])})")
-        rank = list(world).index(name)
+        nodes = list(world or [])
+        # pdsh's %h is the host of a user@host node.
+        matches = [i for i, node in enumerate(nodes) if name in (node, hostfile.host_of(node))]
+        if not matches:
+            raise LaunchError("--node_rank", f"host {name!r} is not one of the nodes ({', '.join(nodes)})")
+        rank = matches[0]
     elif spec == "slurm":
         node = env.get("SLURMD_NODENAME")
         if world is not None:
-            names = {h: i for i, h in enumerate(world)} | {h.split(".")[0]: i for i, h in enumerate(world)}
+            hosts = [hostfile.host_of(h) for h in world]
+            names = {h: i for i, h in enumerate(hosts)} | {h.split(".")[0]: i for i, h in enumerate(hosts)}
             if node not in names:
                 raise LaunchError("--node_rank", f"SLURMD_NODENAME={node!r} is not one of the hostfile's hosts "
                                                  f"({', '.join(world)}); name the nodes as Slurm does")
@@ -105,7 +109,7 @@ def _check_size(env, name: str, nnodes: int, how: str) -> None:
 def node_agent_options(args: argparse.Namespace) -> LaunchOptions:
     """One node's agent of a multi-node launch (``--no_ssh``: started by hand, ssh, pdsh, srun, mpirun)."""
     if args.world:
-        world = {h: s for h, s in hostfile.parse_node_specs(args.world, "--world").items()}
+        world = hostfile.decode_world(args.world)
     else:
         world = _world_from_args(args)
     nnodes = args.num_nodes or (len(world) if world else None)
@@ -118,7 +122,7 @@ def node_agent_options(args: argparse.Namespace) -> LaunchOptions:
     if master_addr is None:
         if not world:
             raise LaunchError("--master_addr", "with --no_ssh give node 0's address (e.g. --master_addr 10.0.0.1)")
-        master_addr = list(world)[0]
+        master_addr = hostfile.host_of(list(world)[0])
     return local_options(
         args, nproc=args.nproc if args.nproc is not None or slots is None else len(slots),
         master_addr=master_addr, nnodes=nnodes, node_rank=rank, run_id=args.rdzv_id,
@@ -172,6 +176,10 @@ def plan_launch(args: argparse.Namespace) -> LaunchOptions | MultiNodePlan:
 def _plan(args: argparse.Namespace, launcher: str, hosts: list[str], world: hostfile.World | None) -> MultiNodePlan:
     if launcher not in LAUNCHERS:
         raise LaunchError("--launcher", f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    users = [h for h in hosts if hostfile.user_of(h) is not None]
+    if users and launcher in ("slurm", "openmpi"):
+        raise LaunchError("--hostfile", f"{users[0]!r}: a user@host node needs --launcher ssh or pdsh "
+                                        f"({launcher} starts the nodes' tasks itself); write the host alone")
     tool, package = _TOOLS[launcher]
     if shutil.which(tool) is None:
         raise LaunchError("--launcher", f"{launcher} needs '{tool}' on PATH ({package} is not installed here)")
