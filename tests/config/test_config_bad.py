@@ -300,6 +300,13 @@ def test_valid_optimizer_and_scheduler_values_still_pass():
                            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                                        "warmup_num_steps": 10}}})
     assert cfg.optimizer.params["betas"] == [0.0, 0.999]
+    # A dict config built in code may hold numpy scalars (np.mean returns np.float64).
+    import numpy
+
+    cfg = load_config(_opt(lr=numpy.float32(1e-3), betas=[numpy.float64(0.9), numpy.float32(0.99)]))
+    assert float(cfg.optimizer.params["lr"]) == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match=r"^optimizer\.params\.lr: must be a number >= 0, got np\.True_$"):
+        load_config(_opt(lr=numpy.bool_(True)))
     # Adafactor's eps is a pair with None allowed: torch checks it, not the config.
     load_config({**BATCH, "optimizer": {"type": "Adafactor", "params": {"eps": [None, 1e-3]}}})
     # Per-group learning-rate lists (torch's CyclicLR base_lr) are checked element by element.

@@ -19,6 +19,8 @@ Bounds beyond DeepSpeed's own (it accepts all of these and then trains silently 
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from typing import Any, Callable, Optional
 
 MAX_BATCH = 2**31 - 1
@@ -28,8 +30,13 @@ MAX_LOSS_SCALE = 2.0**MAX_SCALE_POWER
 
 
 def is_number(value: Any) -> bool:
-    """A JSON number: int or float, not bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (int, float, numpy scalars in a dict config), not bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np_bool_types()))
+
+
+def np_bool_types() -> tuple[type, ...]:
+    numpy = sys.modules.get("numpy")  # only a dict built with numpy can hold numpy.bool_
+    return (numpy.bool_,) if numpy is not None else ()
 
 
 def in_range(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
@@ -80,7 +87,7 @@ def check_grad_accum(grad_acc: int, derived_from: str) -> None:
 
 def _finite(low: float, low_open: bool = False) -> Callable[[Any], Optional[str]]:
     def check(value: Any) -> Optional[str]:
-        ok = is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low)
+        ok = is_number(value) and math.isfinite(float(value)) and (value > low if low_open else value >= low)
         return None if ok else f"must be a number {'>' if low_open else '>='} {_num(low)}"
     return check
 
