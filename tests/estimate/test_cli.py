@@ -94,3 +94,49 @@ def test_bad_input_names_the_flag(capsys, argv, message):
         main(["estimate", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# `python -c` with an optional dependency made unimportable, then the real CLI entry point.
+WITHOUT = "import sys; sys.modules[{module!r}] = None; from zerotrain.launcher.cli import main; sys.exit(main())"
+
+
+def run_without(module: str, tmp_path, *argv: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path):
+    png = tmp_path / "memory.png"
+    result = run_without("matplotlib", tmp_path, "estimate", "--params", "1e9", "--num-gpus", "1",
+                         "--gpu-memory", "24GiB", "--plot", str(png))
+    assert result.returncode == 1
+    assert result.stderr == "zerotrain estimate --plot needs matplotlib: pip install 'zerotrain[plot]'\n"
+    assert result.stdout == "" and not png.exists()  # refused before any work
+
+
+def test_plot_to_an_unwritable_path_is_one_line(capsys, tmp_path):
+    target = tmp_path / "missing-dir" / "memory.png"
+    code, _, err = run(capsys, "--params", "1e9", "--num-gpus", "1", "--gpu-memory", "24GiB", "--plot", str(target))
+    assert code == 1 and err.splitlines()[-1].startswith(f"--plot: cannot write {str(target)!r} (")
+
+
+def test_any_missing_extra_reached_from_the_cli_names_the_extra(capsys, monkeypatch):
+    import zerotrain.estimate.cli as estimate_cli
+
+    def needs(name):
+        def run_estimate(args, parser):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return run_estimate
+
+    for module, extra in [("mlflow", "mlflow"), ("tensorboard", "tensorboard"),
+                          ("ray.train", "ray"), ("pyspark", "spark"), ("transformers", "hf")]:
+        monkeypatch.setattr(estimate_cli, "run_estimate", needs(module))
+        assert main(["estimate", "--params", "1e9"]) == 1
+        top = module.partition(".")[0]
+        assert capsys.readouterr().err == f"zerotrain estimate needs {top}: pip install 'zerotrain[{extra}]'\n"
+    monkeypatch.setattr(estimate_cli, "run_estimate", needs("not_an_extra"))
+    with pytest.raises(ModuleNotFoundError):  # a real bug stays a traceback
+        main(["estimate", "--params", "1e9"])

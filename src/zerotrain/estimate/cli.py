@@ -146,6 +146,14 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                         ("--gradient-accumulation-steps", args.gradient_accumulation_steps or 1)):
         if value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
+    if args.plot:
+        from zerotrain.estimate.plot import MissingExtra, pyplot
+
+        try:
+            pyplot()  # before any work: a missing extra is one line, not a traceback after the tables
+        except MissingExtra as err:
+            print(err, file=sys.stderr)
+            return 1
     try:
         est = build_estimate(args)
     except ValueError as err:
@@ -155,15 +163,23 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.plot:
         from zerotrain.estimate.plot import plot_rows
 
-        plot_rows(report, args.plot)
+        try:
+            plot_rows(report, args.plot)
+        except OSError as err:
+            print(f"--plot: cannot write {args.plot!r} ({err.strerror or err})", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.write_config:
         config = est.ds_config()
         if config is None:
             print("--write-config: nothing without offload fits, so no config was written", file=sys.stderr)
             return 1
-        with open(args.write_config, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
+        try:
+            with open(args.write_config, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
+        except OSError as err:
+            print(f"--write-config: cannot write {args.write_config!r} ({err.strerror or err})", file=sys.stderr)
+            return 1
         print(f"wrote {args.write_config}", file=sys.stderr)
     return 0

@@ -10,16 +10,29 @@ _PARTS = (("parameters", "parameters"), ("master_parameters", "fp32 masters"), (
           ("transient", "temporaries"), ("reserve", "reserve"))
 
 
-def plot_rows(report: EstimateReport, path: str) -> None:
-    """Write a PNG (or any format matplotlib infers from ``path``) of the rows' per-GPU bytes,
-    with the GPU's memory as a line when known."""
+MISSING_MATPLOTLIB = "zerotrain estimate --plot needs matplotlib: pip install 'zerotrain[plot]'"
+
+
+class MissingExtra(Exception):
+    """An optional dependency (an extra of the zerotrain package) is not installed."""
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend; MissingExtra when matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # files only; no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'zerotrain[plot]'") from None
+        raise MissingExtra(MISSING_MATPLOTLIB) from None
+    return plt
+
+
+def plot_rows(report: EstimateReport, path: str) -> None:
+    """Write a PNG (or any format matplotlib infers from ``path``) of the rows' per-GPU bytes,
+    with the GPU's memory as a line when known."""
+    plt = pyplot()
     labels = [f"s{r.stage}" + ("" if r.offload == "none" else "\n" + r.offload.replace("optimizer", "opt")
                                .replace("_params", "+p").replace("_", " ")) for r in report.rows]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(labels)), 5))

@@ -23,6 +23,9 @@ ErrorFn = Callable[[str], NoReturn]
 SUBCOMMANDS = ("launch", "estimate", "tune", "consolidate", "convert-deepspeed")
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 LAUNCHER_CHOICES = ("pdsh", "ssh", "slurm", "openmpi")
+# Top-level module -> the zerotrain extra that installs it (pyproject.toml's optional-dependencies).
+OPTIONAL_EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "mlflow": "mlflow", "ray": "ray",
+                   "pyspark": "spark", "transformers": "hf", "accelerate": "hf", "peft": "hf"}
 
 
 def _positive_int(text: str) -> int:
@@ -214,7 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return args.run(args, args.subparser)
+    try:
+        return args.run(args, args.subparser)
+    except ModuleNotFoundError as err:
+        # A subcommand reached an optional dependency that is not installed: one line naming
+        # the extra, not a traceback.
+        extra = OPTIONAL_EXTRAS.get((err.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"zerotrain {args.command} needs {err.name.partition('.')[0]}: pip install 'zerotrain[{extra}]'",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
