@@ -24,7 +24,6 @@ DeepSpeed's layouts map onto zerotrain's without gathering anything:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -37,7 +36,7 @@ import torch
 from zerotrain.checkpoint.deepspeed_files import DeepSpeedFolder, plain
 from zerotrain.checkpoint.deepspeed_params import assign_groups, module_layout, unit_entry
 from zerotrain.checkpoint.format import (FORMAT, FORMAT_VERSION, LATEST, METADATA, MODEL_FILE,
-                                         CheckpointError, dtype_name, file_digest, shard_file,
+                                         CheckpointError, dtype_name, encode_metadata, file_digest, shard_file,
                                          state_file, write_safetensors)
 from zerotrain.checkpoint.training_state import plain as plain_state
 
@@ -69,7 +68,7 @@ def convert_deepspeed_checkpoint(checkpoint_dir, output_dir, tag: str | None = N
     partial.mkdir(parents=True)
     try:
         meta = _Converter(source, partial, param_groups).run()
-        (partial / METADATA).write_text(json.dumps(meta, indent=1))
+        (partial / METADATA).write_bytes(encode_metadata(meta))  # with its own digest
         from zerotrain.checkpoint.save import SCRIPT_NAMES, SCRIPTS
 
         here = Path(__file__).resolve().parent

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -35,6 +36,11 @@ FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
+# metadata.json's own checksum, stored inside it: the sha256 of the rest of its content (see
+# metadata_digest). Checkpoints written before it existed have none (loaded with a warning).
+METADATA_DIGEST = "metadata_sha256"
+
+logger = logging.getLogger("zerotrain")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -111,6 +117,45 @@ def stream_safetensors(path, specs, produce, metadata: dict[str, str] | None = N
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": digest.hexdigest(), "bytes": 8 + len(raw) + offset}
+
+
+def metadata_digest(meta: dict) -> str:
+    """sha256 of ``meta`` without its own digest field, serialized canonically (keys in their
+    order, no whitespace, ASCII): any change to a name, offset, shape, dtype or checksum in
+    metadata.json changes it."""
+    body = {k: v for k, v in meta.items() if k != METADATA_DIGEST}
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def encode_metadata(meta: dict) -> bytes:
+    """The bytes of metadata.json: ``meta`` with its digest as the last field."""
+    body = {k: v for k, v in meta.items() if k != METADATA_DIGEST}
+    return json.dumps({**body, METADATA_DIGEST: metadata_digest(body)}, indent=1).encode()
+
+
+def read_metadata(folder) -> dict:
+    """Parse and verify ``folder/metadata.json``; a damaged or edited one raises CheckpointError."""
+    path = Path(folder) / METADATA
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:  # ValueError covers bad UTF-8 and bad JSON
+        raise CheckpointError(f"{path} cannot be read ({error}): the checkpoint is damaged; "
+                              "load another one with tag=...") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is damaged (not a JSON object); load another checkpoint "
+                              "with tag=...")
+    recorded = meta.get(METADATA_DIGEST)
+    if recorded is None:
+        if meta.get("format") == FORMAT:
+            logger.warning("%s has no %s (written before zerotrain checked its own metadata): "
+                           "its layout cannot be verified; load it and save a new checkpoint to "
+                           "protect it", path, METADATA_DIGEST)
+    elif recorded != metadata_digest(meta):
+        raise CheckpointError(f"{path} does not match its {METADATA_DIGEST}: the file was edited or "
+                              "is damaged, so its layout cannot be trusted; restore it from a copy "
+                              "or load another checkpoint with tag=...")
+    return meta
 
 
 def file_digest(path) -> str:
@@ -202,8 +247,21 @@ def resolve_tag(load_dir, tag: str | None = None) -> tuple[Path, str]:
                                   "pass tag= to load a specific checkpoint")
     folder = load_dir / tag
     if not (folder / METADATA).is_file():
+        aside = load_dir / aside_name(tag)
+        if (aside / METADATA).is_file():
+            # A re-save of this tag was interrupted between moving the old folder aside and
+            # renaming the new one into place: the aside copy is the committed checkpoint (the
+            # next save_checkpoint into load_dir moves it back).
+            logger.warning("checkpoint %s is missing: loading %s, the copy an interrupted re-save "
+                           "of this tag set aside", folder, aside)
+            return aside, tag
         raise CheckpointError(f"checkpoint {folder} is missing or incomplete (no {METADATA})")
     return folder, tag
+
+
+def aside_name(tag: str) -> str:
+    """Where a re-save moves the existing ``tag`` folder until the new one is in place."""
+    return f".{tag}.old"
 
 
 class CheckpointReader:
@@ -213,10 +271,7 @@ class CheckpointReader:
 
     def __init__(self, folder, verify: bool = True):
         self.folder = Path(folder)
-        try:
-            self.meta = json.loads((self.folder / METADATA).read_text())
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"{self.folder / METADATA} cannot be read: {error}") from None
+        self.meta = read_metadata(self.folder)
         if self.meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.folder} is not a zerotrain checkpoint")
         if self.meta.get("format_version", 0) > FORMAT_VERSION:

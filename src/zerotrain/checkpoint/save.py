@@ -7,17 +7,18 @@ Order of a save (every rank calls it):
    fsynced and hashed as it is written);
 3. the ranks exchange their outcome and checksums; if any rank failed, every rank raises and
    the partial folder is removed;
-4. rank 0 writes ``metadata.json`` (with every file's checksum), renames the folder to
-   ``save_dir/<tag>``, copies the standalone recovery script, and only then replaces
-   ``save_dir/latest`` (write to a temporary name, fsync, rename);
+4. rank 0 commits (``zerotrain.checkpoint.commit``): writes ``metadata.json`` (with every
+   file's checksum and its own), renames the folder to ``save_dir/<tag>``, copies the standalone
+   recovery script, and only then replaces ``save_dir/latest`` (write to a temporary name,
+   fsync, rename);
 5. the ranks learn whether the commit succeeded.
 
-A crash at any point before the last rename leaves ``latest`` on the previous checkpoint.
+A crash at any point leaves ``latest`` naming a complete checkpoint (see ``commit``); the next
+save removes what an interrupted one left behind.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -27,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerotrain.checkpoint.format import (LATEST, METADATA, MODEL_FILE, CheckpointError, shard_file,
-                                         state_file, write_safetensors)
+from zerotrain.checkpoint.commit import SCRIPT_NAMES, SCRIPTS, commit, partial_name, recover
+from zerotrain.checkpoint.format import (LATEST, MODEL_FILE, CheckpointError, encode_metadata,
+                                         shard_file, state_file, write_safetensors)
 from zerotrain.checkpoint.layout import (describe, group_of_whole, shard_writer, split_state,
                                          stage_units, unit_param, unit_training_state, whole_parameters,
                                          persistent_buffers)
@@ -36,8 +38,7 @@ from zerotrain.checkpoint.training_state import capture_engine, capture_rng, pla
 
 logger = logging.getLogger("zerotrain")
 
-SCRIPTS = ("zero_to_fp32.py", "format.py")
-SCRIPT_NAMES = {"zero_to_fp32.py": "zero_to_fp32.py", "format.py": "zerotrain_checkpoint_format.py"}
+__all__ = ["SCRIPTS", "SCRIPT_NAMES", "PendingSave", "capture", "prepare"]
 
 
 @dataclass
@@ -124,6 +125,8 @@ def write_rank_files(snap: RankSnapshot, folder: Path) -> dict[str, dict]:
 
 def agree(value, group=None) -> list:
     """Every rank's ``value`` (just ``[value]`` without a process group)."""
+    from zerotrain.comm.objects import all_gather_object
+
     # A world of one needs no exchange; that also keeps an asynchronous save's background thread
     # off the default group (NCCL on a GPU, which training uses meanwhile).
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -157,7 +160,7 @@ class PendingSave:
         self.save_dir, self.tag, self.snap = Path(save_dir), tag, snap
         self.meta, self.save_latest, self.group = meta, save_latest, group
         self.rank = snap.rank
-        self.partial = self.save_dir / f".{tag}.partial"
+        self.partial = self.save_dir / partial_name(tag)
         self.files: dict | None = None
         self.error: str | None = None
 
@@ -189,34 +192,18 @@ class PendingSave:
                 for _, _, rank_files in outcomes:
                     files.update(rank_files)
                 self._commit(files, final)
+            except CheckpointError as e:  # says what state save_dir is in
+                error = str(e)
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 error = f"{type(e).__name__}: {e}"
         errors = [e for e in agree(error, self.group) if e is not None]
         if errors:
-            raise CheckpointError(f"checkpoint {final} was not committed: rank 0: {errors[0]}")
+            raise CheckpointError(f"checkpoint {final}: the commit failed on rank 0: {errors[0]}")
         return final
 
     def _commit(self, files: dict, final: Path) -> None:
         meta = dict(self.meta, files=files)
-        _write_durably(self.partial / METADATA, json.dumps(meta, indent=1).encode())
-        here = Path(__file__).resolve().parent
-        for source in SCRIPTS:  # the recovery script travels with the checkpoint
-            shutil.copyfile(here / source, self.partial / SCRIPT_NAMES[source])
-        _fsync_dir(self.partial)
-        old = None
-        if final.exists():  # re-saving a tag: move the old one aside, drop it after the rename
-            old = self.save_dir / f".{self.tag}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(self.partial, final)
-        _fsync_dir(self.save_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        for source in SCRIPTS:  # DeepSpeed users run save_dir/zero_to_fp32.py
-            _replace_file(self.save_dir / SCRIPT_NAMES[source], (here / source).read_bytes())
-        os.chmod(self.save_dir / "zero_to_fp32.py", 0o755)
-        if self.save_latest:
-            _replace_file(self.save_dir / LATEST, self.tag.encode())
+        commit(self.partial, self.save_dir, self.tag, encode_metadata(meta), self.save_latest)
 
 
 def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | None:
@@ -226,34 +213,13 @@ def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | N
     error = None
     if engine.global_rank == 0:
         try:
-            partial = save_dir / f".{tag}.partial"
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crashed save
-            partial.mkdir(parents=True)
+            recover(save_dir)  # what interrupted saves left behind
+            if not save_dir.is_dir():
+                save_dir.mkdir(parents=True, exist_ok=True)
+            (save_dir / partial_name(tag)).mkdir()
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
     errors = [e for e in agree(error, group) if e is not None]
     if errors:
         raise CheckpointError(f"cannot create the checkpoint folder under {save_dir}: {errors[0]}")
     return meta
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_durably(tmp, data)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
