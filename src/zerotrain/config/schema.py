@@ -12,7 +12,8 @@ import os
 import warnings
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator,
+                      model_validator)
 
 from .batch import resolve_batch_sizes
 from .errors import UnknownConfigKeyWarning
@@ -56,7 +57,8 @@ class FP16Config(Section):
     loss_scale_window: Annotated[Int, AfterValidator(in_range(1, hint="clean steps before the scale doubles"))] = 1000
     hysteresis: Annotated[Int, AfterValidator(in_range(1, hint="overflows tolerated before the scale halves"))] = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: Annotated[Int, AfterValidator(in_range(0, low_open=True, hint="the floor of the dynamic scale"))] = 1
+    min_loss_scale: Annotated[Int, AfterValidator(
+        in_range(0, low_open=True, hint="the floor of the dynamic scale"))] = 1
     fp16_master_weights_and_grads: bool = False
     # DeepSpeed raises at the minimum scale by default and the run dies (its most reported fp16
     # failure); zerotrain keeps skipping with a warning unless this is set to true.
