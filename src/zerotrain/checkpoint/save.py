@@ -125,8 +125,6 @@ def write_rank_files(snap: RankSnapshot, folder: Path) -> dict[str, dict]:
 
 def agree(value, group=None) -> list:
     """Every rank's ``value`` (just ``[value]`` without a process group)."""
-    from zerotrain.comm.objects import all_gather_object
-
     # A world of one needs no exchange; that also keeps an asynchronous save's background thread
     # off the default group (NCCL on a GPU, which training uses meanwhile).
     if not dist.is_initialized() or dist.get_world_size() == 1:
