@@ -18,7 +18,7 @@ from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, state
 from zerotrain.checkpoint.layout import (group_of_whole, optimizer_key, parameter_names,
                                          persistent_buffers, stage_units, swapper_of,
                                          whole_parameters)
-from zerotrain.checkpoint.training_state import restore_engine, restore_rng
+from zerotrain.checkpoint.training_state import read_rank_state, restore_engine, restore_rng
 
 logger = logging.getLogger("zerotrain")
 
@@ -131,11 +131,7 @@ def _rank_state(reader: CheckpointReader, rank: int) -> dict | None:
         name = state_file(rank)
         if name not in reader.meta["files"]:
             return None
-        path = reader.check_file(name)
-        try:
-            cache[rank] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - name the file, whatever went wrong
-            raise CheckpointError(f"{path} cannot be loaded safely: {error}") from None
+        cache[rank] = read_rank_state(reader, name)
     return cache[rank]
 
 

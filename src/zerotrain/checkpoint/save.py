@@ -125,13 +125,15 @@ def write_rank_files(snap: RankSnapshot, folder: Path) -> dict[str, dict]:
 
 def agree(value, group=None) -> list:
     """Every rank's ``value`` (just ``[value]`` without a process group)."""
+    from zerotrain.comm.objects import all_gather_object
+
     # A world of one needs no exchange; that also keeps an asynchronous save's background thread
     # off the default group (NCCL on a GPU, which training uses meanwhile).
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value, group=group)
-    return out
+    # The group's timeout, and a CollectiveError naming a rank that never arrives (a rank that
+    # skipped or hangs before save_checkpoint), as for every other collective.
+    return all_gather_object(value, group, op="all_gather_object (save_checkpoint)")
 
 
 def check_tag(tag: str, mode: str, group=None) -> None:

@@ -1,8 +1,10 @@
 """The small per-rank state a checkpoint carries besides tensors: engine counters, random
 number generators, the dataloader position, the LR scheduler and the loss scaler.
 
-Everything here is stored with ``torch.save`` as plain containers, numbers, strings and tensors
-only, so it loads back with ``torch.load(..., weights_only=True)``.
+Everything here is stored with ``torch.save`` and read back with ``torch.load(...,
+weights_only=True)``: containers, numbers, strings and tensors, with numpy values, enums,
+namedtuples, ordered/default dicts and sets written as tagged dicts that :func:`read_rank_state`
+turns back into their types (``zerotrain.checkpoint.state_codec``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numpy as np
 import torch
 
 from zerotrain.accelerator import get_accelerator
+from zerotrain.checkpoint.format import CheckpointError
+from zerotrain.checkpoint.state_codec import StateDecodeError, decode, encode
 
 logger = logging.getLogger("zerotrain")
 
@@ -76,20 +80,30 @@ def restore_engine(engine, state: dict, load_lr_scheduler: bool) -> None:
 
 
 def _plain(value, where: str):
-    """A copy of ``value`` made of what ``weights_only`` loading accepts; anything else (a
-    function in a LambdaLR state, a custom object) raises naming where it is."""
-    if isinstance(value, dict):
-        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if value is None or isinstance(value, (bool, int, float, str, complex)):
-        return value
-    raise TypeError(f"{where} holds a {type(value).__name__}, which a checkpoint cannot store "
-                    "safely (it is loaded with torch.load(weights_only=True)); keep such state "
-                    "out of state_dict() or convert it to numbers/strings/tensors")
+    """A copy of ``value`` made of what ``weights_only`` loading accepts, from which
+    :func:`read_rank_state` rebuilds equal values of the same types; anything else (a function
+    in a LambdaLR state, a custom object) raises ``TypeError`` naming the key path (``where``)."""
+    return encode(value, where)
 
 
 plain = _plain
+
+
+def read_rank_state(reader, name: str) -> dict:
+    """The per-rank state file ``name`` of the checkpoint ``reader`` reads: checked against
+    ``metadata.json``, loaded without unpickling any class, and decoded. Every failure (a
+    missing, truncated or corrupt file, a stored enum whose module is not imported) raises
+    ``CheckpointError`` naming the file."""
+    path = reader.folder / name
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint {reader.folder} is incomplete "
+                              "(restore the file or load another checkpoint)")
+    reader.check_file(name)
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - name the file, whatever went wrong
+        raise CheckpointError(f"{path} cannot be loaded safely: {error}") from None
+    try:
+        return decode(raw, "state")
+    except StateDecodeError as error:
+        raise CheckpointError(f"{path}: {error}") from None

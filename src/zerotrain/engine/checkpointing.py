@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, resolve_tag
 from zerotrain.checkpoint.load import load_into
-from zerotrain.checkpoint.save import PendingSave, capture, check_tag, prepare
+from zerotrain.checkpoint.save import PendingSave, RankSnapshot, capture, check_tag, prepare
+from zerotrain.comm.objects import new_group
 
 
 class EngineCheckpointing:
@@ -28,7 +29,9 @@ class EngineCheckpointing:
         """Save the full training state under ``save_dir/<tag>`` (every rank must call this).
 
         ``tag`` defaults to ``global_step<N>``. ``client_state`` (a dict of numbers, strings,
-        lists and tensors) comes back from ``load_checkpoint``. ``save_latest`` points
+        containers, tensors, numpy values, enums, namedtuples) comes back from
+        ``load_checkpoint`` equal and of the same types; a value that would not raises
+        ``TypeError`` naming its key path (docs/checkpoint.md). ``save_latest`` points
         ``save_dir/latest`` at this tag once every rank has written its files.
         ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
         With ``async_save`` the state is copied to host memory and written by a background
@@ -39,7 +42,10 @@ class EngineCheckpointing:
         group = self._checkpoint_group()
         check_tag(tag, self._config.checkpoint.tag_validation, group)
         meta = prepare(self, save_dir, tag, exclude_frozen_parameters, group)
-        snap = capture(self, client_state, exclude_frozen_parameters)
+        try:
+            snap = capture(self, client_state, exclude_frozen_parameters)
+        except TypeError as refused:  # a value that would not load back as saved
+            self._abandon_save(save_dir, tag, meta, group, refused)
         if async_save:
             snap = snap.detached()
         pending = PendingSave(self, save_dir, tag, snap, meta, save_latest, group)
@@ -52,6 +58,18 @@ class EngineCheckpointing:
                                                    name=f"zerotrain-checkpoint-{tag}", daemon=True)
         self._checkpoint_thread.start()
         return True
+
+    def _abandon_save(self, save_dir, tag: str, meta, group, refused: TypeError):
+        """This rank refuses its state: every rank hears it in the agreement that would have
+        committed the save (each raises, the partial folder goes); this rank raises ``refused``
+        (one line naming the key path), the others a ``CheckpointError`` quoting it."""
+        pending = PendingSave(self, save_dir, tag, RankSnapshot(self.global_rank), meta, False, group)
+        pending.error = str(refused)
+        try:
+            pending.finish()
+        except CheckpointError:
+            pass
+        raise refused from None
 
     def _write_in_background(self, pending: PendingSave) -> None:
         try:
@@ -110,7 +128,9 @@ class EngineCheckpointing:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         if self._checkpoint_pg is None:
-            self._checkpoint_pg = dist.new_group(backend="gloo")
+            # With the collective timeout (ZEROTRAIN_COMM_TIMEOUT; torch's default for a new group
+            # is 30 minutes), and a CollectiveError naming a rank that never gets here.
+            self._checkpoint_pg = new_group(backend="gloo", op="new_group (save_checkpoint)")
         return self._checkpoint_pg
 
 

@@ -1,0 +1,48 @@
+"""Host-side exchanges of small Python objects, with the same timeout and hang diagnosis as
+every other zerotrain collective.
+
+``torch.distributed.all_gather_object`` and ``new_group`` fail after the group's timeout with
+a bare backend error (and ``new_group`` without ``timeout=`` waits torch's 30 minutes whatever
+the default group's timeout is). Here each call takes the next sequence number of its group, a
+new group gets ``default_timeout()`` (``ZEROTRAIN_COMM_TIMEOUT``), and a timeout or a dead peer
+raises ``CollectiveError`` naming the ranks that had not arrived (``zerotrain.comm.hang``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import torch.distributed as dist
+
+from zerotrain.comm.collectives import _next_seq
+from zerotrain.comm.distributed import default_timeout
+from zerotrain.comm.hang import diagnose
+
+
+def all_gather_object(value, group=None, op: str = "all_gather_object") -> list:
+    """Every rank's ``value`` (picklable), ordered by group rank. ``op`` names the exchange in
+    a ``CollectiveError`` (every rank must pass the same)."""
+    seq = _next_seq(group)
+    started = time.monotonic()
+    out = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, value, group=group)
+    except RuntimeError as exc:
+        raise diagnose(exc, op, len(pickle.dumps(value)), seq, group, started) from exc
+    return out
+
+
+def new_group(ranks=None, backend=None, op: str = "new_group"):
+    """``torch.distributed.new_group`` with ``default_timeout()`` for the group's collectives and
+    a ``CollectiveError`` naming the absent ranks if they do not all create it (it is a collective
+    of the default group: every rank must call it, in the same order)."""
+    seq = _next_seq(None)
+    started = time.monotonic()
+    try:
+        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
+    except RuntimeError as exc:
+        raise diagnose(exc, op, 0, seq, None, started) from exc
+
+
+__all__ = ["all_gather_object", "new_group"]
