@@ -27,11 +27,11 @@ def seed002_config(stage: int, bf16="auto") -> dict:
             "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
 
 
-def make_model(seed: int = 0):
+def make_model(seed: int = 0, **config):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(**TINY_GPT2))
+    return GPT2LMHeadModel(GPT2Config(**TINY_GPT2, **config))
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -63,14 +63,92 @@ def losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def lr_recorder(read):
+    """A TrainerCallback that appends ``read()`` (the learning rates the optimizer is about to
+    use) before every optimizer step; the list is its ``lrs``."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.lrs = []
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.lrs.append(read())
+
+    return Recorder()
+
+
 def plain_reference(out_dir: str):
-    """transformers.Trainer without zerotrain or DeepSpeed, one process taking the whole global batch."""
+    """transformers.Trainer without zerotrain or DeepSpeed, one process taking the whole global
+    batch: its losses, final weights and the per-step learning rates of its optimizer."""
     from transformers import Trainer
 
     args = training_args(out_dir, per_device=MICRO * WORLD, steps=STEPS, save_strategy="no")
     trainer = Trainer(model=make_model(), args=args, train_dataset=TokenDataset(16 * STEPS))
+    recorder = lr_recorder(lambda: [g["lr"] for g in trainer.optimizer.param_groups])
+    trainer.add_callback(recorder)
     trainer.train()
-    return losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()}, recorder.lrs
+
+
+def seed002_offload_config(precision: str) -> dict:
+    """Seed 002's ZeRO-3 config with the 7B section's optimizer and parameter offload to the CPU,
+    every precision value "auto" (`precision` names the one the TrainingArguments turn on)."""
+    config = seed002_config(3)
+    config["fp16"] = {"enabled": "auto"}
+    config["zero_optimization"].update({"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                        "offload_param": {"device": "cpu", "pin_memory": True}})
+    return config
+
+
+def zerotrain_trainer_offload_runs(out_dir: str, model_dir: str, untied_dir: str) -> dict:
+    """Seed 002's flow at ZeRO-3 with CPU offload, in the order of transformers' run_clm.py:
+    TrainingArguments(deepspeed=<config with "auto">) first, then from_config / from_pretrained
+    (built partitioned inside zero.Init with "auto" values still unfilled), then the Trainer with
+    its own AdamW and schedule (accelerate swaps in DeepSpeedCPUAdam over the AdamW's groups).
+    fp32, then fp16 (TrainingArguments(fp16=True)); and transformers' resize_token_embeddings on
+    a partitioned model with an untied head (GatheredParameters([w, None, w, None]))."""
+    import zerotrain.hf
+
+    zerotrain.hf.use_zerotrain_as_deepspeed()
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+
+    import zerotrain
+
+    data = TokenDataset(16 * STEPS)
+    result = {}
+    for precision in ("fp32", "fp16"):
+        args = training_args(f"{out_dir}/{precision}", deepspeed=seed002_offload_config(precision), steps=STEPS,
+                             save_strategy="no", fp16=precision == "fp16")
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        result[f"{precision}_from_config_local_numel"] = sum(p.numel() for p in built.parameters())
+        del built
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        result[f"{precision}_from_pretrained_local_numel"] = sum(p.numel() for p in model.parameters())
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        recorder = lr_recorder(lambda: trainer.model_wrapped.get_lr())
+        trainer.add_callback(recorder)
+        trainer.train()
+        engine = trainer.model_wrapped
+        result[precision] = {
+            "losses": losses(trainer), "lrs": recorder.lrs, "stage": engine.zero_optimization_stage(),
+            "optimizer": type(engine.optimizer).__name__, "config": engine.config.raw,
+            "param_dtype": str(next(engine.module.parameters()).dtype),
+            "weights": {k: v.float().clone() for k, v in engine.module_state_dict().items()},
+        }
+
+    # resize_token_embeddings at ZeRO-3 (DeepSpeed-Chat does it after from_pretrained).
+    args = training_args(f"{out_dir}/resize", deepspeed=seed002_offload_config("fp32"), steps=STEPS,
+                         save_strategy="no")
+    model = AutoModelForCausalLM.from_pretrained(untied_dir)
+    old_vocab = model.config.vocab_size
+    model.resize_token_embeddings(old_vocab + 8)  # as DeepSpeed-Chat: mean_resizing on
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        result["resized"] = {k: v.clone() for k, v in model.state_dict().items()
+                             if k in ("transformer.wte.weight", "lm_head.weight")}
+    result["resized_vocab"] = model.config.vocab_size
+    del args
+    return result
 
 
 def zerotrain_trainer_runs(out_dir: str) -> dict:

@@ -31,7 +31,12 @@ class GatheredParameters(contextlib.ContextDecorator):
                  enabled: bool = True):
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = list(params) if enabled and params is not None else []
+        # None entries and repeats are skipped, as in DeepSpeed: transformers'
+        # resize_token_embeddings passes [weight, bias-or-None, weight, bias-or-None].
+        self.params = []
+        for p in (params if enabled and params is not None else ()):
+            if p is not None and all(p is not q for q in self.params):
+                self.params.append(p)
         if modifier_rank is not None and dist.is_initialized():
             world = dist.get_world_size()
             if not 0 <= modifier_rank < world:
