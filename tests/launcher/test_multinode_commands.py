@@ -49,7 +49,7 @@ def test_pdsh_command_exactly_with_percent_escaped():
     plan = make_plan("pdsh", launcher_args=[], target=["train.py", "--note", "100%"])
     [command] = node_commands(plan)
     remote = (f"cd /work && export NCCL_DEBUG=INFO PYTHONPATH=/work && exec {' '.join(AGENT)} --node_rank host=%h "
-              f"{shlex.join(RDZV)} --write_pid_file --no_local_rank --max_restarts 2 train.py --note 100%%")
+              f"{shlex.join(RDZV)} --write_pid_file --stop_on_stdin_eof --no_local_rank --max_restarts 2 train.py --note 100%%")
     assert command == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1", remote]
     assert pdsh_stop_command(plan)[:6] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1"]
     assert "zerotrain-zerotrain-abc-node*.pid" in pdsh_stop_command(plan)[-1]

@@ -259,3 +259,21 @@ def test_openmpi_two_nodes_train(sshd, job):
     multi = records(job / "multi")
     assert [r["env"]["CROSS_RANK"] for r in multi] == ["0", "1"] and all(r["rest"] == ARGS for r in multi)
     assert multi[0]["losses"][-1] < multi[0]["losses"][0]
+
+
+@pytest.mark.parametrize("launcher_name", ["pdsh", "ssh"])
+def test_sigkill_of_the_launcher_leaves_nothing_on_any_node(sshd, job, launcher_name):
+    # SIGKILL runs no clean-up in the launcher: its clients must end (orphan guard) and each node's
+    # agent must see its session end and stop its ranks.
+    if launcher_name == "pdsh" and not shutil.which("pdsh"):
+        pytest.skip("needs pdsh (apt-get install pdsh)")
+    launcher = _start_killable(sshd, job, launcher_name)
+    launcher.kill()
+    launcher.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while (_processes_running(str(job)) + _processes_running("killable.py")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _processes_running(str(job)) + _processes_running("killable.py")
+    for proc in left:
+        proc.kill()
+    assert not left, f"outlived the launcher: {[p.info['cmdline'] for p in left]}"

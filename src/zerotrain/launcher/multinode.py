@@ -92,7 +92,9 @@ def node_commands(plan: MultiNodePlan) -> list[list[str]]:
         return [ssh_command(plan, host, remote_shell_command(plan, agent_argv(plan, str(rank), ["--stop_on_stdin_eof"])))
                 for rank, host in enumerate(plan.hosts)]
     if plan.launcher == "pdsh":
-        remote = remote_shell_command(plan, agent_argv(plan, f"host={_HOST_PLACEHOLDER}", ["--write_pid_file"]))
+        # pdsh holds each ssh's standard input open while it runs: a killed pdsh ends the agents.
+        flags = ["--write_pid_file", "--stop_on_stdin_eof"]
+        remote = remote_shell_command(plan, agent_argv(plan, f"host={_HOST_PLACEHOLDER}", flags))
         remote = remote.replace("%", "%%").replace(_HOST_PLACEHOLDER, "%h")
         return [["pdsh", "-S", "-f", "1024", *plan.launcher_args, "-w", ",".join(plan.hosts), remote]]
     if plan.launcher == "slurm":

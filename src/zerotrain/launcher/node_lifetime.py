@@ -4,8 +4,10 @@
   when it closes the session (a node failed, Ctrl-C, or the launcher itself died), standard
   input reaches end-of-file and the agent gets SIGTERM, which makes torch's agent stop every
   rank before exiting.
-- ``pid_file`` (pdsh launcher, whose sessions keep standard input open): the agent's pid is
-  written there; the launcher's stop command (``kill -TERM $(cat FILE)`` through pdsh) reads it.
+- ``pid_file`` (pdsh launcher, whose sessions keep standard input open while pdsh runs): the
+  agent's pid is written there; the launcher's stop command (``kill -TERM $(cat FILE)`` through
+  pdsh) reads it. The pdsh agents also stop at end of input: when pdsh itself dies (the
+  launcher was killed, see orphan_guard.py), its ssh clients' input ends.
 """
 
 from __future__ import annotations
