@@ -2,13 +2,23 @@
 
 Each check runs in a fresh interpreter (the switch must come before transformers/accelerate are
 imported, and must not leak into this test process).
+
+`python -m zerotrain.hf install` / `uninstall` run in a throwaway virtual environment layered
+on this one (never in the environment the tests run in): after install, seed 002's exact
+`deepspeed --num_gpus=2 train.py --deepspeed ds_config.json` and seed 003's `accelerate launch`
+run on zerotrain with no prefix and match plain PyTorch; uninstall leaves the environment's
+files exactly as before; a real DeepSpeed is refused.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +123,121 @@ def test_zerotrain_hf_without_the_extra_names_it():
     """)
     assert done.returncode == 0, done.stderr
     assert "pip install 'zerotrain[hf]'" in done.stdout
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_module_runner_deepspeed_command_is_zerotrains_launcher_and_missing_commands_name_the_fix(tmp_path):
+    from zerotrain.comm.distributed import free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text("import os, sys, deepspeed, zerotrain.hf\n"
+                      "print('PROBE', os.environ['RANK'], zerotrain.hf.is_active(), sys.argv[1:])\n")
+    done = subprocess.run([sys.executable, "-m", "zerotrain.hf", "deepspeed", "--num_gpus=2", "--master_port",
+                           str(free_port()), str(script), "--deepspeed", "ds_config.json"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    probes = sorted(line.split("PROBE ", 1)[1] for line in done.stdout.splitlines() if "PROBE " in line)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert probes == [f"{r} True ['--deepspeed', 'ds_config.json', '--local_rank={r}']" for r in (0, 1)]
+    done = subprocess.run([sys.executable, "-m", "zerotrain.hf", "no-such-command-xyz"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 127
+    assert "command not found: no-such-command-xyz" in done.stderr
+    assert "python -m zerotrain.hf install" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def _scratch_env(root: Path) -> tuple[Path, Path]:
+    """A virtual environment at ``root`` that sees this one's packages (and zerotrain) through a
+    .pth file, so that installing into it leaves the environment under test alone."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    import zerotrain
+
+    parent_site, src = sysconfig.get_paths()["purelib"], str(Path(zerotrain.__file__).resolve().parents[1])
+    (site / "_zerotrain_test_parent.pth").write_text(
+        f"import site; site.addsitedir({parent_site!r})\n{src}\n")
+    return python, site
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(tmp_path):
+    from tests.hf.accelerate_script import plain_reference as accelerate_reference
+    from tests.hf.hf_workloads import plain_reference as trainer_reference
+    from tests.hf.hf_workloads import seed002_config
+    from tests.hf.test_accelerate import SEED003_PLUGIN_YAML
+    from zerotrain.comm.distributed import free_port
+    from zerotrain.testing import run_on_ranks
+
+    env_root = tmp_path / "env"
+    python, site = _scratch_env(env_root)
+    before = _files(env_root)
+    bin_dir = env_root / "bin"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+           "ZEROTRAIN_REPO": str(ROOT)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and "zerotrain/hf/shim" not in p)  # no switch from outside
+
+    def run(*command, timeout=120):
+        return subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=timeout,
+                              cwd=tmp_path, env=env)
+
+    assert "not installed" in run(python, "-m", "zerotrain.hf", "status").stdout
+    done = run(python, "-m", "zerotrain.hf", "install")
+    assert done.returncode == 0, done.stderr
+    assert (bin_dir / "deepspeed").is_file() and (site / "deepspeed" / "__init__.py").is_file()
+    assert "installed:" in run(python, "-m", "zerotrain.hf", "status").stdout
+
+    # Seed 002's command as written (plus a free port: other tests may hold the default one).
+    (tmp_path / "ds_config.json").write_text(json.dumps(seed002_config(3)))
+    (tmp_path / "train.py").write_text((ROOT / "tests/hf/seed002_train.py").read_text())
+    done = run("deepspeed", "--num_gpus=2", "--master_port", free_port(), "train.py", "--deepspeed",
+               "ds_config.json", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+               "--output_dir", tmp_path / "out", timeout=300)
+    lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[0])
+    assert (result["engine"], result["stage"], result["world"]) == (
+        "zerotrain.engine.engine.ZeroTrainEngine", 3, 2)
+    plain_losses = run_on_ranks(trainer_reference, world_size=1, args=(str(tmp_path / "plain"),),
+                                timeout=240)[0][0]
+    assert result["losses"] == pytest.approx(plain_losses, rel=1e-5)
+
+    # Seed 003's `accelerate launch` (its CLI module is the `accelerate` command's entry point;
+    # this environment has no copy of the command itself).
+    (tmp_path / "cfg.yaml").write_text(SEED003_PLUGIN_YAML)
+    done = run(python, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", "cfg.yaml",
+               "--main_process_port", free_port(), ROOT / "tests/hf/accelerate_script.py", ROOT, timeout=300)
+    lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[0])
+    assert (result["engine"], result["world"]) == ("zerotrain.engine.engine", 2)
+    assert result["losses"] == pytest.approx(accelerate_reference("linear"), rel=1e-3)
+
+    done = run(python, "-m", "zerotrain.hf", "uninstall")
+    assert done.returncode == 0, done.stderr
+    assert _files(env_root) == before  # exactly what install added is gone, nothing else
+    assert run(python, "-c", "import deepspeed").returncode != 0
+    done = run(python, "-m", "zerotrain.hf", "uninstall")
+    assert done.returncode == 1 and "not installed" in done.stderr
+
+    # A real DeepSpeed is never shadowed: refused, one line, nothing written.
+    real = site / "deepspeed-0.14.0.dist-info"
+    real.mkdir()
+    (real / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.14.0\n")
+    (real / "INSTALLER").write_text("pip\n")
+    with_real = _files(env_root)
+    done = run(python, "-m", "zerotrain.hf", "install")
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "a real DeepSpeed is installed (deepspeed 0.14.0" in done.stderr
+    assert "pip uninstall deepspeed" in done.stderr
+    assert _files(env_root) == with_real
+    done = run(python, "-m", "zerotrain.hf", "uninstall")
+    assert done.returncode == 1 and "was not installed by zerotrain" in done.stderr
+    assert _files(env_root) == with_real
