@@ -133,17 +133,21 @@ import os, sys
 os.execvp("sh", ["sh", "-c", sys.argv[-1]])
 """
 
-# pdsh -w HOST,HOST COMMAND: run COMMAND once per host here, %h being the host; report a failed
-# node as pdsh does.
+# pdsh -S -w HOST,HOST COMMAND: run COMMAND once per host here, %h being the host, its standard
+# input a pipe this process holds open (as pdsh does for its ssh clients); report a failed node
+# as pdsh does.
 FAKE_PDSH = """
 import re, subprocess, sys
 args = sys.argv[1:]
 hosts, remote = args[args.index("-w") + 1].split(","), args[-1]
 procs = {h: subprocess.Popen(["sh", "-c", re.sub("%(%|h)", lambda m: "%" if m[1] == "%" else h, remote)],
-                             stdin=subprocess.DEVNULL) for h in hosts}
+                             stdin=subprocess.PIPE) for h in hosts}
+worst = 0
 for host, proc in procs.items():
     if proc.wait():
         print(f"pdsh@fake: {host}: ssh exited with exit code {proc.returncode}", file=sys.stderr, flush=True)
+        worst = max(worst, proc.returncode % 256)
+sys.exit(worst)
 """
 
 
