@@ -10,7 +10,8 @@ fails, the rank that saw it:
 2. waits a short grace period (``grace_seconds``) for the other ranks of the group to do the
    same: ranks blocked in the same collective time out too, within their arrival skew;
 3. raises ``CollectiveError`` naming the op, its size, its sequence number, the ranks that had
-   not arrived, and what is known about each: blocked in an earlier or a different collective,
+   not arrived (when the store itself is unreachable, ranks it could not hear from are listed
+   as unknown, not as absent), and what is known about each: blocked in an earlier or a different collective,
    or not in any zerotrain collective at all (stuck in computation, dead, or it skipped this
    collective). With ``"comms_logger": {"enabled": true, "debug": true}`` every rank also records
    its last completed collective under ``zerotrain/progress/<group>/<rank>`` (one store write per
@@ -142,13 +143,19 @@ def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started:
     except Exception as err:  # e.g. the store's host (rank 0) is gone
         store_error = err
 
-    lines, missing = [], []
+    lines, missing, unknown = [], [], []
     for r in ranks:
         if r == rank:
             continue
         report = reports.get(r)
         if report is not None and report["seq"] == seq and report["op"] == op:
             lines.append(f"  rank {r}: arrived (also blocked in {op} #{seq})")
+            continue
+        if report is None and store_error is not None and r not in progress:
+            # No store, no news: a rank that did arrive (and then exited, taking the store
+            # with it when it was rank 0) must not be named as absent.
+            unknown.append(r)
+            lines.append(f"  rank {r}: unknown (the rendezvous store could not be consulted)")
             continue
         missing.append(r)
         if report is None:
@@ -169,6 +176,9 @@ def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started:
     where = "the default group" if gkey == "world" else f"group {gkey}"
     if missing:
         head = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not arrived"
+    elif unknown:
+        head = ("which ranks had not arrived is unknown: the rendezvous store is unreachable (its "
+                "host, usually rank 0, has probably exited)")
     else:
         head = "every rank arrived; the backend failed anyway"
     message = (f"{op} #{seq} ({convert_size(nbytes)}) on {where} of {len(ranks)} ranks failed on "
