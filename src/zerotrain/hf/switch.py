@@ -52,7 +52,8 @@ def use_zerotrain_as_deepspeed() -> None:
         raise RuntimeError(
             f"use_zerotrain_as_deepspeed() was called after {', '.join(early)} was imported; those modules "
             "decided then that DeepSpeed is not installed. Call it first in the script (before importing "
-            "transformers or accelerate), or start the script with `python -m zerotrain.hf python train.py`.")
+            "transformers or accelerate), start the script with `python -m zerotrain.hf python train.py`, or run "
+            "`python -m zerotrain.hf install` once to make `import deepspeed` zerotrain in this environment.")
     if SHIM_DIR not in sys.path:
         sys.path.insert(0, SHIM_DIR)
     os.environ["PYTHONPATH"] = _with_shim(os.environ.get("PYTHONPATH", ""))
