@@ -17,12 +17,24 @@ Each call takes the next sequence number of its process group; when a collective
 peer dies, the error names the op, its size, that number and the ranks that had not arrived
 (``zerotrain.comm.hang``). The comms logger (``zerotrain.comm.logger``) replaces these functions
 with timed wrappers while it is enabled, and puts these back when it is disabled.
+
+A gloo all-gather or reduce-scatter may carry an ``Identity`` (what this rank's collective is:
+ZeRO stage 3 names the unit it gathers or reduces). Each rank then also sends every peer a
+fixed-size header with the identity, under the collective's sequence tag, and sends its data
+under a tag derived from the identity: data of different collectives never pair (so gloo never
+receives a message larger than the posted buffer, which aborts the process), and waiting checks
+the peers' headers before any data is used, raising ``CollectiveMismatch`` on every rank when
+the ranks issued different collectives. No extra round trip: headers and data travel together.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import struct
 import time
+import zlib
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +87,8 @@ class PendingCollective:
             return True
         try:
             result = self.work.wait(*args, **kwargs)
+        except CollectiveMismatch:
+            raise
         except RuntimeError as exc:
             raise diagnose(exc, self.op, self.nbytes, self.seq, self.group, self.started) from exc
         self.done = True
@@ -100,6 +114,8 @@ def _run(name: str, tensor: torch.Tensor, group, async_op: bool, fn, *args, then
     started = time.monotonic()
     try:
         work = fn(*args, group=group, async_op=async_op, **kwargs)
+    except CollectiveMismatch:
+        raise
     except RuntimeError as exc:
         raise diagnose(exc, name, _nbytes(tensor), seq, group, started) from exc
     if async_op:
@@ -164,7 +180,100 @@ def _next_tag(group) -> int:
     key = None if group is None or group is dist.GroupMember.WORLD else group
     n = _p2p_count.get(key, 0)
     _p2p_count[key] = n + 1
-    return _P2P_TAG_BASE + n % _P2P_TAG_BASE
+    return _P2P_TAG_BASE + n % _SEQ_TAG_SPAN
+
+
+# Data of identified collectives goes under tags derived from the identity, in a range of its own
+# (the sequence tags above stay below it): 2**30 + 2**29 up to 2**31 - 1.
+_SEQ_TAG_SPAN = 1 << 29
+_IDENTITY_TAG_BASE = _P2P_TAG_BASE + _SEQ_TAG_SPAN
+HEADER_LEN = 4  # int64 values in an identity header
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives (seen in the identity headers): raised on every rank
+    before any of the mismatched data is used."""
+
+
+class Identity:
+    """What one rank's collective is: up to ``HEADER_LEN`` integers (``code``). ``explain``
+    gets every rank's code (a list of tuples, by group rank) when they differ and returns the
+    exception to raise."""
+
+    __slots__ = ("code", "explain", "header", "tag")
+
+    def __init__(self, code: Sequence[int], explain: Callable[[list], BaseException]):
+        if len(code) > HEADER_LEN:
+            raise ValueError(f"an Identity holds at most {HEADER_LEN} integers, got {len(code)}")
+        self.code = tuple(int(c) for c in code) + (0,) * (HEADER_LEN - len(code))
+        self.explain = explain
+        self.header = torch.tensor(self.code, dtype=torch.int64)
+        packed = struct.pack(f"<{HEADER_LEN}q", *self.code)
+        self.tag = _IDENTITY_TAG_BASE + (zlib.crc32(packed) & (_SEQ_TAG_SPAN - 1))
+
+
+class _CheckedExchange:
+    """An exchange whose peers' identity headers are checked before its data is waited for.
+
+    Headers are checked in the order the collectives were issued, each group's earlier ones
+    first: a rank waiting for a later collective than its peer (which stopped at the first
+    disagreement) still finds that first disagreement, and every rank raises the same error.
+    After it, every identified collective of the group raises it again."""
+
+    __slots__ = ("headers", "heard", "peer_ranks", "data", "identity", "rank", "world", "key",
+                 "checked")
+
+    def __init__(self, headers, heard, peer_ranks, data, identity, rank, world, key):
+        self.headers, self.heard, self.peer_ranks = headers, heard, peer_ranks
+        self.data, self.identity, self.rank, self.world = data, identity, rank, world
+        self.key, self.checked = key, False
+        _unchecked.setdefault(key, collections.deque()).append(self)
+
+    def _check(self) -> None:
+        self.headers.wait()
+        self.checked = True
+        codes = [tuple(row) for row in self.heard.tolist()]
+        if any(code != self.identity.code for code in codes):
+            every = [self.identity.code] * self.world
+            for r, code in zip(self.peer_ranks, codes):
+                every[r] = code
+            _mismatched[self.key] = self.identity.explain(every)
+
+    def wait(self, *args, **kwargs) -> bool:
+        queue = _unchecked.get(self.key)
+        while not self.checked and queue and self.key not in _mismatched:
+            queue.popleft()._check()
+        failure = _mismatched.get(self.key)
+        if failure is not None:
+            raise failure
+        return self.data.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.headers.is_completed() and self.data.is_completed()
+
+    def get_future(self):
+        return torch.futures.collect_all([self.headers.get_future(), self.data.get_future()])
+
+
+# Per group: identified exchanges whose headers are not checked yet (in issue order), and the
+# first disagreement found.
+_unchecked: dict = {}
+_mismatched: dict = {}
+
+
+def _identified_exchange(sends, receives, group, identity: Identity) -> _CheckedExchange:
+    """``_exchange`` with identity headers: each peer gets ours under the sequence tag; the data
+    goes under the identity's tag."""
+    peers = _peers(group)
+    heard = torch.empty((len(peers), HEADER_LEN), dtype=torch.int64)
+    tag = _next_tag(group)
+    works = [dist.irecv(heard[i], g, group=group, tag=tag) for i, (_, g) in enumerate(peers)]
+    works += [dist.isend(identity.header, g, group=group, tag=tag) for _, g in peers]
+    data = [dist.irecv(t, src, group=group, tag=identity.tag) for src, t in receives]
+    data += [dist.isend(t, dst, group=group, tag=identity.tag) for dst, t in sends]
+    key = None if group is None or group is dist.GroupMember.WORLD else group
+    return _CheckedExchange(_Exchange(works), heard, [r for r, _ in peers], _Exchange(data),
+                            identity, dist.get_rank(group), dist.get_world_size(group), key)
 
 
 def _peers(group) -> list[tuple[int, int]]:
@@ -197,24 +306,28 @@ class _Exchange:
         return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
-def _exchange(sends, receives, group) -> _Exchange:
-    """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag."""
+def _exchange(sends, receives, group, identity: Identity | None = None):
+    """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag
+    (with an ``identity``: checked, see ``_identified_exchange``)."""
+    if identity is not None:
+        return _identified_exchange(sends, receives, group, identity)
     tag = _next_tag(group)
     works = [dist.irecv(t, src, group=group, tag=tag) for src, t in receives]
     works += [dist.isend(t, dst, group=group, tag=tag) for dst, t in sends]
     return _Exchange(works)
 
 
-def _gather_by_send_recv(output, mine, group, async_op: bool):
+def _gather_by_send_recv(output, mine, group, async_op: bool, identity=None):
     n = mine.numel()
     peers = _peers(group)
     return _run("all_gather_into_tensor", output, group, async_op,
                 lambda group, async_op: _p2p_result(_exchange(
                     [(g, mine) for _, g in peers],
-                    [(g, output.narrow(0, r * n, n)) for r, g in peers], group), async_op))
+                    [(g, output.narrow(0, r * n, n)) for r, g in peers], group, identity),
+                    async_op))
 
 
-def _p2p_result(exchange: _Exchange, async_op: bool):
+def _p2p_result(exchange, async_op: bool):
     if async_op:
         return exchange
     exchange.wait()
@@ -228,7 +341,7 @@ def reduce_scatter_scratch_rows(group=None) -> int:
     return dist.get_world_size(group) - 1 if _sends_and_receives(group) else 0
 
 
-def _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch):
+def _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch, identity=None):
     world, n = dist.get_world_size(group), mine.numel()
     if op != ReduceOp.SUM:
         raise ValueError(f"reduce_scatter_into on gloo sums (op=SUM); got {op}")
@@ -250,14 +363,17 @@ def _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch):
     return _run("reduce_scatter_tensor", flat, group, async_op,
                 lambda group, async_op: _p2p_result(_exchange(
                     [(g, flat.narrow(0, r * n, n)) for r, g in peers],
-                    [(g, t) for (_, g), t in zip(peers, received)], group), async_op),
+                    [(g, t) for (_, g), t in zip(peers, received)], group, identity), async_op),
                 then=reduce_locally)
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
+                    identity: Identity | None = None):
     """Gather every rank's ``shard`` into the flat ``output`` (rank r's shard at ``r * shard.numel()``).
 
-    ``shard`` may be this rank's slice of ``output`` itself (no copy is made then)."""
+    ``shard`` may be this rank's slice of ``output`` itself (no copy is made then). With an
+    ``identity`` (gloo's send/recv form; ignored by the other forms) waiting raises
+    ``CollectiveMismatch`` when a peer's collective has another identity."""
     world = dist.get_world_size(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(
@@ -269,7 +385,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
         if not _same_memory(mine, shard):
             mine.copy_(shard.reshape(-1))
         if gloo_form() == "send_recv":
-            return _gather_by_send_recv(output, mine, group, async_op)
+            return _gather_by_send_recv(output, mine, group, async_op, identity)
         n = mine.numel()
         output.narrow(0, 0, start).zero_()
         output.narrow(0, start + n, output.numel() - start - n).zero_()
@@ -281,13 +397,15 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
-                        async_op: bool = False, scratch: torch.Tensor | None = None):
+                        async_op: bool = False, scratch: torch.Tensor | None = None,
+                        identity: Identity | None = None):
     """Reduce ``flat`` across ranks and keep this rank's contiguous slice in ``output``.
 
     ``flat`` is used as scratch space: its contents are undefined afterwards. Passing this rank's
     slice of ``flat`` as ``output`` avoids a copy (and NCCL then reduces in place). On gloo the
     peers' rows are received into ``scratch`` (:func:`reduce_scatter_scratch_rows` rows of
-    ``output``'s size; allocated per call when not given) and summed when the work is waited for."""
+    ``output``'s size; allocated per call when not given) and summed when the work is waited for.
+    ``identity``: as for :func:`all_gather_into`."""
     world = dist.get_world_size(group)
     if flat.numel() != output.numel() * world:
         raise ValueError(
@@ -297,7 +415,7 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SU
     mine, _ = _rank_slice(flat, world, group)
     if _is_gloo(group):
         if gloo_form() == "send_recv":
-            return _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch)
+            return _scatter_by_send_recv(output, flat, mine, op, group, async_op, scratch, identity)
         then = None if _same_memory(mine, output) else (lambda: output.copy_(mine))
         return _run("reduce_scatter_tensor", flat, group, async_op, dist.all_reduce, flat, op=op,
                     then=then)

@@ -332,15 +332,15 @@ def broadcast(tensor, src: int = 0, group=None, async_op: bool = False):
                               (tensor, src, group, async_op))
 
 
-def all_gather_into(output, shard, group=None, async_op: bool = False):
+def all_gather_into(output, shard, group=None, async_op: bool = False, identity=None):
     return comms_logger.timed(ORIGINALS["all_gather_into"], "all_gather_into_tensor", _n(output), group,
-                              async_op, (output, shard, group, async_op))
+                              async_op, (output, shard, group, async_op, identity))
 
 
 def reduce_scatter_into(output, flat, op=_c.ReduceOp.SUM, group=None, async_op: bool = False,
-                        scratch=None):
+                        scratch=None, identity=None):
     return comms_logger.timed(ORIGINALS["reduce_scatter_into"], "reduce_scatter_tensor", _n(flat), group,
-                              async_op, (output, flat, op, group, async_op, scratch))
+                              async_op, (output, flat, op, group, async_op, scratch, identity))
 
 
 def barrier(group=None) -> None:

@@ -26,6 +26,7 @@ from zerotrain.offload.aio import DISK_ACTIVITY
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
+from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
 from zerotrain.zero.init import is_partitioned, materialize
 from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
@@ -201,6 +202,12 @@ class ZeroStage:
             self.reduction.before_reduce = lambda unit: self.grad_swapper.ensure(unit, dirty=True)
             self.offload.swapper.grad_swapper = self.grad_swapper
         registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters)
+        if self.coordinator is not None and identity_checks_enabled():
+            # Rank-dependent control flow raises on every rank, naming the units (stage 3 only:
+            # below it, reductions launch in a fixed order and nothing is gathered in between).
+            identities = UnitIdentities(self.coordinator.units, self.trained, strategy.stage)
+            self.coordinator.identities = identities
+            self.reduction.identities = identities
         if checking_enabled():
             agreement = CollectiveAgreement(group, self._describe_unit, self._compute_device)
             self.reduction.agreement = agreement

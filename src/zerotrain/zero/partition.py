@@ -246,18 +246,21 @@ class FlatParamUnit:
         self._set_status(False)
         return flat
 
-    def start_gather(self, group=None, buffer: torch.Tensor | None = None):
+    def start_gather(self, group=None, buffer: torch.Tensor | None = None, identity=None):
         """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
-        shard's dtype), or into a newly allocated full buffer."""
+        shard's dtype), or into a newly allocated full buffer. ``identity``: what every rank
+        must be gathering too (``collectives.Identity``, checked when the gather is waited for)."""
         self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
         if self.derived:  # this rank's slice of the buffer is the input: nothing else to copy
             shard = self.layout.shard(self.flat, self._rank)
             shard.copy_(self.master.detach())
-            return collectives.all_gather_into(self.flat, shard, group=group, async_op=True)
+            return collectives.all_gather_into(self.flat, shard, group=group, async_op=True,
+                                               identity=identity)
         shard = self.resident_shard().detach()
         if shard.device != self.flat.device:  # offload_param: the shard lives in host memory
             shard = shard.to(self.flat.device, non_blocking=True)
-        return collectives.all_gather_into(self.flat, shard, group=group, async_op=True)
+        return collectives.all_gather_into(self.flat, shard, group=group, async_op=True,
+                                           identity=identity)
 
     def finish_gather(self) -> None:
         """After the gather has completed: point the module parameters at the full buffer."""

@@ -37,6 +37,7 @@ class _Reduction:
     staging: StagingPool | None
     reduces_every_backward = False
     agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
+    identities = None  # zero.divergence.UnitIdentities (stage 3): each reduce-scatter names its unit
 
     def _agree(self, bucket: GradientBucket) -> None:
         if self.agreement is not None:
@@ -248,7 +249,8 @@ class ReduceScatterGradients(_Reduction):
             if self._use_reduce_scatter:
                 work = collectives.reduce_scatter_into(
                     mine, wire, group=self.group, async_op=True,
-                    scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None)
+                    scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None,
+                    identity=self.identities and self.identities.reduce(index, c0, n))
             else:
                 work = collectives.all_reduce(wire, group=self.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which

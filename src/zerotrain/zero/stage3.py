@@ -173,7 +173,7 @@ class ParameterCoordinator:
             self._count(unit.layout.padded_numel)
         self._before_allocating(unit)
         self._agree(unit)
-        unit.start_gather(self.group, self._acquire(unit)).wait()
+        unit.start_gather(self.group, self._acquire(unit), self._identity(unit)).wait()
         unit.finish_gather()
 
     def _prefetch(self, order: _UseOrder) -> None:
@@ -194,18 +194,23 @@ class ParameterCoordinator:
             self._before_allocating(unit)
             self._agree(unit)
             self._count(numel)
-            self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit))
+            self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit),
+                                                     self._identity(unit))
 
     def _before_allocating(self, unit: FlatParamUnit) -> None:
         if not in_backward():
             self._forward_trim.reduced(unit.layout.padded_numel)
 
     agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
+    identities = None  # zero.divergence.UnitIdentities: every gather names its unit (default)
     param_swapper = None  # NVMe parameter offload: shards are read ahead along the recorded order
 
     def _agree(self, unit: FlatParamUnit) -> None:
         if self.agreement is not None:
             self.agreement.check("gather", self._position[unit])
+
+    def _identity(self, unit: FlatParamUnit):
+        return None if self.identities is None else self.identities.gather(self._position[unit])
 
     def release(self, unit: FlatParamUnit) -> None:
         work = self._inflight.pop(unit, None)
