@@ -147,6 +147,13 @@ def zerotrain_trainer_offload_runs(out_dir: str, model_dir: str, untied_dir: str
         result["resized"] = {k: v.clone() for k, v in model.state_dict().items()
                              if k in ("transformer.wte.weight", "lm_head.weight")}
     result["resized_vocab"] = model.config.vocab_size
+    # Repeats are skipped too: rank 0's edit through a list naming the weight twice lands once.
+    weight = model.lm_head.weight
+    with zerotrain.zero.GatheredParameters([weight, None, weight], modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            weight.data.copy_(torch.arange(weight.numel(), dtype=weight.dtype).reshape(weight.shape))
+    with zerotrain.zero.GatheredParameters([weight]):
+        result["edited"] = weight.detach().clone()
     del args
     return result
 

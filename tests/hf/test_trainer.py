@@ -164,3 +164,5 @@ def test_resize_token_embeddings_on_a_partitioned_model(offload_runs):
             assert torch.equal(resized[:vocab], saved[key]), key  # old rows kept exactly
             assert torch.isfinite(resized[vocab:]).all() and resized[vocab:].abs().sum() > 0
             assert torch.equal(resized, ranks[0]["resized"][key])  # the same on every rank
+        expected = torch.arange((vocab + 8) * TINY_GPT2["n_embd"], dtype=torch.float32)
+        assert torch.equal(rank["edited"], expected.reshape(vocab + 8, -1))
