@@ -29,8 +29,9 @@ def main() -> None:
 
     from tests.hf.hf_workloads import STEPS, TokenDataset, losses, make_model, training_args
 
-    training = training_args(args.output_dir, deepspeed=args.deepspeed, per_device=args.per_device_train_batch_size,
-                             steps=STEPS, save_strategy="no", gradient_accumulation_steps=args.gradient_accumulation_steps)
+    training = training_args(args.output_dir, deepspeed=args.deepspeed,
+                             per_device=args.per_device_train_batch_size, steps=STEPS, save_strategy="no",
+                             gradient_accumulation_steps=args.gradient_accumulation_steps)
     trainer = Trainer(model=make_model(), args=training, train_dataset=TokenDataset(16 * STEPS))
     trainer.train()
     engine = trainer.model_wrapped

@@ -22,9 +22,9 @@ the bytecode Python wrote for them), then the folders it created if they are emp
 
 from __future__ import annotations
 
+import base64
 import csv
 import hashlib
-import base64
 import importlib.metadata
 import importlib.util
 import io
