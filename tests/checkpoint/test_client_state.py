@@ -252,11 +252,13 @@ def _save_and_load(root: str):
     # refused at save on one rank only: every rank raises, the partial folder is gone, the
     # previous checkpoint stays the latest
     bad = {"ok": 1, "counts": defaultdict(lambda: 0)} if dist.get_rank() == 1 else {"ok": 1}
-    try:
-        engine.save_checkpoint(root, tag="bad", client_state=bad)
-        out["refused"] = "no error"
-    except (TypeError, CheckpointError) as error:
-        out["refused"] = f"{type(error).__name__}: {error}"
+    for async_save in (False, True):
+        try:
+            engine.save_checkpoint(root, tag="bad", client_state=bad, async_save=async_save)
+            engine.wait_for_checkpoint()
+            out["refused", async_save] = "no error"
+        except (TypeError, CheckpointError) as error:
+            out["refused", async_save] = f"{type(error).__name__}: {error}"
     dist.barrier()
     out["after_refusal"] = sorted(os.listdir(root))
     out["latest"] = open(os.path.join(root, "latest")).read()
@@ -292,10 +294,13 @@ def test_client_and_scheduler_state_load_back_equal_and_of_the_same_type(results
 
 def test_a_refused_value_fails_the_save_on_every_rank_naming_the_key(results):
     root, ranks = results
-    assert ranks[1]["refused"].startswith("StateTypeError: client_state['counts'] is a defaultdict "
-                                          "whose default_factory is <function")
-    assert ranks[0]["refused"].startswith("CheckpointError: checkpoint ")
-    assert "rank 1: client_state['counts'] is a defaultdict" in ranks[0]["refused"]
+    for async_save in (False, True):
+        refused = [r["refused", async_save] for r in ranks]
+        assert refused[1].startswith("StateTypeError: client_state['counts'] is a defaultdict "
+                                     "whose default_factory is <function"), refused[1]
+        assert "\n" not in refused[1]
+        assert refused[0].startswith("CheckpointError: checkpoint "), refused[0]
+        assert "rank 1: client_state['counts'] is a defaultdict" in refused[0]
     for r in ranks:
         assert r["after_refusal"] == ["latest", "t", "zero_to_fp32.py", "zerotrain_checkpoint_format.py"]
         assert r["latest"] == "t"

@@ -44,10 +44,10 @@ class EngineCheckpointing:
         meta = prepare(self, save_dir, tag, exclude_frozen_parameters, group)
         try:
             snap = capture(self, client_state, exclude_frozen_parameters)
+            if async_save:
+                snap = snap.detached()
         except TypeError as refused:  # a value that would not load back as saved
             self._abandon_save(save_dir, tag, meta, group, refused)
-        if async_save:
-            snap = snap.detached()
         pending = PendingSave(self, save_dir, tag, snap, meta, save_latest, group)
         if not async_save:
             pending.write()
