@@ -144,3 +144,21 @@ def test_converted_deepspeed_checkpoints_carry_the_digest(tmp_path):
     meta = read_metadata(folder)
     assert len(meta[METADATA_DIGEST]) == 64
     assert get_fp32_state_dict_from_zero_checkpoint(tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", sorted(FOLDERS))
+def test_a_deleted_listed_file_is_a_checkpoint_error_naming_it(run, layout, tmp_path):
+    """Every file metadata.json lists, deleted in turn: a one-line CheckpointError naming that
+    file (not FileNotFoundError) from the zero_to_fp32 functions, even for a file they would not
+    read (a state file, the buffers-only model file of a sharded checkpoint): it is damaged."""
+    root, _ = run
+    source = root / FOLDERS[layout]
+    listed = sorted(read_metadata(source / TAG)["files"])
+    assert "model.safetensors" in listed and any(f.startswith("state.") for f in listed), listed
+    for filename in listed:
+        folder = tmp_path / f"deleted-{filename}"
+        shutil.copytree(source, folder)
+        (folder / TAG / filename).unlink()
+        with pytest.raises(CheckpointError, match="is missing from checkpoint") as error:
+            get_fp32_state_dict_from_zero_checkpoint(folder)
+        assert filename in str(error.value) and "\n" not in str(error.value)

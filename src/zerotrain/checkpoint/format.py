@@ -278,6 +278,12 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder} has format version {self.meta['format_version']}; "
                                   f"this reader knows up to {FORMAT_VERSION}: upgrade zerotrain")
         self.verify = verify
+        # A listed file gone is a damaged checkpoint even where this load would not read it.
+        for filename in self.meta["files"]:
+            if not (self.folder / filename).is_file():
+                raise CheckpointError(f"{self.folder / filename} is missing from checkpoint {self.folder} "
+                                      f"(its {METADATA} lists it): restore the file from a copy, or "
+                                      "load another tag")
         self._files: dict[str, TensorFile] = {}
         self.sources: dict[str, tuple] = {}  # canonical name -> ("unit", unit, offset, numel, shape) | ("whole", entry)
         for unit in self.meta["units"]:
@@ -309,8 +315,6 @@ class CheckpointReader:
             expected = self.meta["files"].get(filename)
             if expected is None:
                 raise CheckpointError(f"{path} is not listed in {METADATA}")
-            if not path.is_file():
-                raise CheckpointError(f"{path} is missing")
             self.check_file(filename)
             self._files[filename] = TensorFile(path)
         return self._files[filename]
@@ -319,6 +323,9 @@ class CheckpointReader:
         """Verify size and checksum of one listed file; returns its path."""
         path = self.folder / filename
         expected = self.meta["files"][filename]
+        if not path.is_file():  # deleted since the reader was made
+            raise CheckpointError(f"{path} is missing from checkpoint {self.folder} (its {METADATA} lists "
+                                  "it): restore the file from a copy, or load another tag")
         if path.stat().st_size != expected["bytes"]:
             raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the checkpoint recorded "
                                   f"{expected['bytes']}: the file is truncated or was replaced")
