@@ -230,7 +230,8 @@ class _CheckedExchange:
         _unchecked.setdefault(key, collections.deque()).append(self)
 
     def _check(self) -> None:
-        self.headers.wait()
+        for work in self.headers.works[:len(self.peer_ranks)]:  # the receives; sends at the end
+            work.wait()
         self.checked = True
         codes = [tuple(row) for row in self.heard.tolist()]
         if any(code != self.identity.code for code in codes):
@@ -246,7 +247,10 @@ class _CheckedExchange:
         failure = _mismatched.get(self.key)
         if failure is not None:
             raise failure
-        return self.data.wait(*args, **kwargs)
+        self.data.wait(*args, **kwargs)
+        for work in self.headers.works[len(self.peer_ranks):]:  # the sends (long done by now)
+            work.wait(*args, **kwargs)
+        return True
 
     def is_completed(self) -> bool:
         return self.headers.is_completed() and self.data.is_completed()
@@ -263,14 +267,16 @@ _mismatched: dict = {}
 
 def _identified_exchange(sends, receives, group, identity: Identity) -> _CheckedExchange:
     """``_exchange`` with identity headers: each peer gets ours under the sequence tag; the data
-    goes under the identity's tag."""
+    goes under the identity's tag. Data is posted before headers on both sides, so a peer's
+    header reaches this rank after its data (one connection per pair, written in order): the
+    wait for the header is then the only one that sleeps."""
     peers = _peers(group)
     heard = torch.empty((len(peers), HEADER_LEN), dtype=torch.int64)
     tag = _next_tag(group)
-    works = [dist.irecv(heard[i], g, group=group, tag=tag) for i, (_, g) in enumerate(peers)]
-    works += [dist.isend(identity.header, g, group=group, tag=tag) for _, g in peers]
     data = [dist.irecv(t, src, group=group, tag=identity.tag) for src, t in receives]
     data += [dist.isend(t, dst, group=group, tag=identity.tag) for dst, t in sends]
+    works = [dist.irecv(heard[i], g, group=group, tag=tag) for i, (_, g) in enumerate(peers)]
+    works += [dist.isend(identity.header, g, group=group, tag=tag) for _, g in peers]
     key = None if group is None or group is dist.GroupMember.WORLD else group
     return _CheckedExchange(_Exchange(works), heard, [r for r, _ in peers], _Exchange(data),
                             identity, dist.get_rank(group), dist.get_world_size(group), key)
