@@ -9,34 +9,65 @@ from tests.engine.workloads import adamw_config, global_batches, make_model
 from zerotrain.testing import RankFailed, run_on_ranks
 
 
+NO_SYNC_STEPS = 2
+NO_SYNC_SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+def _no_sync_optimizer(name: str) -> dict:
+    # SGD moves the weights by the gradient itself: a gradient off by a factor (accumulation
+    # steps, ranks, a micro-batch counted twice or dropped) shows in the weights. Adam's first
+    # update is about lr * sign(g) and hides such factors, so it is the second case, not the only one.
+    return ({"type": "SGD", "params": NO_SYNC_SGD} if name == "sgd"
+            else adamw_config(2)["optimizer"])
+
+
+def _no_sync_reference(optimizer: str) -> torch.Tensor:
+    """Single-process fp32: each step on the whole 12-row global batch."""
+    model = make_model()
+    params = _no_sync_optimizer(optimizer)["params"]
+    opt = (torch.optim.SGD(model.parameters(), **params) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), **params))
+    data = global_batches(NO_SYNC_STEPS, 12)
+    for step in range(NO_SYNC_STEPS):
+        model(data[step], labels=data[step]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def _no_sync_equals_accumulation(stage: int):
-    """Two micro-batches under no_sync plus one synced backward == GA 3 without no_sync."""
+    """Per step, two micro-batches under no_sync plus one synced backward (gas 1), and gas 3
+    without no_sync; both for SGD and AdamW. Returns the final weights of each."""
     import torch.distributed as dist
 
     import zerotrain
 
     zerotrain.init_distributed()
     rank = dist.get_rank()
-    data = global_batches(1, 12)[0]
-    out = []
-    for use_no_sync in (True, False):
-        model = make_model()
-        cfg = adamw_config(2, gas=1 if use_no_sync else 3, zero_optimization={"stage": stage})
-        engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
-        for m in range(3):
-            batch = data[(m * 2 + rank) * 2:(m * 2 + rank) * 2 + 2]
-            loss = engine(batch, labels=batch).loss
-            if use_no_sync and m < 2:
-                with engine.no_sync():
-                    engine.backward(loss / 3)
-            elif use_no_sync:
-                engine.backward(loss / 3)
-                engine.step()
-            else:
-                engine.backward(loss)
-                engine.step()
-        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-        engine.destroy()
+    data = global_batches(NO_SYNC_STEPS, 12)
+    out = {}
+    for optimizer in ("sgd", "adamw"):
+        for use_no_sync in (True, False):
+            model = make_model()
+            cfg = adamw_config(2, gas=1 if use_no_sync else 3, zero_optimization={"stage": stage})
+            cfg["optimizer"] = _no_sync_optimizer(optimizer)
+            engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
+            for step in range(NO_SYNC_STEPS):
+                for m in range(3):
+                    batch = data[step, (m * 2 + rank) * 2:(m * 2 + rank) * 2 + 2]
+                    loss = engine(batch, labels=batch).loss
+                    if use_no_sync and m < 2:
+                        with engine.no_sync():
+                            engine.backward(loss / 3)
+                    elif use_no_sync:
+                        engine.backward(loss / 3)
+                        engine.step()
+                    else:
+                        engine.backward(loss)
+                        engine.step()
+            assert engine.global_steps == NO_SYNC_STEPS
+            out[(optimizer, use_no_sync)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            engine.destroy()
     return out
 
 
@@ -44,8 +75,15 @@ def _no_sync_equals_accumulation(stage: int):
 def test_no_sync_accumulates_then_reduces(stage):
     # DeepSpeed asserts no_sync away under ZeRO 2/3, which broke HF gradient accumulation; here
     # it works at every stage (stage 2 holds full local gradients until the synced backward).
-    for with_no_sync, with_ga in run_on_ranks(_no_sync_equals_accumulation, 2, args=(stage,)):
-        torch.testing.assert_close(with_no_sync, with_ga, rtol=1e-5, atol=1e-7)
+    # Both ways of accumulating must equal plain PyTorch on the whole global batch.
+    references = {opt: _no_sync_reference(opt) for opt in ("sgd", "adamw")}
+    init = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
+    for rank, got in enumerate(run_on_ranks(_no_sync_equals_accumulation, 2, args=(stage,))):
+        for (optimizer, use_no_sync), weights in got.items():
+            want = references[optimizer]
+            assert not torch.equal(want, init)  # the reference moved: the comparison means something
+            torch.testing.assert_close(weights, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {optimizer} no_sync={use_no_sync}: {m}")
 
 
 def _misuse(kind: str):
