@@ -170,25 +170,34 @@ def test_nvme_checkpoints_resume_bit_identically_and_reshard(runs, monkeypatch):
     checkpoint_cases.check([r["checkpoint"] for r in results], single, nvme)
 
 
-def test_disk_activity_counts_overlapping_operations_once():
+def test_disk_activity_counts_overlapping_operations_once(monkeypatch):
     """``io_busy_s`` is the wall time with any swap I/O under way: two operations that overlap
-    count once, a gap between operations not at all."""
-    import threading
-    import time
+    count once, a gap between operations not at all, a running one up to now. Read on a scripted
+    clock (no sleeps, no timing window); ``bench/disk_activity.py`` measures it on the real clock."""
+    import types
 
-    from zerotrain.offload.aio import DiskActivity
+    from zerotrain.offload import aio
 
-    clock = DiskActivity()
+    now = [0.0]
+    monkeypatch.setattr(aio, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = aio.DiskActivity()
 
-    def hold(seconds):
-        with clock:
-            time.sleep(seconds)
+    def at(t, then=None):
+        now[0] = t
+        if then is not None:
+            then()
 
-    threads = [threading.Thread(target=hold, args=(0.3,)) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    time.sleep(0.2)  # idle: not counted
-    hold(0.1)
-    assert 0.4 <= clock.busy_s < 0.55, clock.busy_s
+    at(0.0, clock.__enter__)  # A starts
+    at(1.0, clock.__enter__)  # B starts while A runs
+    at(2.0)
+    assert clock.busy_s == 2.0  # running: counted up to now, once
+    at(3.0, clock.__exit__)  # A ends, B still runs
+    assert clock.busy_s == 3.0
+    at(4.0, clock.__exit__)  # B ends: [0, 4] was busy, not 3 + 3
+    assert clock.busy_s == 4.0
+    at(6.0)
+    assert clock.busy_s == 4.0  # idle 4..6: not counted
+    with clock:  # C: 6..7.5
+        at(7.5)
+    at(9.0)
+    assert clock.busy_s == 5.5
