@@ -30,12 +30,13 @@ def results(tmp_path_factory):
     with pytest.raises(RankFailed, match="rank 1 died|by peer"):
         run_on_ranks(runs.killed_save, 2, args=(str(killed),), timeout=120)
     killed_state = {"latest": (killed / "latest").read_text(), "folders": sorted(p.name for p in killed.iterdir())}
-    corrupt = root / "corrupt"
-    shutil.copytree(root / "universal1", corrupt)
-    data = bytearray((corrupt / "global_step5" / shard_file(1)).read_bytes())
-    data[-5] ^= 0x40  # one flipped bit in rank 1's optimizer state
-    (corrupt / "global_step5" / shard_file(1)).write_bytes(bytes(data))
-    single = run_on_ranks(runs.single_rank_loads, 1, args=(str(root), str(killed), str(corrupt)), timeout=300)
+    # a neutral folder name: the message must not pass by quoting it
+    flipped = root / "flipped_bit"
+    shutil.copytree(root / "universal1", flipped)
+    data = bytearray((flipped / "global_step5" / shard_file(1)).read_bytes())
+    data[-5] ^= 0x40  # one flipped bit in rank 1's optimizer state (same size: only the sha256 tells)
+    (flipped / "global_step5" / shard_file(1)).write_bytes(bytes(data))
+    single = run_on_ranks(runs.single_rank_loads, 1, args=(str(root), str(killed), str(flipped)), timeout=300)
     four = run_on_ranks(runs.four_rank_loads, 4, args=(str(root),), timeout=300)
     return {"root": root, "saved": saved, "loaded": loaded, "killed": killed_state,
             "single": single[0], "four": four}
@@ -124,8 +125,10 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(results):
 
 
 def test_flipped_byte_is_reported_with_the_file_name(results):
-    assert "corrupt" in results["single"]["corrupt"]
-    assert shard_file(1) in results["single"]["corrupt"]
+    message = results["single"]["corrupt"]  # runs.single_rank_loads' key; the folder is flipped_bit
+    path = results["root"] / "flipped_bit" / "global_step5" / shard_file(1)
+    assert message == (f"{path} is corrupt: its sha256 does not match the one recorded in "
+                       "metadata.json"), message
 
 
 def test_shape_mismatch_names_the_parameter_and_non_strict_loads_the_rest(results):
