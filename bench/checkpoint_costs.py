@@ -1,7 +1,7 @@
 """Measured costs of checkpoints (figures in docs/checkpoint.md).
 
-    python tests/checkpoint/bench_checkpoint.py save          # step-time cost of sync/async saves
-    python tests/checkpoint/bench_checkpoint.py consolidate   # peak RSS of `zerotrain consolidate`
+    python bench/checkpoint_costs.py save          # step-time cost of sync/async saves
+    python bench/checkpoint_costs.py consolidate   # peak RSS of `zerotrain consolidate`
 
 ``save``: a 2-rank ZeRO-2 bf16 GPT (~14M parameters) trains; timed: a plain step, a
 ``save_checkpoint`` call, and the blocking part of ``save_checkpoint(async_save=True)`` (the host
