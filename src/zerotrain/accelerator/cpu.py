@@ -9,11 +9,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import resource
+import sys
 import time
 
 import torch
 
 from zerotrain.accelerator.base import Accelerator
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (``getrusage``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class HostEvent:
@@ -148,8 +156,6 @@ class CPUAccelerator(Accelerator):
         rss = self._rss()
         if self._sampled_peak is not None:
             return self._sampled_peak
-        from zerotrain.runtime.utils import peak_rss_bytes
-
         return max(peak_rss_bytes(), rss)
 
     def memory_allocated(self, device_index: int | None = None) -> int:

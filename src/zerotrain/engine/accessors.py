@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.utils.timer import ThroughputTimer
+from zerotrain.engine.timers import ThroughputTimer
 
 
 def _observe_throughput(engine, inputs) -> None:

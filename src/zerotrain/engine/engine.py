@@ -23,8 +23,8 @@ from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, 
                                      StepTimers)
 from zerotrain.log import log_rank0
 from zerotrain.monitor import MonitorMaster
+from zerotrain.monitor.memory import register_engine
 from zerotrain.offload import describe_stats
-from zerotrain.runtime.utils import register_engine
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
 

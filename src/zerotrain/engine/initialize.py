@@ -16,6 +16,7 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
 from zerotrain.optim import build_lr_scheduler, build_optimizer
+from zerotrain.optim.expert_groups import refuse_expert_parameters
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
 from zerotrain.zero.flat import split_into_buckets
 
@@ -46,6 +47,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if mesh_param is not None:
         raise NotImplementedError("model parallelism (mesh_param=) is not supported: "
                                   "zerotrain is data-parallel only")
+    refuse_expert_parameters(model)  # until expert parallelism lands (docs/compat.md)
     if config is not None and config_params is not None and config is not config_params:
         raise ValueError("pass the config once: config= and config_params= are aliases")
     config = config if config is not None else config_params

@@ -26,8 +26,9 @@ import torch
 from zerotrain.offload.aio import SwapFileError
 from zerotrain.offload.nvme import (MAX_CHUNK_NUMEL, NvmeOptimizerOffload, NvmeParamOffload,
                                    NvmeParamSettings, NvmeSettings, OffloadError)
+from zerotrain.offload.placement import Placement
 
-__all__ = ["build_placement", "describe_stats", "NvmeSettings", "NvmeOptimizerOffload", "NvmeParamSettings",
+__all__ = ["build_placement", "describe_stats", "Placement", "NvmeSettings", "NvmeOptimizerOffload", "NvmeParamSettings",
            "NvmeParamOffload", "OffloadError", "SwapFileError", "HOST"]
 
 logger = logging.getLogger("zerotrain")
@@ -67,7 +68,6 @@ def chunk_numel(zero_config) -> int:
 def build_placement(config):
     """The ``Placement`` for ``config``'s offload settings (no offload: the default one)."""
     from zerotrain.config.zero import AioConfig
-    from zerotrain.zero.core import Placement
 
     zero = config.zero_optimization
     optimizer_device = zero.offload_optimizer_device

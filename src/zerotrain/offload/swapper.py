@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from zerotrain.offload.aio import ALIGN, AsyncFileIO, aligned_bytes, round_up, wait
-from zerotrain.zero.partition import _adopt_changed
+from zerotrain.precision.masters import adopt_changed
 
 
 @dataclass(eq=False)
@@ -213,7 +213,7 @@ class OptimizerSwapper:
         if chunk.swap_master:
             master = slot.view("master", torch.float32, chunk.numel)
             if adopt:  # in-place edits of the 16-bit weights since the last step
-                _adopt_changed(master, shard)
+                adopt_changed(master, shard)
         else:
             master = shard  # fp32 in host memory: the shard itself is stepped
         p = chunk.param

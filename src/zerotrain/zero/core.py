@@ -23,6 +23,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.memory_release import TrimEvery, release_before_backward, release_between_phases
 from zerotrain.offload.aio import DISK_ACTIVITY
+from zerotrain.offload.placement import Placement
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
@@ -37,43 +38,6 @@ from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.strategy import ShardingStrategy
 
 _log = logging.getLogger("zerotrain")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a unit's fp32 master (and so its optimizer state, which the optimizer allocates like
-    its parameters) lives, and where stage-3 shards live. Built from the offload settings by
-    ``zerotrain.offload.build_placement``; the default keeps everything on the training device."""
-
-    master_device: torch.device | None = None  # None: beside the unit's shard
-    pin_memory: bool = False  # page-locked masters (where the accelerator supports it)
-    param_device: torch.device | None = None  # stage-3 shards (offload_param); None: the device
-    param_pin_memory: bool = False
-    nvme: object | None = None  # zerotrain.offload.NvmeSettings: masters and state in swap files
-    param_nvme: object | None = None  # zerotrain.offload.NvmeParamSettings: stage-3 shards on disk
-    local_ranks: int = 1  # ranks sharing this node's disk (for the swap space check)
-
-    def separate_master(self, shard: torch.Tensor, mixed: bool) -> bool:
-        """Whether the optimizer steps an fp32 copy rather than the shard itself: in 16-bit
-        training, or when the master lives on another device than the shard."""
-        device = self.master_device or shard.device
-        return mixed or device != shard.device or (self.nvme is not None and device.type != "cpu")
-
-    def master_for(self, shard: torch.Tensor) -> nn.Parameter:
-        device = self.master_device or shard.device
-        master = shard.detach().to(device, torch.float32, copy=True)
-        if self.pin_memory and device != shard.device:
-            master = get_accelerator().pin_memory(master)
-        return nn.Parameter(master)
-
-    def place_shard(self, shard: torch.Tensor) -> nn.Parameter:
-        """A stage-3 shard where ``offload_param`` puts it."""
-        if self.param_device is None or shard.device == self.param_device:
-            return shard
-        moved = shard.detach().to(self.param_device)
-        if self.param_pin_memory:
-            moved = get_accelerator().pin_memory(moved)
-        return nn.Parameter(moved)
 
 
 @dataclass(frozen=True)
@@ -506,7 +470,7 @@ def _steps_per_parameter(optimizer_class: type) -> bool:
     parameter and pass over parameters without a gradient, so several calls in one training
     step, each over some of the parameters, equal one call over all (a subclass overriding
     ``step`` is not assumed to)."""
-    from zerotrain.ops.adam.fused_adam import FusedAdam
+    from zerotrain.optim.fused_adam import FusedAdam
     from zerotrain.optim.lion import Lion
 
     known = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,

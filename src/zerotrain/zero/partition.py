@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm import collectives
+from zerotrain.precision.masters import adopt_changed as _adopt_changed
 from zerotrain.zero.flat import FlatLayout
 from zerotrain.zero.leaves import unit_parameters
 
@@ -135,7 +136,7 @@ class FlatParamUnit:
 
     def expose_deepspeed_attributes(self, ids) -> None:
         """DeepSpeed's public ``ds_*`` read-outs on each parameter (see zero.registry)."""
-        from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
+        from zerotrain.zero.param_status import ZeroParamStatus
 
         self._status = ZeroParamStatus
         self._ds_status = True
@@ -270,18 +271,6 @@ class FlatParamUnit:
         for p, view in zip(self.params, self.layout.views(flat)):
             p.data = view
         self._set_status(True)
-
-
-def _adopt_changed(master: torch.Tensor, weights: torch.Tensor) -> None:
-    """Copy into the fp32 ``master`` the 16-bit ``weights`` that differ from its rounding: edited
-    values are taken, untouched ones keep their fp32 precision."""
-    if weights.device != master.device:  # offloaded master (host) of device weights
-        weights = weights.to(master.device)
-    if weights.dtype == master.dtype:
-        master.copy_(weights)
-        return
-    changed = weights != master.to(weights.dtype)
-    master.copy_(torch.where(changed, weights.to(master.dtype), master))
 
 
 def plan_units(param_groups: Sequence[dict], unit_numel: int,

@@ -1,5 +1,6 @@
 """``deepspeed.ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam`` with DeepSpeed's arguments, run on
-torch's fastest Adam kernel for the parameters' device (see docs/compat.md for the measurement)."""
+torch's fastest Adam kernel for the parameters' device (implemented in ``zerotrain.optim.fused_adam``;
+docs/compat.md has the measurement)."""
 
 from zerotrain.ops.adam.fused_adam import DeepSpeedCPUAdam, FusedAdam
 

@@ -8,8 +8,7 @@ As in DeepSpeed (where ``deepspeed.zero`` is this package), ``Init``, ``Gathered
 from zerotrain._lazy import lazy_attributes
 
 SUBMODULES = ("partition_parameters", "stage3", "stage_1_and_2")
-_PARTITION = "zerotrain.runtime.zero.partition_parameters"
 
 __getattr__, __dir__ = lazy_attributes(
     __name__, SUBMODULES, names={"Init": "zerotrain.zero", "GatheredParameters": "zerotrain.zero",
-                                 "ZeroParamStatus": _PARTITION})
+                                 "ZeroParamStatus": "zerotrain.zero.param_status"})

@@ -1,26 +1,11 @@
-"""``deepspeed.runtime.zero.partition_parameters``: ``ZeroParamStatus``, and ``Init`` /
-``GatheredParameters`` (zerotrain.zero's) under this path too.
+"""``deepspeed.runtime.zero.partition_parameters``: ``ZeroParamStatus`` (zerotrain.zero.param_status),
+and ``Init`` / ``GatheredParameters`` (zerotrain.zero's) under this path too; those two load on
+first access."""
 
-Scripts compare a stage-3 parameter's ``ds_status`` with ``ZeroParamStatus.NOT_AVAILABLE`` to
-decide which parameters to gather.
-"""
+from zerotrain._lazy import lazy_attributes
+from zerotrain.zero.param_status import ZeroParamStatus
 
-from __future__ import annotations
+__all__ = ["ZeroParamStatus", "Init", "GatheredParameters"]
 
-from enum import Enum
-
-
-class ZeroParamStatus(Enum):
-    """Where a ZeRO-3 parameter's data is (DeepSpeed's values)."""
-
-    AVAILABLE = 1  # whole on this rank, ready to use
-    NOT_AVAILABLE = 2  # partitioned: only this rank's shard is here
-    INFLIGHT = 3  # being gathered
-
-
-def __getattr__(name: str):
-    if name in ("Init", "GatheredParameters"):
-        import zerotrain.zero
-
-        return getattr(zerotrain.zero, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, names={"Init": "zerotrain.zero",
+                                                       "GatheredParameters": "zerotrain.zero"})

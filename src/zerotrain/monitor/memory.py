@@ -1,0 +1,136 @@
+"""Memory reports: DeepSpeed's ``memory_status`` and ``see_memory_usage`` (also importable from
+``zerotrain.runtime.utils``, DeepSpeed's path, and as ``zerotrain.memory_status``), and the weak
+list of live engines they read.
+
+On CUDA they report torch's allocator (allocated, cached, their peaks), like DeepSpeed. On CPU,
+where torch keeps no such counters, they report what the process holds: RSS (psutil), peak RSS
+since the process started (``resource.getrusage``; it cannot be reset), and the bytes the live
+engine holds by category (``engine.memory_breakdown()``: parameters, gradients, optimizer state,
+communication buffers), counted from the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import psutil
+import torch
+
+from zerotrain.accelerator import get_accelerator
+from zerotrain.accelerator.cpu import peak_rss_bytes
+
+logger = logging.getLogger("zerotrain")
+
+GB = 1024**3
+_engines: list[weakref.ref] = []
+_last = {"alloc": 0, "cache": 0}
+
+
+def register_engine(engine) -> None:
+    """Remember ``engine`` (weakly) so memory reports can show what it holds."""
+    _engines[:] = [ref for ref in _engines if ref() is not None]
+    _engines.append(weakref.ref(engine))
+
+
+def live_engine():
+    """The most recently created engine that is still alive, or None."""
+    for ref in reversed(_engines):
+        engine = ref()
+        if engine is not None:
+            return engine
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> dict | None:
+    """Print this rank's memory (every rank, or only ``print_rank``) and return the numbers.
+
+    CUDA: ``RANK=r MEMSTATS msg device=cuda:r current alloc=..GB (delta=..GB max=..GB) current
+    cache=..GB (delta=..GB max=..GB)``. CPU: ``... device=cpu current rss=..GB (delta=..GB
+    max=..GB) engine=..GB (parameters=..GB gradients=..GB ...)``. ``delta`` is the change since the
+    previous call; ``reset_max`` resets CUDA peaks first (the CPU peak cannot be reset).
+    """
+    rank = _rank()
+    if print_rank != -1 and rank != print_rank:
+        return None
+    accelerator = get_accelerator()
+    accelerator.synchronize()
+    if accelerator.name == "cuda":
+        if reset_max:
+            torch.cuda.reset_peak_memory_stats()
+        device = torch.cuda.current_device()
+        stats = {"device": f"cuda:{device}", "allocated": torch.cuda.memory_allocated(device),
+                 "max_allocated": torch.cuda.max_memory_allocated(device),
+                 "cached": torch.cuda.memory_reserved(device),
+                 "max_cached": torch.cuda.max_memory_reserved(device)}
+        current, peak, other = stats["allocated"], stats["max_allocated"], stats["cached"]
+        d_alloc, d_cache = current - _last["alloc"], other - _last["cache"]
+        _last.update(alloc=current, cache=other)
+        line = (f"RANK={rank} MEMSTATS {msg} device={stats['device']} current alloc={current / GB:0.4f}GB "
+                f"(delta={d_alloc / GB:0.4f}GB max={peak / GB:0.4f}GB) current cache={other / GB:0.4f}GB "
+                f"(delta={d_cache / GB:0.4f}GB max={stats['max_cached'] / GB:0.4f}GB)")
+    else:
+        rss = psutil.Process().memory_info().rss
+        # the kernel folds current RSS into the peak lazily, so the peak can trail it by a few pages
+        stats = {"device": "cpu", "rss": rss, "max_rss": max(peak_rss_bytes(), rss)}
+        delta = rss - _last["alloc"]
+        _last["alloc"] = rss
+        line = (f"RANK={rank} MEMSTATS {msg} device=cpu current rss={rss / GB:0.4f}GB "
+                f"(delta={delta / GB:0.4f}GB max={stats['max_rss'] / GB:0.4f}GB)")
+    engine = live_engine()
+    if engine is not None:
+        held = engine.memory_breakdown()
+        stats["engine"] = held
+        line += (f" engine={sum(held.values()) / GB:0.4f}GB ("
+                 + " ".join(f"{k}={v / GB:0.4f}GB" for k, v in held.items()) + ")")
+        offload = _offload_line(engine)
+        if offload:
+            line += " " + offload
+    print(line, flush=True)
+    stats["line"] = line
+    return stats
+
+
+def _offload_line(engine) -> str:
+    """NVMe offload's last-step I/O and swap footprint (empty without it)."""
+    from zerotrain.offload import describe_stats
+
+    return describe_stats(getattr(engine._zero, "offload_stats", dict)())
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log memory on rank 0 when ``force`` (DeepSpeed's; a no-op otherwise): device memory
+    (``MA``/``Max_MA``/``CA``/``Max_CA``) on CUDA or RSS/peak RSS and the engine's bytes on CPU,
+    then the machine's virtual memory. Resets the CUDA peaks for the next call."""
+    if not force or _rank() != 0:
+        return
+    gc.collect()
+    logger.info(message)
+    if get_accelerator().name == "cuda":
+        logger.info(f"MA {round(torch.cuda.memory_allocated() / GB, 2)} GB "
+                    f"Max_MA {round(torch.cuda.max_memory_allocated() / GB, 2)} GB "
+                    f"CA {round(torch.cuda.memory_reserved() / GB, 2)} GB "
+                    f"Max_CA {round(torch.cuda.max_memory_reserved() / GB, 2)} GB ")
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        rss = psutil.Process().memory_info().rss
+        line = f"RSS {round(rss / GB, 2)} GB Max_RSS {round(peak_rss_bytes() / GB, 2)} GB"
+        engine = live_engine()
+        if engine is not None:
+            line += " | engine " + " ".join(f"{k} {round(v / GB, 4)} GB"
+                                            for k, v in engine.memory_breakdown().items())
+            offload = _offload_line(engine)
+            if offload:
+                line += " | " + offload
+        logger.info(line)
+    vm = psutil.virtual_memory()
+    logger.info(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / GB, 2)} GB, "
+                f"percent = {vm.percent}%")
+
