@@ -315,7 +315,7 @@ class _Exchange:
 def _exchange(sends, receives, group, identity: Identity | None = None):
     """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag
     (with an ``identity``: checked, see ``_identified_exchange``)."""
-    if identity is not None:
+    if identity is not None and (sends or receives):  # one rank: no peer to disagree with
         return _identified_exchange(sends, receives, group, identity)
     tag = _next_tag(group)
     works = [dist.irecv(t, src, group=group, tag=tag) for src, t in receives]
