@@ -10,6 +10,10 @@ same global batches:
   combinations measure 0.9998-1.0001x and cosine >= 0.9999 here, and a reshape bug that reduced every
   gradient through two bucket systems still passed 0.95 (cosine 0.951), so the bounds are tighter.
 
+Every rank must also end with the whole model, bit-identical to rank 0's: at stage 3 each rank
+gathers it with ``GatheredParameters`` (``module_state_dict()`` returns it on rank 0 only, so
+comparing that compared nothing), and rank 0's gathered copy must equal its ``module_state_dict()``.
+
 SGD with momentum and clipping 1.0 sits beside AdamW: Adam normalises the gradient, so a gradient
 off by a constant factor (the fp16 loss scale, the accumulation steps) hides behind it; SGD moves
 the weights by exactly that factor, and clipping multiplies the error in.
@@ -55,6 +59,29 @@ def _config(stage: int, precision: str, gas: int, optimizer: str) -> dict:
     return cfg
 
 
+def _final_weights(engine, stage: int) -> tuple[dict, list[str]]:
+    """This rank's whole final weights in fp32 by name (a collective at stage 3), and the names
+    where ``module_state_dict()`` disagrees with them (stage 3, rank 0; else empty).
+
+    Stages 0-2: the rank's own replica (``module_state_dict()``, no collective). Stage 3:
+    ``module_state_dict()`` gathers onto rank 0 only (rank 1 gets ``{}``), so every rank gathers
+    with ``GatheredParameters`` instead; rank 0 also lists the names where the two ways differ."""
+    if stage < 3:
+        return {k: v.float().clone() for k, v in engine.module_state_dict().items()}, []
+    import torch.distributed as dist
+
+    from zerotrain.zero import GatheredParameters
+
+    state = engine.module_state_dict()  # collective: every rank calls it
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        gathered = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    disagree = []
+    if dist.get_rank() == 0:  # a name missing from the state dict counts as a disagreement
+        disagree = [n for n, v in gathered.items() if n not in state or not torch.equal(v, state[n].float())]
+    return gathered, disagree
+
+
 def _train_combinations(stage: int, combos: list[tuple[str, int, str]]) -> dict:
     """On every rank: train each combination from the same init; return final weights."""
     import zerotrain
@@ -66,15 +93,32 @@ def _train_combinations(stage: int, combos: list[tuple[str, int, str]]) -> dict:
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config(stage, precision, gas, optimizer))
         losses = train_steps(engine, STEPS)
-        state = engine.module_state_dict()  # stage 3: gathered on rank 0 only
+        weights, disagree = _final_weights(engine, stage)
         names = [n for n, _ in make_model().named_parameters()]
         out[(precision, gas, optimizer)] = {
-            "params": {n: state[n].float().clone() for n in names if n in state},
+            "params": {n: weights[n] for n in names if n in weights},
+            "missing": [n for n in names if n not in weights],
+            "disagree": disagree,
             "losses": losses,
             "skipped": engine.skipped_steps,
         }
         engine.destroy()
     return out
+
+
+def _assert_every_rank_same_whole_weights(per_rank: list[dict]) -> None:
+    """Every rank holds every parameter, and bit-identical values."""
+    names = [n for n, _ in make_model().named_parameters()]
+    assert names
+    for rank, results in enumerate(per_rank):
+        for combo, got in results.items():
+            assert not got["missing"] and list(got["params"]) == names, (rank, combo, got["missing"])
+            assert not got["disagree"], (rank, combo, "GatheredParameters != module_state_dict", got["disagree"])
+    for combo in per_rank[0]:
+        for rank in range(1, len(per_rank)):
+            for name in names:
+                assert torch.equal(per_rank[rank][combo]["params"][name],
+                                   per_rank[0][combo]["params"][name]), (combo, rank, name)
 
 
 def _reference(gas: int, optimizer: str, world: int) -> dict:
@@ -124,9 +168,7 @@ ALL = list(itertools.product(PRECISIONS, ACCUMULATION, OPTIMIZERS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_combination_matches_fp32_reference(stage):
     per_rank = run_on_ranks(_train_combinations, world_size=2, args=(stage, ALL), timeout=600)
-    for combo in per_rank[0]:  # every rank ends with the same weights
-        for name, value in per_rank[1][combo]["params"].items():
-            assert torch.equal(value, per_rank[0][combo]["params"][name]), (combo, name)
+    _assert_every_rank_same_whole_weights(per_rank)
     failures = _check(per_rank[0], stage, world=2)
     assert not failures, "\n".join(failures)
 
@@ -142,6 +184,8 @@ def test_four_ranks_uneven_shards():
     """4 ranks: the tiny model's units do not divide evenly, so shards carry padding (stages 1-3
     in one process group)."""
     per_rank = run_on_ranks(_four_rank_stages, world_size=4, timeout=600)
+    for stage in (1, 2, 3):
+        _assert_every_rank_same_whole_weights([r[stage] for r in per_rank])
     failures = [f for stage in (1, 2, 3) for f in _check(per_rank[0][stage], stage, world=4)]
     assert not failures, "\n".join(failures)
     assert all(math.isfinite(v) for r in per_rank for st in r.values() for c in st.values()
