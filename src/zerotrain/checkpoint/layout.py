@@ -1,9 +1,11 @@
 """What a checkpoint holds, described from a live engine: the name -> (unit, offset, shape) map
 of every flat unit, the whole (unsharded) parameters and buffers, tied names, versions.
 
-The stage object is read through its stable interface only: ``units`` (``FlatParamUnit``s
-with ``names``, ``layout``, ``shard_values()``, ``master``, ``group``) when it partitions anything; for
-fp32 stage 0 there are no units and the module's own parameters are stepped.
+The stage object is read through its declared interface only (``engine.zero_stage_object``, a
+``zerotrain.zero.interface.StageInterface``): ``sharded_state()`` gives the ``units``
+(``FlatParamUnit``s with ``names``, ``layout``, ``shard_values()``, ``master``, ``group``), the
+shard rank and the NVMe optimizer swapper; for fp32 stage 0 there are no units and the module's
+own parameters are stepped.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from zerotrain.checkpoint.format import FORMAT, FORMAT_VERSION, dtype_name
 
 
 def stage_units(engine) -> list:
-    return list(getattr(engine._zero, "units", None) or [])
+    return list(engine.zero_stage_object.sharded_state().units)
+
+
+def shard_rank_of(engine) -> int:
+    """Which shard of each unit this rank holds (0 where shards are whole)."""
+    return engine.zero_stage_object.sharded_state().shard_rank
 
 
 def swapper_of(engine):
     """The NVMe optimizer swapper (``zerotrain.offload.swapper.OptimizerSwapper``) holding the
     masters and optimizer state of trained units in swap files, or None."""
-    offload = getattr(engine._zero, "offload", None)
-    return offload.swapper if offload is not None else None
+    return engine.zero_stage_object.sharded_state().optimizer_swapper
 
 
 class _ResidentShard:

@@ -16,8 +16,8 @@ import torch
 
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, state_file
 from zerotrain.checkpoint.layout import (group_of_whole, optimizer_key, parameter_names,
-                                         persistent_buffers, stage_units, swapper_of,
-                                         whole_parameters)
+                                         persistent_buffers, shard_rank_of, stage_units,
+                                         swapper_of, whole_parameters)
 from zerotrain.checkpoint.training_state import read_rank_state, restore_engine, restore_rng
 
 logger = logging.getLogger("zerotrain")
@@ -87,7 +87,7 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             f"checkpoint {reader.folder} has {reader.meta['param_groups']} optimizer param groups, "
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
             "groups, or pass load_optimizer_states=False")
-    rank = getattr(engine._zero, "shard_rank", 0)
+    rank = shard_rank_of(engine)
     swapper = swapper_of(engine)
     for unit in stage_units(engine):
         _load_unit(unit, rank, reader, match,

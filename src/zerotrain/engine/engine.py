@@ -2,7 +2,8 @@
 
 It wraps the user's module, optimizer and LR scheduler, and keeps the step bookkeeping
 (micro-steps, accumulation boundaries, global steps and samples). What each ZeRO stage holds and
-how it reduces gradients lives in the stage object (``self._zero``); the engine only drives it.
+how it reduces gradients lives in the stage object (``self._zero``, a
+``zerotrain.zero.interface.StageInterface``); the engine only drives it, through that interface.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from zerotrain.monitor.memory import register_engine
 from zerotrain.offload import describe_stats
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
+from zerotrain.zero.interface import StageInterface
 
 
 class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
@@ -93,6 +95,13 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
 
     def zero_optimization_stage(self) -> int:
         return self._zero.stage
+
+    @property
+    def zero_stage_object(self) -> StageInterface:
+        """The stage object (``zerotrain.zero.interface.StageInterface``): what checkpoints and
+        monitors read the sharded training state through. Use its interface members only; the
+        concrete type (``ReplicatedGradients`` or ``ZeroStage``) depends on stage and precision."""
+        return self._zero
 
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
@@ -250,7 +259,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         At stage 3 partitioned parameters are gathered (collective: every rank must call it)
         into CPU copies returned on rank 0 (other ranks get an empty dict), as DeepSpeed does;
         ``keep_vars=True`` is refused there, since the parameters themselves are placeholders."""
-        coordinator = getattr(self._zero, "coordinator", None)
+        coordinator = self._zero.parameter_coordinator
         if coordinator is None:
             state = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
             if exclude_frozen_parameters:
@@ -272,7 +281,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """DeepSpeed's stage-3 gathered weights, by the name transformers' Trainer and accelerate
         call: ``module_state_dict()`` on rank 0, None on other ranks; ValueError below stage 3."""
-        if getattr(self._zero, "coordinator", None) is None:
+        if self._zero.parameter_coordinator is None:
             raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3")
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         first = torch.distributed.get_rank(self.data_parallel_group) == 0  # of this engine's group
@@ -293,7 +302,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         At stage 3 it needs ``stage3_gather_16bit_weights_on_model_save: true`` and raises
         otherwise (DeepSpeed silently returns False). ``*.safetensors`` names are written as
         safetensors, others with ``torch.save``. Returns True."""
-        coordinator = getattr(self._zero, "coordinator", None)
+        coordinator = self._zero.parameter_coordinator
         if coordinator is not None and not self._config.zero_optimization.gather_16bit_weights_on_model_save:
             raise ValueError(
                 "save_16bit_model at ZeRO stage 3 gathers the partitioned weights, which "
@@ -325,7 +334,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
         log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f",
                   self.global_steps, self.skipped_steps, lr, loss, rate)
-        offload = describe_stats(getattr(self._zero, "offload_stats", dict)())
+        offload = describe_stats(self._zero.offload_stats())
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
             log_rank0(offload)
         if self._timers.enabled:

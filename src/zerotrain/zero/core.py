@@ -29,6 +29,7 @@ from zerotrain.zero import registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
 from zerotrain.zero.init import is_partitioned, materialize
+from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
@@ -54,7 +55,7 @@ class StageOptions:
     leaf_modules: tuple = ()  # stage 3: modules whose subtree is one unit (zero/leaves.py)
 
 
-class ZeroStage:
+class ZeroStage(StageInterface):
     """The training state of ``module``'s parameters for one strategy.
 
     ``optimizer`` may be None at stage 3 (an engine used for inference): every parameter is then
@@ -65,7 +66,6 @@ class ZeroStage:
                  group=None, placement: Placement = Placement()):
         _check_optimizer(strategy.stage, optimizer)
         self.strategy = strategy
-        self.stage = strategy.stage
         self.precision = precision
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -177,6 +177,18 @@ class ZeroStage:
             self.reduction.agreement = agreement
             if self.coordinator is not None:
                 self.coordinator.agreement = agreement
+
+    @property
+    def stage(self) -> int:
+        return self.strategy.stage
+
+    @property
+    def parameter_coordinator(self) -> ParameterCoordinator | None:
+        return self.coordinator
+
+    def sharded_state(self) -> ShardedState:
+        swapper = self.offload.swapper if self.offload is not None else None
+        return ShardedState(tuple(self.units), self.shard_rank, swapper)
 
     @property
     def _compute_device(self) -> torch.device:

@@ -13,11 +13,12 @@ import torch.distributed as dist
 from zerotrain.comm import collectives
 from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
 
 
-class ReplicatedGradients:
-    """Stage 0 in fp32; the engine drives it through the same calls every stage has.
+class ReplicatedGradients(StageInterface):
+    """Stage 0 in fp32; the engine drives it through ``StageInterface``, as every stage.
 
     The user's optimizer runs untouched on the model's own parameters (so any optimizer works,
     shape-dependent ones included). 16-bit training at stage 0 goes through
@@ -75,6 +76,18 @@ class ReplicatedGradients:
 
     def zero_grad(self) -> None:
         self.grads.zero()
+
+    @property
+    def parameter_coordinator(self) -> None:
+        return None  # nothing is partitioned
+
+    def sharded_state(self) -> ShardedState:
+        """No units: the module's own parameters (and the optimizer's state keyed by them) are
+        the training state."""
+        return ShardedState()
+
+    def offload_stats(self) -> dict:
+        return {}  # nothing is offloaded at fp32 stage 0
 
     def memory_breakdown(self, module: torch.nn.Module, optimizer) -> dict[str, int]:
         return {

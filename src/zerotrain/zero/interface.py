@@ -1,0 +1,96 @@
+"""The stage object's declared interface: what the engine, checkpoints and monitors may call.
+
+``build_zero_stage`` returns one of two implementations: ``ReplicatedGradients``
+(zero/stage0.py: fp32 stage 0, and engines without an optimizer below stage 3) and the core
+``ZeroStage`` (zero/core.py: 16-bit stage 0 and stages 1-3). Both subclass ``StageInterface``,
+so a missing member fails when the class is instantiated, not when a checkpoint first needs it.
+Code outside ``zerotrain.zero`` reaches the stage object through ``engine.zero_stage_object``
+and uses these members only (``tests/zero/test_stage_interface.py`` checks ``src/``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """What a checkpoint saves and reloads of a stage, by parameter name.
+
+    ``units``: the ``FlatParamUnit``s (trained and frozen; each with ``names``, ``layout``,
+    ``shard_values()``, ``master``, ``group``), empty where the module's own parameters are
+    the training state (fp32 stage 0). ``shard_rank``: which shard of each unit this rank holds
+    (``unit.layout.shard_pieces(shard_rank)``; 0 where shards are whole). ``optimizer_swapper``:
+    the NVMe optimizer swapper holding the units' masters and optimizer state in swap files
+    (``zerotrain.offload.swapper.OptimizerSwapper``), or None."""
+
+    units: tuple = ()
+    shard_rank: int = 0
+    optimizer_swapper: object | None = None
+
+
+class StageInterface(ABC):
+    """The training state of a module's parameters for one ZeRO stage, driven by the engine."""
+
+    @property
+    @abstractmethod
+    def stage(self) -> int:
+        """The ZeRO stage this object implements (0-3)."""
+
+    # -- backward: gradients are reduced across the group while backward runs ------------
+    @abstractmethod
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        """A backward pass starts; it ends an accumulation window when ``boundary``, and
+        reduces nothing inside ``engine.no_sync()`` (``no_sync``)."""
+
+    @abstractmethod
+    def end_backward(self) -> None:
+        """The backward pass returned: wait for its reductions."""
+
+    @abstractmethod
+    def abort_backward(self) -> None:
+        """The backward pass raised: drop its pending reductions and hooks' state."""
+
+    # -- step ---------------------------------------------------------------------------
+    @abstractmethod
+    def grad_norm(self) -> torch.Tensor:
+        """fp32 L2 norm of the whole averaged gradient over the group (inf/NaN on overflow)."""
+
+    @abstractmethod
+    def step(self, optimizer, grad_scale: float = 1.0) -> None:
+        """Update the weights from the gradients multiplied by ``grad_scale``."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Zero the gradients (they stay in their buffers)."""
+
+    # -- whole-model weights and checkpoint state ----------------------------------------
+    @abstractmethod
+    def load_module_state(self, module: nn.Module, state_dict, strict: bool = True):
+        """Whole-model weights into the training state; ``(missing, unexpected)`` keys."""
+
+    @property
+    @abstractmethod
+    def parameter_coordinator(self):
+        """Stage 3's ``ParameterCoordinator`` (gathers partitioned parameters), else None."""
+
+    @abstractmethod
+    def sharded_state(self) -> ShardedState:
+        """The units, shard rank and swapper checkpoints read and write (``ShardedState``)."""
+
+    # -- accounting and teardown ---------------------------------------------------------
+    @abstractmethod
+    def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
+        """Bytes this rank holds, by category (``engine.memory_breakdown()``)."""
+
+    @abstractmethod
+    def offload_stats(self) -> dict:
+        """NVMe offload's last-step I/O and swap footprint; empty without NVMe offload."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Remove hooks and patches; the module is a plain module again."""
