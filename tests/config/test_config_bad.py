@@ -206,6 +206,10 @@ RANGE_CASES = [
      "scheduler.params.warmup_min_ratio", ">= 0"),
     ("cycle-lr-nan", _sched("OneCycle", cycle_min_lr=math.nan, cycle_max_lr=0.1), 1,
      "scheduler.params.cycle_min_lr", ">= 0"),
+    ("steplr-step-size-zero", _sched("StepLR", step_size=0), 1, "scheduler.params.step_size",
+     "whole number of steps >= 1"),
+    ("cosine-t-max-zero", _sched("CosineAnnealingLR", T_max=0), 1, "scheduler.params.T_max", ">= 1"),
+    ("steplr-step-size-fraction", _sched("StepLR", step_size=2.5), 1, "scheduler.params.step_size", "got 2.5"),
     ("scale-power-1000", _fp16(initial_scale_power=1000), 1, "fp16.initial_scale_power",
      "must be from 0 to 32"),
     ("scale-power-33", _fp16(initial_scale_power=33), 1, "fp16.initial_scale_power", "DeepSpeed's default is 16"),
@@ -300,6 +304,9 @@ def test_valid_optimizer_and_scheduler_values_still_pass():
                            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                                        "warmup_num_steps": 10}}})
     assert cfg.optimizer.params["betas"] == [0.0, 0.999]
+    for type_, params in (("StepLR", {"step_size": 1}), ("StepLR", {"step_size": 30.0}),
+                          ("CosineAnnealingLR", {"T_max": 1})):
+        assert load_config(_sched(type_, **params)).scheduler.params == params
     # A dict config built in code may hold numpy scalars (np.mean returns np.float64).
     import numpy
 

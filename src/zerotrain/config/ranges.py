@@ -128,11 +128,22 @@ def _is_lr_key(key: str) -> bool:
     return key.endswith("_lr") or key in ("eta_min", "warmup_min_ratio", "cos_min_ratio")
 
 
+# Periods torch's schedulers divide by: 0 is a ZeroDivisionError at the first step, not at build.
+_SCHEDULER_PERIODS = ("step_size", "T_max")
+
+
 def scheduler_param_problems(params: dict[str, Any]) -> list[str]:
-    """A learning rate a scheduler would set must be finite and >= 0 (a negative one trains uphill)."""
+    """A learning rate a scheduler would set must be finite and >= 0 (a negative one trains uphill);
+    a period it divides by must be a whole number >= 1."""
     problems = []
     rule = _finite(0.0)
     for key, value in params.items():
+        if key in _SCHEDULER_PERIODS:
+            whole = is_number(value) and math.isfinite(float(value)) and float(value) == int(value)
+            if not (whole and value >= 1):
+                problems.append(f"scheduler.params.{key}: must be a whole number of steps >= 1 (the "
+                                f"scheduler divides by it), got {value!r}")
+            continue
         if not _is_lr_key(str(key)):
             continue
         values = value if isinstance(value, (list, tuple)) else [value]
