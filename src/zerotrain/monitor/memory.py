@@ -20,6 +20,7 @@ import torch
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.accelerator.cpu import peak_rss_bytes
+from zerotrain.comm.distributed import get_rank as _rank
 
 logger = logging.getLogger("zerotrain")
 
@@ -41,12 +42,6 @@ def live_engine():
         if engine is not None:
             return engine
     return None
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> dict | None:
