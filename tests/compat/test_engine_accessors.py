@@ -1,9 +1,9 @@
 """DeepSpeed's engine accessors on ZeroTrainEngine: values from the config, set_train_batch_size
-taking effect, tput_timer against measured wall time."""
+taking effect, tput_timer against a scripted clock."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
 import torch
 
@@ -82,28 +82,42 @@ def test_accessors_report_the_config_and_set_train_batch_size_takes_effect(tmp_p
         assert fp16["data_types"] == (torch.float16, torch.float16)
 
 
-def _throughput(pause: float):
-    import zerotrain
+class _ScriptedClock:
+    """Stands in for the ``time`` module in the timers: time moves only when the test says."""
 
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _throughput(step_seconds: list[float]):
+    import zerotrain
+    from zerotrain.engine import timers
+
+    clock = _ScriptedClock()
+    timers.time = clock  # the rank's own process: nothing else runs here
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=adamw_config(2, gas=2))
     data = global_batches(1, 2)[0]
     before = engine.tput_timer.avg_samples_per_sec()
-    window_starts = []
-    for _ in range(6):  # 6 steps of 2 micro-batches; then one forward closes the 6th window
-        window_starts.append(time.perf_counter())
+    for seconds in step_seconds:  # steps of 2 micro-batches; then one forward closes the last window
         for _ in range(2):
             engine.backward(engine(data, labels=data).loss)
             engine.step()
-        time.sleep(pause)  # between steps, e.g. data loading
-    window_starts.append(time.perf_counter())
+        clock.now += seconds  # the step's time, e.g. compute and data loading
     engine(data, labels=data)
     timer = engine.tput_timer
-    timed = window_starts[-1] - window_starts[timer.start_step]  # steps 3..6 (2 warm-up steps)
+    timed = sum(step_seconds[timer.start_step:])  # the steps after the warm-up ones
     return before, timer.global_step_count, timer.avg_samples_per_sec(), engine.train_batch_size(), timed
 
 
 def test_tput_timer_measures_samples_per_second_of_optimizer_steps():
-    before, steps, rate, batch, timed = run_on_ranks(_throughput, 1, args=(0.05,))[0]
+    step_seconds = [7.0, 5.0, 0.25, 0.5, 1.0, 0.75]  # the warm-up steps' times must not count
+    before, steps, rate, batch, timed = run_on_ranks(_throughput, 1, args=(step_seconds,))[0]
     assert before == float("-inf") and steps == 6
-    expected = batch / (timed / (steps - 2))
-    assert abs(rate - expected) / expected < 0.15, (rate, expected)
+    assert timed == 2.5
+    assert rate == pytest.approx(batch / (timed / (steps - 2)), rel=1e-12), rate

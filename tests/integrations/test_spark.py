@@ -131,10 +131,13 @@ def test_local_cluster_two_nodes_train_the_example_and_slot_shortage_fails_fast(
                                                 deepspeedConfig=CONFIG)
         assert distributor.run(str(script), *EXAMPLE_ARGS) is None
         assert config_files() == before
-        start = time.monotonic()
+        tracker = spark.sparkContext.statusTracker()
+        jobs = sorted(tracker.getJobIdsForGroup())
+        assert jobs  # the run above shows up: the check below can see a submitted job
         with pytest.raises(RuntimeError, match=r"3 barrier task\(s\) needed .* runs 2 task\(s\) at once"):
             DeepspeedTorchDistributor(numGpus=1, nnodes=3, localMode=False, useGpu=False).run(EXAMPLE)
-        assert time.monotonic() - start < 10
+        # It fails before submitting anything (Spark would wait for slots that never come).
+        assert sorted(tracker.getJobIdsForGroup()) == jobs
         out = (tmp_path / "rank0.out").read_text()
         assert "ranks: 2 | ZeRO stage 2" in out and "done: 3 steps" in out, out
         assert (tmp_path / "rank1.out").exists()

@@ -185,11 +185,41 @@ while True:
 
 
 def _processes_running(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``marker`` (a zombie has exited: only its parent's
+    bookkeeping is left, so it is not counted)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
         if any(marker in part for part in proc.info["cmdline"] or []):
             found.append(proc)
     return found
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_running(processes: list[psutil.Process], grace: float = 10.0) -> list[str]:
+    """The command lines of ``processes`` still alive after ``grace`` seconds. A process found while it was
+    exiting (its parent reaps it a moment later) is not one that outlived the launch; one that keeps
+    running is."""
+    deadline = time.monotonic() + grace
+    alive = processes
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _alive(p)]
+    left = []
+    for proc in alive:
+        try:
+            left.append(" ".join(proc.cmdline()))
+            proc.kill()
+        except psutil.Error:
+            pass
+    return left
 
 
 def _start_killable(sshd, job, launcher: str) -> subprocess.Popen:
@@ -212,8 +242,8 @@ def _start_killable(sshd, job, launcher: str) -> subprocess.Popen:
 
 
 def _assert_nothing_left(job) -> None:
-    leftovers = _processes_running(str(job)) + _processes_running("killable.py")
-    assert not leftovers, f"a rank or agent outlived the launch: {[p.info['cmdline'] for p in leftovers]}"
+    leftovers = _still_running(_processes_running(str(job)) + _processes_running("killable.py"))
+    assert not leftovers, f"a rank or agent outlived the launch: {leftovers}"
 
 
 @pytest.mark.skipif(not shutil.which("pdsh"), reason="needs pdsh (apt-get install pdsh)")
