@@ -13,7 +13,7 @@ _LEAF_FUNCTIONS = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_
                    "z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 __all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer", "recursive_getattr", "recursive_setattr",
            *_LEAF_FUNCTIONS]
-SUBMODULES = ("timer", "zero_to_fp32")
+SUBMODULES = ("timer", "zero_to_fp32", "groups")
 
 __getattr__, __dir__ = lazy_attributes(
     __name__, SUBMODULES,
