@@ -38,6 +38,11 @@ runtime.lr_schedules.WarmupCosineLR runtime.lr_schedules.OneCycle runtime.lr_sch
 runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live
 runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live
 utils.set_z3_leaf_modules utils.unset_z3_leaf_modules utils.get_z3_leaf_modules utils.z3_leaf_module
+runtime.pipe.ProcessTopology runtime.pipe.topology.ProcessTopology runtime.pipe.topology.PipeDataParallelTopology
+runtime.pipe.topology.PipeModelDataParallelTopology runtime.pipe.topology.PipelineParallelGrid
+utils.groups._get_data_parallel_group utils.groups._get_data_parallel_world_size utils.groups._get_data_parallel_rank
+utils.groups._create_expert_and_data_parallel utils.groups._get_expert_parallel_group
+utils.groups._get_expert_data_parallel_group utils.groups._get_max_expert_size_name
 """.split()}
 
 EXERCISED: set[str] = set()
@@ -436,3 +441,42 @@ def test_leaf_module_flags():
     assert get_z3_leaf_modules(model) == list(model.blocks) and z3_leaf_module(model.blocks[0])
     unset_z3_leaf_modules(model, ["Block"])
     assert not any(z3_leaf_module(m) for m in model.modules())
+
+
+def _topology_names_as_scripts_use_them():
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.runtime.pipe import ProcessTopology
+    from zerotrain.runtime.pipe.topology import (PipeDataParallelTopology, PipelineParallelGrid,
+                                                 PipeModelDataParallelTopology)
+    from zerotrain.utils import groups
+
+    zerotrain.init_distributed()
+    layouts = (ProcessTopology(["pipe", "data"], [2, 2]).get_axis_comm_lists("data"),
+               PipeDataParallelTopology(2, 2).get_axis_comm_lists("pipe"),
+               PipeModelDataParallelTopology(1, 2, 2).get_axis_comm_lists("model"))
+    grid = PipelineParallelGrid(topology=PipeDataParallelTopology(1, 4))
+    engine, _, _, _ = zerotrain.initialize(model=make_model(), config=adamw_config(2), mpu=grid)
+    groups._create_expert_and_data_parallel(2)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=groups._get_expert_parallel_group("ep_size_2"))
+    edp = torch.ones(1)
+    dist.all_reduce(edp, group=groups._get_expert_data_parallel_group("ep_size_2"))
+    dp = torch.ones(1)
+    dist.all_reduce(dp, group=groups._get_data_parallel_group())
+    return (layouts, engine.dp_world_size, groups._get_data_parallel_world_size(),
+            groups._get_data_parallel_rank(), t.item(), edp.item(), dp.item(), groups._get_max_expert_size_name())
+
+
+@exercises("runtime.pipe.ProcessTopology", "runtime.pipe.topology.ProcessTopology",
+           "runtime.pipe.topology.PipeDataParallelTopology", "runtime.pipe.topology.PipeModelDataParallelTopology",
+           "runtime.pipe.topology.PipelineParallelGrid", "utils.groups._get_data_parallel_group",
+           "utils.groups._get_data_parallel_world_size", "utils.groups._get_data_parallel_rank",
+           "utils.groups._create_expert_and_data_parallel", "utils.groups._get_expert_parallel_group",
+           "utils.groups._get_expert_data_parallel_group", "utils.groups._get_max_expert_size_name")
+def test_topology_and_groups_names_drive_an_engine():
+    for rank, out in enumerate(run_on_ranks(_topology_names_as_scripts_use_them, world_size=4, timeout=300)):
+        assert out[0] == ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1], [2, 3]])
+        # the grid's data group (all 4) is the engine's, and the global getters answer from it
+        assert out[1:] == (4, 4, rank, 2.0, 2.0, 4.0, "ep_size_2")

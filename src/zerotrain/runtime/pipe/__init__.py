@@ -1,6 +1,12 @@
-"""``deepspeed.runtime.pipe``: re-exports (zerotrain.pipeline, zerotrain.topology)."""
+"""``deepspeed.runtime.pipe``: re-exports (zerotrain.pipeline, zerotrain.topology); the submodule
+``topology`` is an attribute, loaded on first access."""
 
-from zerotrain.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
-from zerotrain.topology import ProcessTopology
+from zerotrain._lazy import lazy_attributes
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"]
+SUBMODULES = ("topology",)
+
+__getattr__, __dir__ = lazy_attributes(
+    __name__, SUBMODULES,
+    names={"PipelineModule": "zerotrain.pipeline", "LayerSpec": "zerotrain.pipeline",
+           "TiedLayerSpec": "zerotrain.pipeline", "ProcessTopology": "zerotrain.topology.grid"})
