@@ -11,7 +11,7 @@ from torch.autograd.graph import increment_version
 from zerotrain.comm import collectives
 from zerotrain.zero import registry
 from zerotrain.memory_release import release_freed_memory
-from zerotrain.zero.init import _keep_shard, is_partitioned, materialize
+from zerotrain.zero.init import _keep_shard, is_partitioned, materialize, partitioning_of
 
 
 class GatheredParameters(contextlib.ContextDecorator):
@@ -22,6 +22,11 @@ class GatheredParameters(contextlib.ContextDecorator):
     below ``stage3_param_persistence_threshold`` whole; stages 0-2 keep all) are overwritten on
     every rank. In both cases the optimizer's fp32 master weights take the new values (untouched
     elements keep their fp32 precision).
+
+    ``modifier_rank`` is a rank *within the data-parallel group* the parameters are partitioned
+    over, as in DeepSpeed: an engine unit's group (``initialize(data_parallel_group=...)``), the
+    group ``zero.Init(data_parallel_group=...)`` partitioned a parameter over, the world for
+    parameters of neither. Gathers, broadcasts and re-partitioning all run over that group.
 
     ``fwd_module`` is accepted for DeepSpeed compatibility and needs nothing here: a parameter
     read by a module it does not belong to is gathered on access during forward anyway.
@@ -38,10 +43,13 @@ class GatheredParameters(contextlib.ContextDecorator):
             if p is not None and all(p is not q for q in self.params):
                 self.params.append(p)
         if modifier_rank is not None and dist.is_initialized():
-            world = dist.get_world_size()
-            if not 0 <= modifier_rank < world:
-                raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): the world "
-                                 f"has ranks 0..{world - 1}")
+            for group in {id(g): g for g in map(_group_of, self.params)}.values():
+                size = dist.get_world_size(group)
+                if not 0 <= modifier_rank < size:
+                    where = "the world" if group is None else "the parameters' data-parallel group"
+                    raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): "
+                                     f"modifier_rank is a rank within {where}, which has ranks "
+                                     f"0..{size - 1}")
         self.modifier_rank = modifier_rank
         self._units: list = []
         self._init_params: list = []
@@ -70,11 +78,11 @@ class GatheredParameters(contextlib.ContextDecorator):
                 collectives.broadcast(unit.flat, src=self._global(group), group=group)
                 unit.adopt_full_values()
             for p in self._init_params:
-                collectives.broadcast(p.data, src=self.modifier_rank)
+                group = partitioning_of(p).group
+                collectives.broadcast(p.data, src=self._global(group), group=group)
             with torch.no_grad():
                 for p in self._whole:
-                    unit = registry.unit_of(p)
-                    group = unit.process_group if unit is not None else None
+                    group = _group_of(p)
                     collectives.broadcast(p.detach(), src=self._global(group), group=group)
                     # A collective's write is invisible to the version counter by which the
                     # engine notices edits (and copies them into its fp32 masters at the step).
@@ -82,7 +90,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         for unit in self._units:
             unit.coordinator.release(unit)
         for p in self._init_params:
-            _keep_shard(p, dist.get_world_size(), dist.get_rank())
+            _keep_shard(p, partitioning_of(p))  # over its group, in its place, as zero.Init did
         if self._init_params:
             # The whole parameters just freed sit in malloc's heap: without handing them back,
             # loading a model module by module (from_pretrained under zero.Init) grows each
@@ -92,5 +100,15 @@ class GatheredParameters(contextlib.ContextDecorator):
         return False
 
     def _global(self, group) -> int:
-        """``modifier_rank`` is a rank of the parameters' data-parallel group."""
+        """``modifier_rank`` as the global rank torch's collectives take."""
         return self.modifier_rank if group is None else dist.get_global_rank(group, self.modifier_rank)
+
+
+def _group_of(param: torch.Tensor):
+    """The data-parallel group ``param`` is partitioned (or, whole, replicated) over: its engine
+    unit's, else zero.Init's, else None (the world)."""
+    unit = registry.unit_of(param)
+    if unit is not None:
+        return unit.process_group
+    how = partitioning_of(param)
+    return how.group if how is not None else None

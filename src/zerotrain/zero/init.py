@@ -16,6 +16,21 @@ while at most about one module's parameters are whole at a time. Shape queries (
 ``size()``, ``dim()``, ``numel()``) and attributes that do not depend on the values (``dtype``,
 ``requires_grad``, ...) are answered without gathering. Calls from zerotrain's runtime
 (``initialize``, the engine, ``GatheredParameters``) pass through untouched.
+
+Groups: every partitioned parameter records how it was partitioned (``partitioning_of``: the
+``data_parallel_group``, None for the world, and host placement). Gathering it back
+(``materialize``, ``GatheredParameters``, the mode) and partitioning it again use that group and
+the ranks in it, whichever ``Init`` context is active at the time; ``initialize`` checks that its
+own data-parallel group holds the same ranks.
+
+Why the active context is process-wide: a ``with Init():`` block patches ``__init__`` of every
+``nn.Module`` class (and pushes one ``TorchFunctionMode``), and a constructor called anywhere in
+the process, by any library, must find the context that patched it. So ``_active`` (the
+outermost context, which owns the patches, the mode and the parameters it gathered whole) is a
+module global, as DeepSpeed's is. Contexts entered inside it are kept on ``_nested``: modules
+constructed while one is innermost are partitioned with its settings (group, dtype, host
+placement), and when it exits the outer one's apply again. Contexts entered one after another
+share nothing but the parameters' own records.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import functools
 import os
 import sys
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,13 +59,41 @@ _LAYOUT = "_zerotrain_layout"    # its FlatLayout (shape, padding)
 _OWNER = "_zerotrain_owner"      # id of the module it was first partitioned in (eviction groups)
 _DEPTH = "_zerotrain_init_depth"  # a module's nesting of Init-wrapped __init__ calls
 _WRAPPER = "__zerotrain_init_wrapper__"  # marks the __init__ wrappers Init installs
+_PARTITIONING = "_zerotrain_partitioning"  # how it was partitioned (kept while it is whole)
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Partitioning(NamedTuple):
+    """How ``Init`` partitioned a parameter: over ``group`` (None: the world), with the slices
+    in host memory (``host``), page-locked (``pin``)."""
+
+    group: object = None
+    host: bool = False
+    pin: bool = False
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a parameter partitioned by ``Init`` and not yet taken over by ``initialize``."""
     return hasattr(param, _SHARD)
+
+
+def partitioning_of(param: torch.Tensor) -> Partitioning | None:
+    """How ``Init`` partitioned ``param`` (also while it is gathered whole), or None."""
+    return getattr(param, _PARTITIONING, None)
+
+
+def group_ranks(group) -> list[int]:
+    """The global ranks of ``group`` (None: the world)."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def check_member(group, what: str) -> None:
+    """Raise naming ``what`` when this process is not a member of ``group``."""
+    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
+        raise ValueError(f"{what}: this process (global rank {dist.get_rank(dist.group.WORLD)}) "
+                         f"is not in the group (ranks {group_ranks(group)}); call it on the "
+                         "group's ranks only")
 
 
 # -- zerotrain's own code handles placeholders directly (the mode passes it through) ---------
@@ -67,13 +111,15 @@ def _own_code():
 
 
 @torch.no_grad()
-def _keep_shard(param: nn.Parameter, world: int, rank: int, host: bool = False,
-                pin: bool = False) -> None:
-    """Keep only this rank's slice of a whole ``param`` (no padded full-size temporary); in host
-    memory with ``host`` (parameter offload), page-locked with ``pin``."""
+def _keep_shard(param: nn.Parameter, how: Partitioning) -> None:
+    """Keep only this rank's slice of a whole ``param`` (no padded full-size temporary) among
+    ``how.group``'s ranks; in host memory with ``how.host`` (parameter offload), page-locked with
+    ``how.pin``. The parameter records ``how``."""
     with _own_code():
+        world, rank = dist.get_world_size(how.group), dist.get_rank(how.group)
         layout = FlatLayout([param], world, shard_alignment(param.dtype))
         start, end = layout.shard_range(rank)
+        host, pin = how.host, how.pin
         device = torch.device("cpu") if host else param.device  # host memory is torch's "cpu"
         shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=device)
         flat = param.data.reshape(-1)
@@ -83,17 +129,32 @@ def _keep_shard(param: nn.Parameter, world: int, rank: int, host: bool = False,
             shard = get_accelerator().pin_memory(shard)
         setattr(param, _SHARD, shard)
         setattr(param, _LAYOUT, layout)
+        setattr(param, _PARTITIONING, how)
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
+_OWN_GROUP = object()
+
+
 @torch.no_grad()
-def materialize(param: nn.Parameter, group=None) -> None:
-    """Gather an Init-partitioned parameter back into a whole tensor (collective)."""
+def materialize(param: nn.Parameter, group=_OWN_GROUP) -> None:
+    """Gather an Init-partitioned parameter back into a whole tensor (a collective of the group
+    it was partitioned over). ``group``: the data-parallel group the caller works over (None:
+    the world), which must hold the same ranks (else ValueError naming both); left out, the
+    parameter's own group."""
     with _own_code():
         layout: FlatLayout = getattr(param, _LAYOUT)
+        own = getattr(param, _PARTITIONING).group
+        if group is not _OWN_GROUP and group is not own and dist.is_initialized():
+            theirs, mine = group_ranks(group), group_ranks(own)
+            if sorted(theirs) != sorted(mine):
+                raise ValueError(
+                    f"a parameter of shape {tuple(layout.slots[0].shape)} was partitioned by "
+                    f"zero.Init over ranks {mine}, but the engine's data-parallel group is ranks "
+                    f"{theirs}: pass the engine's group to zero.Init(data_parallel_group=...)")
         shard = getattr(param, _SHARD).to(param.device)  # the model may have moved since Init
         flat = layout.empty(dtype=shard.dtype, device=shard.device, zero=False)
-        collectives.all_gather_into(flat, shard, group=group)
+        collectives.all_gather_into(flat, shard, group=own)
         # A view, not a copy: the padding (under world * alignment elements) is not worth a
         # second whole-size temporary.
         param.data = flat.narrow(0, 0, layout.numel).view(layout.slots[0].shape)
@@ -195,8 +256,15 @@ class _PlaceholderMode(TorchFunctionMode):
 
 
 # -- Init --------------------------------------------------------------------------------------
+# Process-wide because the constructors it patches are (see the module docstring).
 _active: "Init | None" = None  # the outermost entered (and not shut down) Init context
 _suspended: "Init | None" = None  # a context shut down by shutdown_init_context()
+_nested: "list[Init]" = []  # contexts entered inside the outermost one, innermost last
+
+
+def _innermost() -> "Init":
+    """The context whose settings partition the modules constructed now."""
+    return _nested[-1] if _nested else _active
 
 
 def _all_subclasses(cls):
@@ -211,7 +279,9 @@ class Init:
     DeepSpeed's arguments:
 
     - ``module``: partition an already built model now (every parameter of its tree).
-    - ``data_parallel_group``: the group to partition over (default: all ranks).
+    - ``data_parallel_group``: the group to partition over (default: all ranks); this process
+      must be in it. Each parameter remembers it: gathers and re-partitions use its ranks, and
+      ``GatheredParameters(modifier_rank=r)`` takes ``r`` as a rank of that group.
     - ``config_dict_or_path`` (``config`` is its deprecated alias): a ds_config dict or JSON path.
       As in DeepSpeed its ``bf16``/``fp16`` sections set the dtype of the partitions (float32 when
       neither is enabled) unless ``dtype`` is given, and ``zero_optimization.offload_param``'s
@@ -250,10 +320,11 @@ class Init:
                              "torch.float32")
         self.enabled = enabled
         self.group = data_parallel_group
+        check_member(data_parallel_group, "zero.Init(data_parallel_group=...)")
         self.pin_memory = bool(pin_memory)
         self.dtype = dtype
         if config_dict_or_path is not None:
-            config_dtype, offload = _dtype_from_config(config_dict_or_path)
+            config_dtype, offload = _dtype_from_config(config_dict_or_path, data_parallel_group)
             self.dtype = config_dtype if dtype is None else dtype
             if offload is not None:  # the config's offload_param wins, as in DeepSpeed
                 remote_device, self.pin_memory = offload.device, bool(offload.pin_memory)
@@ -264,7 +335,8 @@ class Init:
         self._mode: _PlaceholderMode | None = None
         self._whole: dict[int, nn.Parameter] = {}  # placeholders gathered whole for a moment
         self._building = 0  # nesting of module constructions under way
-        self._roots: weakref.WeakSet = weakref.WeakSet()  # outermost modules built in the context
+        # Outermost modules built while this context was the innermost one.
+        self._roots: weakref.WeakSet = weakref.WeakSet()
         self._outer: Init | None = None  # the active context this one is nested in
         if enabled:
             configure_allocator()  # see zerotrain.memory_release
@@ -284,12 +356,11 @@ class Init:
         if _suspended is not None:
             raise RuntimeError("zero.Init entered while another Init context is shut down "
                                "(shutdown_init_context); call restore_init_context() first")
-        if _active is not None:  # nested: the outer context does the work
-            outer = _active
-            if (self.dtype, self.group) != (outer.dtype, outer.group):
-                raise ValueError("a zero.Init nested in another must use the same dtype and "
-                                 "data_parallel_group (the outer context partitions)")
-            self._outer = outer
+        if _active is not None:  # nested: the outer context's patches and mode serve it too
+            if self in _nested or self is _active:
+                raise RuntimeError("this zero.Init context is already active; create a new one")
+            self._outer = _active
+            _nested.append(self)
             return self
         self._ensure_distributed()
         _active = self
@@ -303,7 +374,17 @@ class Init:
         if not self.enabled:
             return False
         if self._outer is not None:
-            self._outer = None
+            outer, self._outer = self._outer, None
+            try:
+                if exc_type is None and self in _nested:  # partition what was added after
+                    for root in list(self._roots):        # construction, with its settings
+                        outer._partition_tree(root, settings=self)
+                    if _active is outer:
+                        outer._flush()
+            finally:
+                if self in _nested:
+                    _nested.remove(self)
+                self._roots = weakref.WeakSet()
             return False
         try:
             if exc_type is None and _active is self:  # after an error ranks may be out of step
@@ -317,6 +398,8 @@ class Init:
             elif _suspended is self:  # exited while shut down: classes are already restored
                 _own_code_depth -= 1
                 _suspended = None
+            if _active is None and _suspended is None:
+                _nested.clear()  # contexts left entered by a failure are over with it
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._whole.clear()
@@ -354,15 +437,23 @@ class Init:
         self._patched.clear()
 
     def _constructed(self, module: nn.Module, outermost: bool) -> None:
-        """A module's (most derived) constructor returned."""
-        self._partition_tree(module)
+        """A module's (most derived) constructor returned (``self`` is the outermost context)."""
+        settings = _innermost() or self
+        self._partition_tree(module, settings)
         if outermost:
-            self._roots.add(module)
+            settings._roots.add(module)
             self._flush()
 
     # -- partitioning -------------------------------------------------------------------
-    def _partition_tree(self, module: nn.Module) -> None:
-        """Partition every parameter of ``module``'s tree that is not partitioned yet."""
+    @property
+    def partitioning(self) -> Partitioning:
+        return Partitioning(self.group, self.host, self.pin_memory)
+
+    def _partition_tree(self, module: nn.Module, settings: "Init | None" = None) -> None:
+        """Partition every parameter of ``module``'s tree that is not partitioned yet: new ones
+        with ``settings``' group, dtype and placement (default this context's), ones gathered
+        whole by the mode again as they were."""
+        settings = settings or self
         done = False
         for m in module.modules():
             for param in m._parameters.values():
@@ -371,23 +462,23 @@ class Init:
                 was_gathered = self._whole.pop(id(param), None) is not None
                 if hasattr(param, _OWNER) and not was_gathered:
                     continue  # Init partitioned it before; someone (initialize) took it over
-                self._partition(param, owner=m, cast=not was_gathered)
+                if was_gathered:
+                    self._repartition(param)
+                else:
+                    settings._partition(param, owner=m)
                 done = True
         if done:
             release_freed_memory()
 
     @torch.no_grad()
-    def _partition(self, param: nn.Parameter, owner: nn.Module | None = None,
-                   cast: bool = True) -> None:
-        """Broadcast rank 0's values of a whole ``param`` and keep this rank's slice."""
+    def _partition(self, param: nn.Parameter, owner: nn.Module | None = None) -> None:
+        """Cast a whole ``param`` to this context's dtype, broadcast the group's first rank's
+        values and keep this rank's slice."""
         with _own_code():
             param.data = param.data.to(get_accelerator().device())
-            if cast and self.dtype is not None and param.is_floating_point():
+            if self.dtype is not None and param.is_floating_point():
                 param.data = param.data.to(self.dtype)
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            collectives.broadcast(param.data, src=src, group=self.group)
-            _keep_shard(param, dist.get_world_size(self.group), dist.get_rank(self.group),
-                        host=self.host, pin=self.pin_memory)
+            _broadcast_and_keep_shard(param, self.partitioning)
             if owner is not None and not hasattr(param, _OWNER):
                 setattr(param, _OWNER, id(owner))
 
@@ -400,14 +491,18 @@ class Init:
         if evicted:  # the whole tensors just freed sit between shards: hand them back
             release_freed_memory()
         for param in placeholders:
-            materialize(param, self.group)
+            materialize(param)  # over the group it was partitioned over
             self._whole[id(param)] = param
         release_freed_memory()
 
-    def _repartition(self, param: nn.Parameter) -> None:
+    @staticmethod
+    def _repartition(param: nn.Parameter) -> None:
+        """Partition a parameter the mode gathered whole again, as it was partitioned before
+        (whichever context is active now)."""
         # GatheredParameters or initialize may have taken it over meanwhile.
         if not is_partitioned(param) and not _taken_over(param):
-            self._partition(param, cast=False)
+            with _own_code():
+                _broadcast_and_keep_shard(param, partitioning_of(param))
 
     def _flush(self) -> None:
         """Re-partition every parameter gathered whole by the mode."""
@@ -416,6 +511,15 @@ class Init:
             self._repartition(param)
         if whole:
             release_freed_memory()
+
+
+@torch.no_grad()
+def _broadcast_and_keep_shard(param: nn.Parameter, how: Partitioning) -> None:
+    """Broadcast the first rank of ``how.group``'s values of a whole ``param``; keep this rank's
+    slice as ``how`` says."""
+    src = dist.get_global_rank(how.group, 0) if how.group is not None else 0
+    collectives.broadcast(param.data, src=src, group=how.group)
+    _keep_shard(param, how)
 
 
 def _wrap_init(original):
@@ -448,15 +552,16 @@ def _wrap_init(original):
     return init
 
 
-def _dtype_from_config(config_dict_or_path) -> torch.dtype:
+def _dtype_from_config(config_dict_or_path, group=None) -> torch.dtype:
     """DeepSpeed's reading of a ds_config in zero.Init: the partitions' dtype, and the
     ``offload_param`` section when its device is not "none". Also applies the config's
-    ``memory_release`` (zerotrain only), before Init tunes the allocator."""
+    ``memory_release`` (zerotrain only), before Init tunes the allocator. Batch sizes are
+    checked against the data-parallel ``group``'s size (None: the world)."""
     from zerotrain.config import load_config
     from zerotrain.config.load import read_config
 
     if dist.is_initialized():
-        world = dist.get_world_size()
+        world = dist.get_world_size(group)
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     data = _without_auto(read_config(config_dict_or_path))
