@@ -10,26 +10,37 @@ world as one data-parallel group, built on first use. It is one of the few proce
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from zerotrain.topology.topology import ExpertGroups, Topology
 
-_current: list[Topology] = []
+_current: list[tuple[Topology, object]] = []  # (topology, the default group it was built under)
+
+
+def _world():
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def set_current(topology: Topology) -> None:
     """Make ``topology`` the one DeepSpeed's global getters answer from."""
-    _current[:] = [topology]
+    _current[:] = [(topology, _world())]
 
 
 def current() -> Topology:
-    """The current topology (the world as data parallelism when none was set)."""
+    """The current topology (the world as data parallelism when none was set). One built under a
+    default process group that has since been destroyed is forgotten: its groups are gone."""
+    if _current and _current[0][1] is not _world():
+        _current.clear()
     if not _current:
-        _current.append(Topology.build())
-    return _current[0]
+        _current.append((Topology.build(), _world()))
+    return _current[0][0]
 
 
-def reset() -> None:
-    """Forget the current topology (``zerotrain.destroy()``; the groups belong to torch)."""
-    _current.clear()
+def reset(topology: Topology | None = None) -> None:
+    """Forget the current topology (only if it is ``topology``, when given): an engine's
+    ``destroy()`` calls it; the groups themselves belong to torch."""
+    if topology is None or (_current and _current[0][0] is topology):
+        _current.clear()
 
 
 # -- DeepSpeed's deepspeed.utils.groups names -----------------------------------------------
@@ -115,8 +126,6 @@ def _get_expert_data_parallel_rank(group_name: str) -> int:
 
 def _get_expert_broadcast_src_rank(group_name: str) -> int:
     """The global rank at position 0 of this rank's expert-data group."""
-    import torch.distributed as dist
-
     group = _expert(group_name).expert_data_group
     return dist.get_global_rank(group, 0) if group is not None else current().global_rank
 
