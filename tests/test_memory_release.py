@@ -40,47 +40,68 @@ def libc(monkeypatch):
 def test_policy_follows_config_then_environment_then_stage(monkeypatch, libc):
     monkeypatch.delenv("ZEROTRAIN_MEMORY_RELEASE", raising=False)
     for stage, default in ((0, "per_step"), (1, "per_step"), (2, "per_step"), (3, "eager")):
-        memory_release.set_memory_release(None, stage)
-        assert memory_release.memory_release() == default
+        assert memory_release.ReleasePolicy(None, stage).name == default
     monkeypatch.setenv("ZEROTRAIN_MEMORY_RELEASE", "off")
+    assert memory_release.ReleasePolicy(None).name == "off"
+    assert memory_release.ReleasePolicy("eager").name == "eager"  # the config's value wins
+    with pytest.raises(ValueError, match="memory_release.*ZEROTRAIN_MEMORY_RELEASE"):
+        memory_release.ReleasePolicy("lazy")
+    # zero.Init's process-wide setting resolves the same way
     memory_release.set_memory_release(None)
     assert memory_release.memory_release() == "off"
-    memory_release.set_memory_release("eager")  # the config's value wins
-    assert memory_release.memory_release() == "eager"
     with pytest.raises(ValueError, match="memory_release.*ZEROTRAIN_MEMORY_RELEASE"):
         memory_release.set_memory_release("lazy")
 
 
 def test_eager_trims_per_bucket_and_between_phases_off_never(libc):
-    memory_release.set_memory_release("eager")
-    trim = memory_release.TrimEvery(100)
+    policy = memory_release.ReleasePolicy("eager")
+    trim = policy.trim_every(100)
     for _ in range(4):
         trim.reduced(50)  # 200 elements: a trim per 100
-    memory_release.release_between_phases()
+    policy.between_phases()
     assert libc.trims == 3
-    assert memory_release.configure_allocator() and libc.mallopts == [
+    assert policy.configure_allocator() and libc.mallopts == [
         (memory_release.M_MMAP_THRESHOLD, memory_release.MMAP_THRESHOLD_BYTES)]
 
-    memory_release.set_memory_release("per_step")
+    policy = memory_release.ReleasePolicy("per_step")
+    trim = policy.trim_every(100)
     libc.trims, libc.mallopts = 0, []
     for _ in range(4):
         trim.reduced(50)
-    memory_release.release_between_phases()
+    policy.between_phases()
     assert libc.trims == 0
-    memory_release.release_before_backward()
+    policy.before_backward()
     assert libc.trims == 1
-    assert not memory_release.configure_allocator() and libc.mallopts == []
+    assert not policy.configure_allocator() and libc.mallopts == []
 
-    memory_release.set_memory_release("off")
+    policy = memory_release.ReleasePolicy("off")
+    trim = policy.trim_every(100)
     libc.trims, libc.mallopts = 0, []
     for _ in range(4):
         trim.reduced(50)
-    memory_release.release_between_phases()
-    memory_release.release_before_backward()
+    policy.between_phases()
+    policy.before_backward()
     assert libc.trims == 0
-    assert not memory_release.configure_allocator() and libc.mallopts == []
+    assert not policy.configure_allocator() and libc.mallopts == []
     memory_release.release_freed_memory()  # one-time releases happen under either policy
     assert libc.trims == 1
+
+
+def test_policies_side_by_side_do_not_change_each_other(libc):
+    """Two policies alive at once (two engines' stage objects): each trims by its own; zero.Init's
+    process-wide setting is neither's."""
+    eager, off = memory_release.ReleasePolicy("eager"), memory_release.ReleasePolicy("off")
+    memory_release.set_memory_release("per_step")  # zero.Init's: changes neither
+    eager_trim, off_trim = eager.trim_every(10), off.trim_every(10)
+    for _ in range(3):
+        eager_trim.reduced(10)
+        off_trim.reduced(10)
+    eager.between_phases()
+    off.between_phases()
+    off.before_backward()
+    assert libc.trims == 4 and (eager.name, off.name) == ("eager", "off")
+    assert not memory_release.configure_allocator() and libc.mallopts == []  # Init's: per_step
+    assert memory_release.configure_allocator("eager") and len(libc.mallopts) == 1
 
 
 def _trims_per_step(policies):
@@ -105,7 +126,7 @@ def _trims_per_step(policies):
             before = fake.trims
             train_steps(engine, 2)
             out[policy][stage] = {"trims": fake.trims - before,
-                                  "policy": memory_release.memory_release(),
+                                  "policy": engine.zero_stage_object.memory_release.name,
                                   "threshold_set": len(fake.mallopts) > mallopts}
             engine.destroy()
     return out

@@ -24,7 +24,7 @@ from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, 
                                      StepTimers)
 from zerotrain.log import log_rank0
 from zerotrain.monitor import MonitorMaster
-from zerotrain.monitor.memory import register_engine
+from zerotrain.monitor.memory import register_engine, unregister_engine
 from zerotrain.offload import describe_stats
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.zero import build_zero_stage
@@ -317,6 +317,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
         self.monitor.close()
+        unregister_engine(self)  # memory reports no longer count it
 
     # -- logging ------------------------------------------------------------------------
     def _log_step(self) -> None:

@@ -1,12 +1,13 @@
 """Memory reports: DeepSpeed's ``memory_status`` and ``see_memory_usage`` (also importable from
 ``zerotrain.runtime.utils``, DeepSpeed's path, and as ``zerotrain.memory_status``), and the weak
-list of live engines they read.
+list of live engines they read when no engine is named (DeepSpeed's functions take none).
 
 On CUDA they report torch's allocator (allocated, cached, their peaks), like DeepSpeed. On CPU,
 where torch keeps no such counters, they report what the process holds: RSS (psutil), peak RSS
 since the process started (``resource.getrusage``; it cannot be reset), and the bytes the live
-engine holds by category (``engine.memory_breakdown()``: parameters, gradients, optimizer state,
-communication buffers), counted from the tensors themselves.
+engines hold by category (``engine.memory_breakdown()``: parameters, gradients, optimizer state,
+communication buffers), counted from the tensors themselves: the engine passed as ``engine=``, else
+every live engine of the process, summed (RSS is the process's, so is what it is compared with).
 """
 
 from __future__ import annotations
@@ -35,22 +36,36 @@ def register_engine(engine) -> None:
     _engines.append(weakref.ref(engine))
 
 
-def live_engine():
-    """The most recently created engine that is still alive, or None."""
-    for ref in reversed(_engines):
-        engine = ref()
-        if engine is not None:
-            return engine
-    return None
+def unregister_engine(engine) -> None:
+    """Forget ``engine`` (``engine.destroy()``: it holds no training state any more)."""
+    _engines[:] = [ref for ref in _engines if ref() is not None and ref() is not engine]
 
 
-def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> dict | None:
+def live_engines() -> list:
+    """The engines not destroyed and still alive, oldest first."""
+    return [e for e in (ref() for ref in _engines) if e is not None]
+
+
+def _held(engines: list) -> tuple[dict, list[dict]]:
+    """What ``engines`` hold by category, summed, and each one's breakdown."""
+    each = [e.memory_breakdown() for e in engines]
+    total: dict[str, int] = {}
+    for held in each:
+        for key, value in held.items():
+            total[key] = total.get(key, 0) + value
+    return total, each
+
+
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False,
+                  engine=None) -> dict | None:
     """Print this rank's memory (every rank, or only ``print_rank``) and return the numbers.
 
     CUDA: ``RANK=r MEMSTATS msg device=cuda:r current alloc=..GB (delta=..GB max=..GB) current
     cache=..GB (delta=..GB max=..GB)``. CPU: ``... device=cpu current rss=..GB (delta=..GB
     max=..GB) engine=..GB (parameters=..GB gradients=..GB ...)``. ``delta`` is the change since the
-    previous call; ``reset_max`` resets CUDA peaks first (the CPU peak cannot be reset).
+    previous call; ``reset_max`` resets CUDA peaks first (the CPU peak cannot be reset). The
+    engine part is ``engine``'s, or with none named the sum over every live engine (then
+    ``stats["engines"]`` lists each one's, and the line ends ``engines=N`` when N > 1).
     """
     rank = _rank()
     if print_rank != -1 and rank != print_rank:
@@ -79,13 +94,15 @@ def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> di
         _last["alloc"] = rss
         line = (f"RANK={rank} MEMSTATS {msg} device=cpu current rss={rss / GB:0.4f}GB "
                 f"(delta={delta / GB:0.4f}GB max={stats['max_rss'] / GB:0.4f}GB)")
-    engine = live_engine()
-    if engine is not None:
-        held = engine.memory_breakdown()
+    engines = [engine] if engine is not None else live_engines()
+    if engines:
+        held, stats["engines"] = _held(engines)
         stats["engine"] = held
         line += (f" engine={sum(held.values()) / GB:0.4f}GB ("
                  + " ".join(f"{k}={v / GB:0.4f}GB" for k, v in held.items()) + ")")
-        offload = _offload_line(engine)
+        if len(engines) > 1:
+            line += f" engines={len(engines)}"
+        offload = " ".join(filter(None, (_offload_line(e) for e in engines)))
         if offload:
             line += " " + offload
     print(line, flush=True)
@@ -100,10 +117,11 @@ def _offload_line(engine) -> str:
     return describe_stats(engine.zero_stage_object.offload_stats())
 
 
-def see_memory_usage(message: str, force: bool = False) -> None:
+def see_memory_usage(message: str, force: bool = False, engine=None) -> None:
     """Log memory on rank 0 when ``force`` (DeepSpeed's; a no-op otherwise): device memory
-    (``MA``/``Max_MA``/``CA``/``Max_CA``) on CUDA or RSS/peak RSS and the engine's bytes on CPU,
-    then the machine's virtual memory. Resets the CUDA peaks for the next call."""
+    (``MA``/``Max_MA``/``CA``/``Max_CA``) on CUDA or RSS/peak RSS and the bytes ``engine`` (else
+    every live engine, summed) holds on CPU, then the machine's virtual memory. Resets the CUDA
+    peaks for the next call."""
     if not force or _rank() != 0:
         return
     gc.collect()
@@ -117,11 +135,13 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     else:
         rss = psutil.Process().memory_info().rss
         line = f"RSS {round(rss / GB, 2)} GB Max_RSS {round(peak_rss_bytes() / GB, 2)} GB"
-        engine = live_engine()
-        if engine is not None:
-            line += " | engine " + " ".join(f"{k} {round(v / GB, 4)} GB"
-                                            for k, v in engine.memory_breakdown().items())
-            offload = _offload_line(engine)
+        engines = [engine] if engine is not None else live_engines()
+        if engines:
+            held, _ = _held(engines)
+            line += " | engine " + " ".join(f"{k} {round(v / GB, 4)} GB" for k, v in held.items())
+            if len(engines) > 1:
+                line += f" ({len(engines)} engines)"
+            offload = " ".join(filter(None, (_offload_line(e) for e in engines)))
             if offload:
                 line += " | " + offload
         logger.info(line)

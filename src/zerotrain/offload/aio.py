@@ -68,9 +68,11 @@ def direct_io_supported(folder: str) -> bool:
 
 
 class DiskActivity:
-    """Wall time during which at least one swap-file read or write was under way, across every
-    ``AsyncFileIO`` of the process: the I/O time a step spent, to compare with the bytes it
-    moved over the disk's bandwidth (overlapping operations count once)."""
+    """Wall time during which at least one swap-file read or write was under way, across the
+    ``AsyncFileIO`` objects that share it: the I/O time a step spent, to compare with the bytes it
+    moved over the disk's bandwidth (overlapping operations count once). Each ZeRO stage object
+    owns one and hands it to its swappers' ``AsyncFileIO``, so one engine's ``io_busy_s`` counts
+    its own swap files only, not another engine's in the same process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,17 +99,18 @@ class DiskActivity:
             return self._busy + running
 
 
-DISK_ACTIVITY = DiskActivity()
-
 
 class AsyncFileIO:
     """Reads and writes whole swap files on ``threads`` background threads.
 
     ``block_size``: bytes per system call (a large file is written in several); ``queue_depth``:
-    how many file operations may be queued at once (submitting more waits)."""
+    how many file operations may be queued at once (submitting more waits); ``activity``: the
+    ``DiskActivity`` its operations are timed in (shared by the swappers of one stage; None: its
+    own)."""
 
     def __init__(self, threads: int = 1, block_size: int = 1 << 20, queue_depth: int = 8,
-                 direct: bool = True):
+                 direct: bool = True, activity: DiskActivity | None = None):
+        self.activity = activity if activity is not None else DiskActivity()
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.block_size = max(ALIGN, round_up(block_size))
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zerotrain-swap")
@@ -162,7 +165,7 @@ class AsyncFileIO:
         try:
             mem = memoryview(view.numpy())
             offset = 0
-            with DISK_ACTIVITY:
+            with self.activity:
                 while offset < len(mem):
                     end = min(len(mem), offset + self.block_size)
                     written = os.pwritev(fd, [mem[offset:end]], offset)
@@ -194,7 +197,7 @@ class AsyncFileIO:
                     "truncated or replaced while training; restart from a checkpoint")
             mem = memoryview(view.numpy())
             offset = 0
-            with DISK_ACTIVITY:
+            with self.activity:
                 while offset < len(mem):
                     end = min(len(mem), offset + self.block_size)
                     got = os.preadv(fd, [mem[offset:end]], offset)

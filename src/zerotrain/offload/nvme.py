@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.offload.aio import ALIGN, AsyncFileIO, direct_io_supported, round_up
+from zerotrain.offload.aio import ALIGN, AsyncFileIO, DiskActivity, direct_io_supported, round_up
 from zerotrain.offload.swapper import OptimizerSwapper
 
 logger = logging.getLogger("zerotrain")
@@ -87,9 +87,10 @@ class NvmeOptimizerOffload:
     object is garbage collected, whichever comes first."""
 
     def __init__(self, settings: NvmeSettings, optimizer, rank: int, planned: list[tuple[int, int]],
-                 swap_master: bool, local_ranks: int = 1):
+                 swap_master: bool, local_ranks: int = 1, activity: DiskActivity | None = None):
         """``planned``: ``(param group, shard elements)`` of every trained unit to come, for the
-        disk-space check made before anything is written."""
+        disk-space check made before anything is written; ``activity``: the stage's
+        ``DiskActivity`` the swap I/O is timed in (None: its own)."""
         if settings.buffer_count < 1:
             raise OffloadError("zero_optimization.offload_optimizer.buffer_count must be at least 1 "
                                f"(got {settings.buffer_count}): each buffer holds one chunk in memory")
@@ -110,7 +111,8 @@ class NvmeOptimizerOffload:
                 logger.info("offload: %s steps the swapped chunks with torch's per-tensor kernel; "
                             "build it with fused=True (or use the config's optimizer section, "
                             "which does) for the fused CPU kernel", type(optimizer).__name__)
-            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct)
+            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct,
+                                  activity)
             self.swapper = OptimizerSwapper(self.folder, settings.chunk_numel,
                                             settings.buffer_count, self.io, settings.pin_memory)
         except BaseException:
@@ -175,9 +177,11 @@ class NvmeParamOffload:
     and the ``ParamSwapper`` over it; removed like the optimizer's (``close()``, exit, GC)."""
 
     def __init__(self, settings: NvmeParamSettings, rank: int, need_bytes: int,
-                 local_ranks: int = 1, also_on_disk: tuple[str, int] | None = None):
+                 local_ranks: int = 1, also_on_disk: tuple[str, int] | None = None,
+                 activity: DiskActivity | None = None):
         """``need_bytes``: the shards' swap files; ``also_on_disk``: ``(path, bytes)`` of the
-        optimizer's swap files, counted too when they share the drive."""
+        optimizer's swap files, counted too when they share the drive; ``activity``: the
+        stage's ``DiskActivity`` (None: its own), shared with the gradient swapper."""
         from zerotrain.offload.params import ParamSwapper
 
         if settings.buffer_count < 1:
@@ -201,7 +205,8 @@ class NvmeParamOffload:
                     f"same drive {need / GiB:.2f} GiB, x {local_ranks} ranks on this node): free "
                     "space or choose a larger drive")
             direct = direct_io_supported(self.folder)
-            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct)
+            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct,
+                                  activity)
             self.swapper = ParamSwapper(self.folder, self.io, settings.max_in_cpu,
                                         settings.buffer_count, settings.buffer_numel,
                                         settings.pin_memory)

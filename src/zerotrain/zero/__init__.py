@@ -4,7 +4,7 @@ the gradient buckets (``zero.gradient_buckets``); a stage differs only in what i
 from __future__ import annotations
 
 from zerotrain.config.optimizer_check import check_zero_optimizer
-from zerotrain.memory_release import configure_allocator, release_freed_memory, set_memory_release
+from zerotrain.memory_release import ReleasePolicy, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gathered import GatheredParameters
 from zerotrain.zero.init import Init, is_partitioned, materialize
@@ -33,8 +33,8 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     sharded over the data-parallel ``group`` (None: the world).
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
-    set_memory_release(config.memory_release, config.zero_optimization.stage)
-    configure_allocator()
+    release = ReleasePolicy(config.memory_release, config.zero_optimization.stage)  # this engine's
+    release.configure_allocator()
     zero = config.zero_optimization
     strategy = STRATEGIES[zero.stage]
     if not strategy.partitions_parameters:  # zero.Init was used without stage 3: make it whole
@@ -66,7 +66,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     from zerotrain.offload import build_placement  # offload settings -> where state lives
 
     stage = ZeroStage(strategy, module, optimizer, options, precision, group=group,
-                      placement=build_placement(config))
+                      placement=build_placement(config), memory_release=release)
     for p in module.parameters():  # parameters outside every unit stay whole
         if is_partitioned(p):
             materialize(p, group)

@@ -21,8 +21,8 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
-from zerotrain.memory_release import TrimEvery, release_before_backward, release_between_phases
-from zerotrain.offload.aio import DISK_ACTIVITY
+from zerotrain.memory_release import ReleasePolicy
+from zerotrain.offload.aio import DiskActivity
 from zerotrain.offload.placement import Placement
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import registry
@@ -63,9 +63,13 @@ class ZeroStage(StageInterface):
 
     def __init__(self, strategy: ShardingStrategy, module: nn.Module, optimizer,
                  options: StageOptions, precision: PrecisionPolicy = PrecisionPolicy(),
-                 group=None, placement: Placement = Placement()):
+                 group=None, placement: Placement = Placement(),
+                 memory_release: ReleasePolicy | None = None):
         _check_optimizer(strategy.stage, optimizer)
         self.strategy = strategy
+        # This engine's memory_release policy (None: the environment's or the stage's default).
+        self.memory_release = (memory_release if memory_release is not None
+                               else ReleasePolicy(None, strategy.stage))
         self.precision = precision
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -85,16 +89,18 @@ class ZeroStage(StageInterface):
             name_of.setdefault(id(p), name)
         self.placement = placement
         self.offload = None  # NVMe: zerotrain.offload.NvmeOptimizerOffload
-        self._io_busy_since, self._io_busy_s = DISK_ACTIVITY.busy_s, 0.0  # swap I/O wall time
+        self.disk_activity = DiskActivity()  # wall time of this stage's swap I/O (every swapper)
+        self._io_busy_since, self._io_busy_s = 0.0, 0.0
         self.param_offload = None  # NVMe: zerotrain.offload.NvmeParamOffload
         if placement.nvme is not None and optimizer is not None:
             self.offload = _nvme_offload(placement, plan, optimizer, shard_world, self.rank,
-                                         precision)
+                                         precision, self.disk_activity)
         self.units = []
         try:
             if placement.param_nvme is not None and strategy.partitions_parameters:
                 self.param_offload = _nvme_param_offload(placement, plan, shard_world, self.rank,
-                                                         precision, self.offload)
+                                                         precision, self.offload,
+                                                         self.disk_activity)
             for g, params in plan:  # one unit at a time: with zero.Init only one is ever whole
                 for p in params:
                     if is_partitioned(p):
@@ -124,7 +130,8 @@ class ZeroStage(StageInterface):
                     offload.close()
             raise
         self.trained = [u for u in self.units if u.trained]
-        self.trim = TrimEvery(strategy.trim_numel(options.unit_numel, self.units))
+        self.trim = self.memory_release.trim_every(
+            strategy.trim_numel(options.unit_numel, self.units))
         # The trained units in the groups a 16-bit step casts and steps together (see step()).
         self._chunk_plan = plan_step_chunks([u.layout.shard_numel for u in self.trained])
         if self.offload is not None:  # the optimizer steps the swapped chunks
@@ -152,7 +159,7 @@ class ZeroStage(StageInterface):
             self.coordinator = ParameterCoordinator(
                 module, [u for u in self.units if u.resharded], group,
                 prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
-                leaf_of=leaves)
+                leaf_of=leaves, memory_release=self.memory_release)
             if self.param_offload is not None:  # reads go ahead along the recorded order
                 self.coordinator.param_swapper = self.param_offload.swapper
                 if self.offload is not None:
@@ -227,7 +234,7 @@ class ZeroStage(StageInterface):
             self.outside.begin_backward(boundary, no_sync)
         # What forward freed (its temporaries, the loss computation's) goes back to the OS
         # before backward allocates gradients beside the saved activations.
-        release_before_backward()
+        self.memory_release.before_backward()
         if self.coordinator is not None:
             self.coordinator.begin_backward()
 
@@ -293,8 +300,8 @@ class ZeroStage(StageInterface):
                 self._param_io = self.param_offload.swapper.take_stats()
             if self.grad_swapper is not None:
                 self._grad_io = self.grad_swapper.take_stats()
-            self._io_busy_s = DISK_ACTIVITY.busy_s - self._io_busy_since
-            self._io_busy_since = DISK_ACTIVITY.busy_s
+            self._io_busy_s = self.disk_activity.busy_s - self._io_busy_since
+            self._io_busy_since = self.disk_activity.busy_s
             _log.debug("offload: %s", self.offload_stats())
         else:
             self.adopt_edits()
@@ -318,7 +325,7 @@ class ZeroStage(StageInterface):
         # The step's temporaries (fp32 copies of 16-bit gradients, the optimizer's foreach
         # intermediates) were freed on the heap: return them before the next forward needs
         # memory, so the peak is not their retained pages plus the activations.
-        release_between_phases()
+        self.memory_release.between_phases()
 
     def _step_chunks(self, optimizer) -> list[list[int]]:
         """The trained units' indices in the groups the optimizer steps one call at a time.
@@ -511,7 +518,7 @@ def _refuse_add_param_group(param_group) -> None:
 
 
 def _nvme_offload(placement: Placement, plan, optimizer, shard_world: int, rank: int,
-                  precision: PrecisionPolicy):
+                  precision: PrecisionPolicy, activity: DiskActivity):
     """The swap folder and swapper, after checking path and free space for the planned units."""
     from zerotrain.offload import NvmeOptimizerOffload
 
@@ -525,11 +532,11 @@ def _nvme_offload(placement: Placement, plan, optimizer, shard_world: int, rank:
     on_host = first is None or first.device.type == "cpu"
     return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
                                 swap_master=precision.mixed or not on_host,
-                                local_ranks=placement.local_ranks)
+                                local_ranks=placement.local_ranks, activity=activity)
 
 
 def _nvme_param_offload(placement: Placement, plan, shard_world: int, rank: int,
-                        precision: PrecisionPolicy, optimizer_offload):
+                        precision: PrecisionPolicy, optimizer_offload, activity: DiskActivity):
     """The parameter swap folder, after checking path and free space for every unit's shard."""
     from zerotrain.offload import NvmeParamOffload
     from zerotrain.offload.aio import ALIGN, round_up
@@ -542,4 +549,5 @@ def _nvme_param_offload(placement: Placement, plan, shard_world: int, rank: int,
         need += round_up(-(-numel // (shard_world * align)) * align * itemsize) + ALIGN
     also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
             if optimizer_offload is not None else None)
-    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also)
+    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also,
+                            activity=activity)

@@ -13,16 +13,21 @@ same sequence even when autograd finishes parameters in a different order.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
 
 from zerotrain.zero.flat import FlatLayout
 
-# Backward passes under way in any engine of this process. A gradient reaching one engine's
+# The gradient sets (one engine's buckets each) whose backward is under way right now. Each
+# owns its state (``_in_backward``); this set only indexes them, weakly, because the question it
+# answers is about the process's autograd, not one engine: a gradient reaching one engine's
 # parameters while another engine runs backward (a GAN's generator loss flowing through the
-# discriminator) accumulates there until that engine's zero_grad/step, as in DeepSpeed.
-_active_backwards = 0
+# discriminator) accumulates there until that engine's zero_grad/step, as in DeepSpeed. An engine
+# that leaves a backward unfinished stops counting once it is closed or collected, so it cannot
+# make another engine accept gradients from a plain ``loss.backward()``.
+_in_backward: "weakref.WeakSet[BucketedGradients]" = weakref.WeakSet()
 
 
 class GradientBucket:
@@ -132,9 +137,7 @@ class BucketedGradients:
 
     # -- backward ------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
-        global _active_backwards
-        if not self._in_backward:
-            _active_backwards += 1
+        _in_backward.add(self)
         self._in_backward, self._sync, self._next = True, sync, 0
         for b in self.buckets:
             b.ready, b.work, b.launched = 0, None, False
@@ -143,7 +146,7 @@ class BucketedGradients:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, index = self._where[id(param)]
         if not self._in_backward:
-            if _active_backwards:  # another engine's backward: keep it, reduce it with ours
+            if _in_backward:  # another engine's backward: keep it, reduce it with ours
                 bucket.adopt(index)
                 return
             raise RuntimeError(
@@ -194,16 +197,14 @@ class BucketedGradients:
         self._wait_all()
 
     def _wait_all(self) -> None:
-        global _active_backwards
         try:
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
                     b.work = None
         finally:
-            if self._in_backward:
-                _active_backwards -= 1
             self._in_backward = False
+            _in_backward.discard(self)
 
     @property
     def syncing(self) -> bool:
@@ -234,3 +235,5 @@ class BucketedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._in_backward = False  # closed: no backward of this engine is under way any more
+        _in_backward.discard(self)

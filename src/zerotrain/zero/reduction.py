@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from zerotrain.comm import collectives
-from zerotrain.memory_release import TrimEvery, memory_release, release_freed_memory
+from zerotrain.memory_release import TrimEvery, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.partition import FlatParamUnit
@@ -294,7 +294,7 @@ class ReduceScatterGradients(_Reduction):
             g.zero_()
 
     def _frees(self) -> bool:
-        return memory_release() == "eager" and self.before_reduce is None
+        return self._trim.policy.eager and self.before_reduce is None  # the engine's policy
 
     def _free_early(self, index: int) -> None:
         if self._frees():

@@ -18,8 +18,14 @@ from typing import Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Keyed by identity: tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them.
+# Process-wide on purpose (docs/design.md, "Process-wide state"). ``_unit_of`` answers for bare
+# parameters (``GatheredParameters(params)`` and the ``ds_*`` views get no engine); it is keyed by
+# the parameter (identity: tensors compare elementwise, so a plain WeakKeyDictionary cannot hold
+# them), so engines over different parameters never see each other's entries.
 _unit_of = WeakIdKeyDictionary()
+# ``ds_id``s are unique across the process, as DeepSpeed's (a class-wide counter in its
+# zero.Init): a script holding two engines (a GAN) can key by ds_id without collisions. Nothing
+# in zerotrain decides by them: not checkpoints (keyed by name), not the cross-rank checks.
 _next_id = itertools.count()
 DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor")
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from zerotrain.memory_release import TrimEvery, memory_release, release_before_backward
+from zerotrain.memory_release import ReleasePolicy
 from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
 
@@ -94,9 +94,12 @@ class ParameterCoordinator:
 
     def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
                  prefetch_numel: int = 0, max_live_numel: int | None = None,
-                 leaf_of: dict | None = None):
+                 leaf_of: dict | None = None, memory_release: ReleasePolicy | None = None):
         self.units = list(units)
         self.group = group
+        # The engine's policy (None: the environment's or stage 3's default)
+        self.memory_release = (memory_release if memory_release is not None
+                               else ReleasePolicy())
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.live_numel = 0
@@ -132,7 +135,8 @@ class ParameterCoordinator:
         # Forward saves activations on the heap between freed temporaries; the holes grow with
         # depth (110M GPT-2: ~100 MiB by the output layer). Under memory_release "eager" they
         # are handed back each eighth of the model gathered, and before any larger gather.
-        self._forward_trim = TrimEvery(sum(u.layout.padded_numel for u in self.units) // 8)
+        self._forward_trim = self.memory_release.trim_every(
+            sum(u.layout.padded_numel for u in self.units) // 8)
         self._position = {u: i for i, u in enumerate(self.units)}
         for u in self.units:
             u.coordinator = self
@@ -289,7 +293,7 @@ class ParameterCoordinator:
         self.fetch(unit)
         if matched and prefetch and self.prefetch_numel:
             self._prefetch(order)
-        if matched and order.at_end and not self._inflight and memory_release() == "eager":
+        if matched and order.at_end and not self._inflight and self.memory_release.eager:
             # The pass's last gather: pooled buffers would only sit through its peak (the output
             # layer's forward; the embedding's backward). GPT-2 110M: -12 MiB fp32, -5 MiB bf16.
             self._drop_pool()
@@ -367,7 +371,7 @@ class ParameterCoordinator:
 
     def _pre_backward(self, units, module: nn.Module) -> None:
         # Under "eager" the first use (the output layer's backward) gathers nothing ahead.
-        peak_start = self._first_backward_use and memory_release() == "eager"
+        peak_start = self._first_backward_use and self.memory_release.eager
         if self._first_backward_use:
             # The loss's backward (before any module's) freed its heap temporaries (the
             # log-softmax output and gradient: 64 MiB on the 110M GPT-2) just as the first
@@ -380,7 +384,7 @@ class ParameterCoordinator:
                 # peak; backward's own releases refill the pool from the next unit on).
                 self._drop_pool()
                 self.pool_drops += 1
-            release_before_backward()
+            self.memory_release.before_backward()
         for unit in units:
             if unit in self._hollow and _needs_no_weights(module):
                 continue
