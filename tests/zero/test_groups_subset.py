@@ -96,6 +96,12 @@ def _job() -> dict:
     out["shard_numel"] = model.fc1.weight._zerotrain_shard.numel()
     out["built"] = _gathered_state(model)
 
+    try:
+        Init(data_parallel_group=groups[1 - mine])  # the other group's handle
+        out["member_error"] = None
+    except ValueError as e:
+        out["member_error"] = str(e)
+
     # 2. modifier_rank=1 is group rank 1 (global rank 1 or 3).
     with GatheredParameters(model.fc2.weight, modifier_rank=1):
         if grank == 1:
@@ -207,6 +213,8 @@ def test_init_on_a_group_partitions_over_it_and_takes_its_first_rank(per_rank):
         assert out["shard_numel"] == 16 * 8 // GROUP_SIZE, out["grank"]
         _assert_equal(out["built"], _state(_reference_model(out["group"])),
                       f"group {out['group']} rank {out['grank']} built", rtol=0.0)
+        assert "zero.Init(data_parallel_group=...): this process is not in the group" in \
+            out["member_error"], out["member_error"]
 
 
 def test_modifier_rank_is_a_rank_of_the_group(per_rank):

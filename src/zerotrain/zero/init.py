@@ -91,9 +91,8 @@ def group_ranks(group) -> list[int]:
 def check_member(group, what: str) -> None:
     """Raise naming ``what`` when this process is not a member of ``group``."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise ValueError(f"{what}: this process (global rank {dist.get_rank(dist.group.WORLD)}) "
-                         f"is not in the group (ranks {group_ranks(group)}); call it on the "
-                         "group's ranks only")
+        raise ValueError(f"{what}: this process is not in the group (ranks "
+                         f"{group_ranks(group)}); call it on the group's ranks only")
 
 
 # -- zerotrain's own code handles placeholders directly (the mode passes it through) ---------
