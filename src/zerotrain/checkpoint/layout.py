@@ -80,12 +80,26 @@ def optimizer_key(unit) -> torch.Tensor:
     return unit.master if unit.master is not None else unit.shard
 
 
+def data_rank(engine) -> int:
+    """This rank's position in the engine's data-parallel group (``engine.topology``): what its
+    checkpoint files are named by, so a group's checkpoint holds the same files as the same run on
+    a world of the group's size, whichever global ranks the group has."""
+    return engine.topology.data_rank
+
+
+def first_of_group(engine) -> bool:
+    """Whether this rank is the first of the engine's data-parallel group (it writes the model
+    file and the metadata, and commits)."""
+    return engine.topology.is_first("data")
+
+
 def shard_writer(engine) -> bool:
-    """Whether this rank holds shards no lower rank holds (stage 0 replicates: rank 0 writes)."""
+    """Whether this rank holds shards no lower rank of its data group holds (stage 0 replicates:
+    the group's first rank writes)."""
     units = stage_units(engine)
     if not units:
         return False
-    return engine.global_rank < units[0].layout.world_size
+    return data_rank(engine) < units[0].layout.world_size
 
 
 def parameter_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str]]:

@@ -6,6 +6,12 @@ whole unit where the stage keeps full parameters), for the parameters, fp32 mast
 elementwise optimizer state. A checkpoint saved on N ranks at stage S thus loads on M ranks at
 stage S'; on the same layout the ranges are exactly the saved shards, so the resume is
 bit-identical. No collective is issued and one unit is handled at a time.
+
+Ranks are the engine's (``engine.topology``): a unit's shard is the one of this rank's position in
+its unit's group (``shard_rank``), and the per-rank state file read (counters, random state) is
+the one of this rank's position in the engine's data-parallel group (``data_rank``), never the
+global rank: a checkpoint saved by ranks {2, 3} of a job loads on ranks {0, 1} of another, on a
+2-rank world or on one rank.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import logging
 import torch
 
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, state_file
-from zerotrain.checkpoint.layout import (group_of_whole, optimizer_key, parameter_names,
+from zerotrain.checkpoint.layout import (data_rank, group_of_whole, optimizer_key, parameter_names,
                                          persistent_buffers, shard_rank_of, stage_units,
                                          swapper_of, whole_parameters)
 from zerotrain.checkpoint.training_state import read_rank_state, restore_engine, restore_rng
@@ -87,10 +93,10 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             f"checkpoint {reader.folder} has {reader.meta['param_groups']} optimizer param groups, "
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
             "groups, or pass load_optimizer_states=False")
-    rank = shard_rank_of(engine)
+    shard_rank = shard_rank_of(engine)
     swapper = swapper_of(engine)
     for unit in stage_units(engine):
-        _load_unit(unit, rank, reader, match,
+        _load_unit(unit, shard_rank, reader, match,
                    optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32,
                    swapper if unit.group is not None else None)
     groups = group_of_whole(engine)
@@ -107,7 +113,8 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
         logger.warning("load_checkpoint (load_module_strict=False): %s", match.describe())
     if module_only:
         return {}
-    mine = _rank_state(reader, engine.global_rank)
+    rank = data_rank(engine)
+    mine = _rank_state(reader, rank)
     main = _rank_state(reader, 0)
     if load_optimizer:
         for group, saved in zip(optimizer.param_groups, main["param_groups"]):
@@ -117,11 +124,10 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
         restore_rng(mine["rng"])
     elif "converted_from" in reader.meta:  # DeepSpeed saves no random state
         logger.info("checkpoint %s was converted from %s, which saves no random state: rank %d "
-                    "keeps its own", reader.folder, reader.meta["converted_from"]["program"],
-                    engine.global_rank)
+                    "keeps its own", reader.folder, reader.meta["converted_from"]["program"], rank)
     else:
-        logger.warning("checkpoint %s was saved on %d ranks: rank %d keeps its own random state",
-                       reader.folder, reader.meta["world_size"], engine.global_rank)
+        logger.warning("checkpoint %s was saved on %d ranks: rank %d of the data group keeps its "
+                       "own random state", reader.folder, reader.meta["world_size"], rank)
     return main["client_state"]
 
 

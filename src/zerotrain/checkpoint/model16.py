@@ -1,4 +1,9 @@
-"""Whole-model weights in the training dtype, gathered to rank 0 (``engine.save_16bit_model``)."""
+"""Whole-model weights in the training dtype, gathered to the first rank of the engine's
+data-parallel group (``engine.save_16bit_model``).
+
+"Rank 0" is the first rank of ``group`` (the engine's data group, ``engine.topology.data_group``),
+else of the stage-3 coordinator's group, else of the world: two engines on disjoint groups of one
+job each write their own model file."""
 
 from __future__ import annotations
 
@@ -11,16 +16,30 @@ import torch.distributed as dist
 from torch import nn
 
 
+def _first_rank_group(coordinator, group):
+    """The group whose first rank keeps the gathered weights (see the module's docstring)."""
+    if group is not None:
+        return group
+    return coordinator.group if coordinator is not None else None
+
+
+def _is_first(group) -> bool:
+    if not dist.is_initialized():
+        return True
+    if group is None:  # no engine group given: the world's rank 0
+        group = dist.group.WORLD
+    return dist.get_rank(group) == 0
+
+
 def full_state_dict(module: nn.Module, coordinator=None, exclude_frozen_parameters: bool = False,
-                    rank0_only: bool = True) -> dict[str, torch.Tensor]:
+                    rank0_only: bool = True, group=None) -> dict[str, torch.Tensor]:
     """The module's state dict with every partitioned parameter gathered, as CPU tensors.
 
-    Collective at stage 3 (every rank must call it); units are gathered one at a time, so the
-    peak is one unit plus the growing CPU copy (on rank 0 only, with ``rank0_only``).
+    Collective at stage 3 (every rank of the coordinator's group must call it); units are
+    gathered one at a time, so the peak is one unit plus the growing CPU copy (on the first rank
+    of ``group``, the engine's data group, only, with ``rank0_only``).
     """
-    # "Rank 0" of the engine's data-parallel group (the coordinator's), the world's by default.
-    group = coordinator.group if coordinator is not None else None
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
+    keep = not rank0_only or _is_first(_first_rank_group(coordinator, group))
     names_of: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if exclude_frozen_parameters and not p.requires_grad:
@@ -49,13 +68,14 @@ def full_state_dict(module: nn.Module, coordinator=None, exclude_frozen_paramete
 
 
 def save_16bit_model(module: nn.Module, save_dir, save_filename: str, coordinator=None,
-                     exclude_frozen_parameters: bool = False) -> Path | None:
-    """Write the gathered weights on rank 0: safetensors for ``*.safetensors``, else a
-    ``torch.save`` state dict (readable with ``torch.load(..., weights_only=True)``). The file is
-    written to a temporary name and renamed, so a crash never leaves a half-written model."""
-    state = full_state_dict(module, coordinator, exclude_frozen_parameters)
-    group = coordinator.group if coordinator is not None else None
-    if dist.is_initialized() and dist.get_rank(group) != 0:
+                     exclude_frozen_parameters: bool = False, group=None) -> Path | None:
+    """Write the gathered weights on the first rank of ``group`` (the engine's data group; see
+    the module's docstring): safetensors for ``*.safetensors``, else a ``torch.save`` state dict
+    (readable with ``torch.load(..., weights_only=True)``). The file is written to a temporary
+    name and renamed, so a crash never leaves a half-written model. Returns its path there,
+    None on the other ranks."""
+    state = full_state_dict(module, coordinator, exclude_frozen_parameters, group=group)
+    if not _is_first(_first_rank_group(coordinator, group)):
         return None
     path = Path(save_dir) / save_filename
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,11 @@
 """Writing a checkpoint: every rank its own files into a temporary folder, then an agreed commit.
 
-Order of a save (every rank calls it):
+Every rank decision comes from the engine's topology: "the ranks" are those of the engine's
+data-parallel group (``engine.topology``), "rank 0" is the group's first rank, and files are
+named by the rank within the group, so two engines on disjoint groups of one job save side by
+side, and a group's checkpoint holds the files of the same run on a world of the group's size.
+
+Order of a save (every rank of the group calls it):
 
 1. the ranks agree on the tag (``checkpoint.tag_validation``);
 2. rank 0 creates ``save_dir/.<tag>.partial``; every rank writes its files there (each file is
@@ -31,9 +36,9 @@ import torch.distributed as dist
 from zerotrain.checkpoint.commit import SCRIPT_NAMES, SCRIPTS, commit, partial_name, recover
 from zerotrain.checkpoint.format import (LATEST, MODEL_FILE, CheckpointError, encode_metadata,
                                          shard_file, state_file, write_safetensors)
-from zerotrain.checkpoint.layout import (describe, group_of_whole, shard_writer, split_state,
-                                         stage_units, unit_param, unit_training_state, whole_parameters,
-                                         persistent_buffers)
+from zerotrain.checkpoint.layout import (data_rank, describe, first_of_group, group_of_whole,
+                                         persistent_buffers, shard_writer, split_state, stage_units,
+                                         unit_param, unit_training_state, whole_parameters)
 from zerotrain.checkpoint.training_state import capture_engine, capture_rng, plain
 
 logger = logging.getLogger("zerotrain")
@@ -43,7 +48,8 @@ __all__ = ["SCRIPTS", "SCRIPT_NAMES", "PendingSave", "capture", "prepare"]
 
 @dataclass
 class RankSnapshot:
-    """What one rank writes: tensor files by name, and its small state (``torch.save``)."""
+    """What one rank writes: tensor files by name, and its small state (``torch.save``).
+    ``rank`` is the rank within the engine's data-parallel group (files are named by it)."""
 
     rank: int
     tensor_files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -66,7 +72,7 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
     """References to this rank's live state (no copies)."""
-    rank, optimizer = engine.global_rank, engine.optimizer
+    rank, optimizer = data_rank(engine), engine.optimizer
     snap = RankSnapshot(rank)
     scalars: dict[str, dict] = {}
     if shard_writer(engine):
@@ -82,7 +88,7 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
                 tensors.update({f"u{i}/state/{k}": v for k, v in elementwise.items()})
                 scalars[f"u{i}"] = unit_scalars
         snap.tensor_files[shard_file(rank)] = tensors
-    if rank == 0:
+    if first_of_group(engine):
         tensors = {}
         groups = group_of_whole(engine)
         for name, p in whole_parameters(engine):
@@ -124,12 +130,15 @@ def write_rank_files(snap: RankSnapshot, folder: Path) -> dict[str, dict]:
 
 
 def agree(value, group=None) -> list:
-    """Every rank's ``value`` (just ``[value]`` without a process group)."""
+    """Every rank's ``value`` over ``group`` (the engine's checkpoint group: the ranks of its
+    data-parallel group), ordered by group rank; just ``[value]`` when ``group`` is None (a
+    group of one rank needs no exchange)."""
     from zerotrain.comm.objects import all_gather_object
 
-    # A world of one needs no exchange; that also keeps an asynchronous save's background thread
-    # off the default group (NCCL on a GPU, which training uses meanwhile).
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    # None never means the world here: an engine on part of the job must not wait for ranks
+    # outside its group, and an asynchronous save's background thread stays off the default
+    # group (NCCL on a GPU, which training uses meanwhile).
+    if group is None or not dist.is_initialized():
         return [value]
     # The group's timeout, and a CollectiveError naming a rank that never arrives (a rank that
     # skipped or hangs before save_checkpoint), as for every other collective.
@@ -153,13 +162,15 @@ def check_tag(tag: str, mode: str, group=None) -> None:
 
 
 class PendingSave:
-    """A save whose files are being written; ``finish()`` agrees and commits (every rank)."""
+    """A save whose files are being written; ``finish()`` agrees and commits (every rank of the
+    engine's data group; ``self.rank`` is the rank within it, 0 commits)."""
 
     def __init__(self, engine, save_dir, tag: str, snap: RankSnapshot, meta: dict | None,
                  save_latest: bool, group=None):
         self.save_dir, self.tag, self.snap = Path(save_dir), tag, snap
         self.meta, self.save_latest, self.group = meta, save_latest, group
         self.rank = snap.rank
+        self.global_rank = engine.global_rank
         self.partial = self.save_dir / partial_name(tag)
         self.files: dict | None = None
         self.error: str | None = None
@@ -176,20 +187,20 @@ class PendingSave:
             self.snap = None  # free the snapshot as soon as it is on disk
 
     def finish(self) -> Path:
-        outcomes = agree((self.rank, self.error, self.files), self.group)
-        failed = [(r, e) for r, e, _ in outcomes if e is not None]
+        outcomes = agree((self.rank, self.global_rank, self.error, self.files), self.group)
+        failed = [(_who(r, g), e) for r, g, e, _ in outcomes if e is not None]
         final = self.save_dir / self.tag
         if failed:
             if self.rank == 0:
                 shutil.rmtree(self.partial, ignore_errors=True)
             raise CheckpointError(f"checkpoint {final} was not saved: " + "; ".join(
-                f"rank {r}: {e}" for r, e in failed) + f" ({self.save_dir / LATEST} still names "
+                f"{who}: {e}" for who, e in failed) + f" ({self.save_dir / LATEST} still names "
                 "the previous checkpoint)")
         error = None
         if self.rank == 0:
             try:
                 files = {}
-                for _, _, rank_files in outcomes:
+                for *_, rank_files in outcomes:
                     files.update(rank_files)
                 self._commit(files, final)
             except CheckpointError as e:  # says what state save_dir is in
@@ -198,7 +209,8 @@ class PendingSave:
                 error = f"{type(e).__name__}: {e}"
         errors = [e for e in agree(error, self.group) if e is not None]
         if errors:
-            raise CheckpointError(f"checkpoint {final}: the commit failed on rank 0: {errors[0]}")
+            raise CheckpointError(f"checkpoint {final}: the commit failed on rank 0 of the data group: "
+                                  f"{errors[0]}")
         return final
 
     def _commit(self, files: dict, final: Path) -> None:
@@ -206,12 +218,19 @@ class PendingSave:
         commit(self.partial, self.save_dir, self.tag, encode_metadata(meta), self.save_latest)
 
 
+def _who(rank: int, global_rank: int) -> str:
+    """A rank as messages name it: its data-group rank, with its global rank where they differ."""
+    return f"rank {rank}" if rank == global_rank else f"rank {rank} of the data group (global rank {global_rank})"
+
+
 def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | None:
-    """Create the partial folder (rank 0) once every rank is here; rank 0 gets the metadata."""
+    """Create the partial folder (the group's first rank) once every rank of the group is here;
+    the first rank gets the metadata."""
     save_dir = Path(save_dir)
-    meta = describe(engine, tag, exclude_frozen) if engine.global_rank == 0 else None
+    first = first_of_group(engine)
+    meta = describe(engine, tag, exclude_frozen) if first else None
     error = None
-    if engine.global_rank == 0:
+    if first:
         try:
             recover(save_dir)  # what interrupted saves left behind
             if not save_dir.is_dir():

@@ -33,16 +33,23 @@ def all_gather_object(value, group=None, op: str = "all_gather_object") -> list:
     return out
 
 
-def new_group(ranks=None, backend=None, op: str = "new_group"):
+def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
     """``torch.distributed.new_group`` with ``default_timeout()`` for the group's collectives and
     a ``CollectiveError`` naming the absent ranks if they do not all create it (it is a collective
-    of the default group: every rank must call it, in the same order)."""
-    seq = _next_seq(None)
+    of the default group: every rank must call it, in the same order).
+
+    ``within``: an existing group holding exactly ``ranks``; then only those ranks create the new
+    group (torch's ``use_local_synchronization``: ranks outside take no part), and the creation
+    counts as a collective of ``within`` for the error naming an absent rank."""
+    seq = _next_seq(within)
     started = time.monotonic()
     try:
-        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
+        if within is None:
+            return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
+        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout(),
+                              use_local_synchronization=True)
     except RuntimeError as exc:
-        raise diagnose(exc, op, 0, seq, None, started) from exc
+        raise diagnose(exc, op, 0, seq, within, started) from exc
 
 
 __all__ = ["all_gather_object", "new_group"]

@@ -11,9 +11,15 @@ import time
 import torch.distributed as dist
 
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, resolve_tag
+from zerotrain.checkpoint.layout import data_rank
 from zerotrain.checkpoint.load import load_into
 from zerotrain.checkpoint.save import PendingSave, RankSnapshot, capture, check_tag, prepare
 from zerotrain.comm.objects import new_group
+
+# One gloo group per set of ranks and default group, shared by the engines on those ranks: torch
+# names a locally synchronized group after its ranks, so a second one over the same ranks could
+# not be created. A process-wide cache of torch's own process-wide objects (docs/checkpoint.md).
+_AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[object, object]] = {}
 
 
 class EngineCheckpointing:
@@ -22,11 +28,10 @@ class EngineCheckpointing:
     _checkpoint_thread: threading.Thread | None = None
     _checkpoint_pending: PendingSave | None = None
     _checkpoint_error: BaseException | None = None
-    _checkpoint_pg = None
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: bool = False) -> bool:
-        """Save the full training state under ``save_dir/<tag>`` (every rank must call this).
+        """Save the full training state under ``save_dir/<tag>`` (every rank of the engine's
+        data-parallel group must call this; ranks outside it take no part).
 
         ``tag`` defaults to ``global_step<N>``. ``client_state`` (a dict of numbers, strings,
         containers, tensors, numpy values, enums, namedtuples) comes back from
@@ -63,7 +68,7 @@ class EngineCheckpointing:
         """This rank refuses its state: every rank hears it in the agreement that would have
         committed the save (each raises, the partial folder goes); this rank raises ``refused``
         (one line naming the key path), the others a ``CheckpointError`` quoting it."""
-        pending = PendingSave(self, save_dir, tag, RankSnapshot(self.global_rank), meta, False, group)
+        pending = PendingSave(self, save_dir, tag, RankSnapshot(data_rank(self)), meta, False, group)
         pending.error = str(refused)
         try:
             pending.finish()
@@ -123,15 +128,30 @@ class EngineCheckpointing:
         return str(folder), client_state
 
     def _checkpoint_group(self):
-        """A gloo group of its own for the checkpoint's agreement (object collectives on the
-        host, safe from a background thread while training uses the main group)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        """A gloo group of its own over the ranks of this engine's data-parallel group, for the
+        checkpoint's agreement (object collectives on the host, safe from a background thread
+        while training uses the data group); None for a group of one rank. Created by the
+        group's ranks alone (torch's ``use_local_synchronization``): an engine on part of the
+        job never waits for ranks outside its group."""
+        topology = self.topology
+        if not dist.is_initialized() or topology.data_size == 1:
             return None
-        if self._checkpoint_pg is None:
-            # With the collective timeout (ZEROTRAIN_COMM_TIMEOUT; torch's default for a new group
-            # is 30 minutes), and a CollectiveError naming a rank that never gets here.
-            self._checkpoint_pg = new_group(backend="gloo", op="new_group (save_checkpoint)")
-        return self._checkpoint_pg
+        return agreement_group(topology.axis_ranks("data"), topology.data_group)
 
 
-__all__ = ["EngineCheckpointing", "CheckpointError"]
+def agreement_group(ranks: list[int], data_group):
+    """The checkpoint agreement's gloo group over ``ranks``, the ranks of ``data_group`` (this
+    rank among them), created on first use by those ranks only, with the collective timeout
+    (``ZEROTRAIN_COMM_TIMEOUT``; torch's default for a new group is 30 minutes) and a
+    ``CollectiveError`` naming a rank of the group that never gets here."""
+    key = tuple(sorted(ranks))
+    world = dist.group.WORLD
+    cached = _AGREEMENT_GROUPS.get(key)
+    if cached is not None and cached[0] is world:  # not from an earlier, destroyed default group
+        return cached[1]
+    group = new_group(list(key), backend="gloo", op="new_group (save_checkpoint)", within=data_group)
+    _AGREEMENT_GROUPS[key] = (world, group)
+    return group
+
+
+__all__ = ["EngineCheckpointing", "CheckpointError", "agreement_group"]
