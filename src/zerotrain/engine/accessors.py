@@ -248,22 +248,77 @@ class EngineAccessors:
     def load_universal_checkpoint(self) -> bool:
         return self._config.checkpoint.load_universal
 
-    # -- parallel layout: data parallel only -----------------------------------------------
+    # -- parallel layout: every answer is the engine's topology's (engine.topology) ------------
+    # data axis: the ranks that shard the state and average gradients (ZeRO's group)
     def get_data_parallel_rank(self) -> int:
-        return self.global_rank
+        """This rank's position in the engine's data-parallel group (not its global rank)."""
+        return self.topology.data_rank
 
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.data_size
+
+    def get_data_parallel_group(self):
+        return self.topology.data_group
+
+    # pipe axis: pipeline stages
+    def get_pipe_parallel_rank(self) -> int:
+        return self.topology.rank("pipe")
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.topology.size("pipe")
+
+    def get_pipe_parallel_group(self):
+        return self.topology.group("pipe")
+
+    # DeepSpeed's "model parallel" (its PipelineParallelGrid's): every pipeline stage and model
+    # slice of one replica, ranked stage x slices + slice; the model axis alone when there is no
+    # pipe axis. DeepSpeed's mp_rank checkpoint names use it.
     def get_model_parallel_rank(self) -> int:
-        """0: zerotrain is data-parallel only (no model/tensor parallel groups)."""
-        return 0
+        t = self.topology
+        return t.rank("pipe") * t.size("model") + t.rank("model")
 
-    def get_tensor_parallel_rank(self) -> int:
-        """0: zerotrain is data-parallel only."""
-        return 0
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.distinct_size
 
     @property
     def mp_world_size(self) -> int:
-        """1: no model parallelism."""
-        return 1
+        return self.get_model_parallel_world_size()
+
+    # model axis alone: tensor slices of a layer
+    def get_tensor_parallel_rank(self) -> int:
+        return self.topology.rank("model")
+
+    # experts: DeepSpeed's ep_size_N groups, looked up among those built (never built here: that
+    # is a collective every rank must start in the same order, done by the MoE layers or
+    # zerotrain.utils.groups._create_expert_and_data_parallel).
+    def _expert_groups(self, group_name: str):
+        topology = self.topology
+        for size in topology.expert_group_sizes():
+            groups = topology.expert_groups(size)
+            if groups.name == group_name:
+                return groups
+        built = ", ".join(f"ep_size_{s}" for s in topology.expert_group_sizes()) or "none"
+        raise ValueError(f"expert group {group_name!r} is not built on this engine (built: {built}); "
+                         "build it on every rank with zerotrain.utils.groups._create_expert_and_data_parallel(N) "
+                         "for the engine's topology, or engine.topology.expert_groups(N)")
+
+    def get_expert_parallel_rank(self, group_name: str) -> int:
+        return self._expert_groups(group_name).expert_rank
+
+    def get_expert_parallel_world_size(self, group_name: str) -> int:
+        return self._expert_groups(group_name).expert_size
+
+    def get_expert_parallel_group(self, group_name: str):
+        return self._expert_groups(group_name).expert_group
+
+    def get_expert_data_parallel_rank(self, group_name: str) -> int:
+        return self._expert_groups(group_name).expert_data_rank
+
+    def get_expert_data_parallel_world_size(self, group_name: str) -> int:
+        return self._expert_groups(group_name).expert_data_size
+
+    def get_expert_data_parallel_group(self, group_name: str):
+        return self._expert_groups(group_name).expert_data_group
 
 
 def _zero_field(field: str, doc: str):

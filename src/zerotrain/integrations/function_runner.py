@@ -35,6 +35,8 @@ def main(argv: list[str]) -> None:
     with open(payload, "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)  # our own file, written by the distributor
     result = fn(*args, **kwargs)
+    # The job's global rank 0 (the launcher's RANK, whatever engines the function built): the
+    # distributor returns one value for the whole job, as torch's TorchDistributor does.
     if os.environ.get("RANK", "0") == "0":
         with open(output + ".tmp", "wb") as f:
             cloudpickle.dump(result, f)

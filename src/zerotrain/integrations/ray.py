@@ -34,31 +34,44 @@ import torch.distributed as dist
 __all__ = ["report", "load_checkpoint", "scaling_config"]
 
 
-def _shared_directory(shared_dir: str | None) -> str:
-    # Rank 0 names a fresh directory and tells the others, so every rank saves into the same one.
-    name = [tempfile.mkdtemp(prefix="zerotrain_ray_ckpt_", dir=shared_dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(name, src=0)
+def _shared_directory(topology, shared_dir: str | None) -> str:
+    # The engine's first data-parallel rank names a fresh directory and tells the engine's other
+    # ranks, so every rank of the engine saves into the same one.
+    first = topology.is_first("data")
+    name = [tempfile.mkdtemp(prefix="zerotrain_ray_ckpt_", dir=shared_dir) if first else None]
+    if topology.data_size > 1:
+        dist.broadcast_object_list(name, src=topology.first_global_rank("data"), group=topology.data_group)
     return name[0]
 
 
 def report(engine, metrics: dict[str, Any], shared_dir: str | None = None, client_state: dict | None = None) -> None:
     """Save a zerotrain checkpoint and report it with ``metrics`` to Ray. Call it on every worker.
 
-    Every rank writes its shard into one fresh directory under ``shared_dir`` (default: the
-    system temporary directory; it must be visible to all workers); rank 0 reports the
-    checkpoint, the others report ``metrics`` alone (Ray keeps rank 0's). The directory is
-    removed once Ray has copied it into the run's storage.
+    Every rank of the engine writes its shard into one fresh directory under ``shared_dir``
+    (default: the system temporary directory; it must be visible to all workers); the engine's
+    first data-parallel rank reports the checkpoint, the others report ``metrics`` alone (Ray
+    keeps its rank 0's). The directory is removed once Ray has copied it into the run's storage.
     """
-    directory = _shared_directory(shared_dir)
+    # "Rank 0" here is the engine's first data-parallel rank (engine.topology): the rank that
+    # names the directory, hands it to Ray and removes it; with one engine over Ray's whole
+    # group it is Ray's rank 0.
+    topology = engine.topology
+    first = topology.is_first("data")
+    directory = _shared_directory(topology, shared_dir)
     try:
         engine.save_checkpoint(directory, client_state=client_state or {})
-        dist.barrier()
-        checkpoint = Checkpoint.from_directory(directory) if dist.get_rank() == 0 else None
+        _barrier(topology)
+        checkpoint = Checkpoint.from_directory(directory) if first else None
         ray.train.report(metrics, checkpoint=checkpoint)
-        dist.barrier()
+        _barrier(topology)
     finally:
-        if dist.get_rank() == 0:
+        if first:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _barrier(topology) -> None:
+    if topology.data_size > 1:
+        dist.barrier(group=topology.data_group)
 
 
 def load_checkpoint(engine, **kwargs: Any):

@@ -1,6 +1,7 @@
 """Per-step hardware figures of every rank: CPU utilisation and RSS (psutil), and on CUDA the
 device's utilisation and memory (NVIDIA's management library, ``pynvml``, when installed) and
-torch's allocated bytes. Gathered to every rank with one small all-gather per step."""
+torch's allocated bytes. Gathered to every rank of one engine's data-parallel group with one small
+all-gather per step; each row is named by its global rank (``Hardware/rank{r}/...``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ _MB = 2**20
 
 
 class HardwareSampler:
-    def __init__(self):
+    """Samples this process; ``gather`` exchanges the samples over ``group`` (the engine's data
+    group, whose members in group order are the global ``ranks``; None with one rank)."""
+
+    def __init__(self, group=None, ranks: list[int] | None = None):
+        self.group = group
+        self.ranks = list(ranks) if ranks is not None else [0]
+        if len(self.ranks) > 1 and group is None:
+            raise ValueError("HardwareSampler: pass the group of the ranks it gathers over "
+                             "(the engine's topology.data_group); None would be the whole world")
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the interval
         self._cuda = torch.cuda.is_available()
@@ -43,18 +52,16 @@ class HardwareSampler:
         return values
 
     def gather(self, device) -> torch.Tensor:
-        """``[world_size, len(names)]``: every rank's sample."""
-        import torch.distributed as dist
-
+        """``[len(ranks), len(names)]``: every rank's sample, in group order."""
         mine = torch.tensor(self.sample(), dtype=torch.float64, device=device)
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if len(self.ranks) == 1:
             return mine.unsqueeze(0).cpu()
         from zerotrain.comm import collectives
 
-        out = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=device)
-        collectives.all_gather_into(out, mine)
-        return out.view(dist.get_world_size(), -1).cpu()
+        out = torch.empty(len(self.ranks) * mine.numel(), dtype=mine.dtype, device=device)
+        collectives.all_gather_into(out, mine, group=self.group)
+        return out.view(len(self.ranks), -1).cpu()
 
     def events(self, table: torch.Tensor, step: int) -> list[tuple[str, float, int]]:
-        return [(f"Hardware/rank{r}/{name}", float(table[r, i]), step)
-                for r in range(table.shape[0]) for i, name in enumerate(self.names)]
+        return [(f"Hardware/rank{self.ranks[row]}/{name}", float(table[row, i]), step)
+                for row in range(table.shape[0]) for i, name in enumerate(self.names)]

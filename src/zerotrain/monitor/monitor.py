@@ -58,15 +58,27 @@ def _close_all(monitors: list) -> None:
 
 
 class MonitorMaster:
-    """Every enabled monitor of the config. ``enabled`` is the same on every rank (it decides
-    whether ranks gather their hardware figures); only global rank 0 holds writers. Writers are
-    flushed and closed by ``close()``, when the master is garbage collected, or at exit."""
+    """Every enabled monitor of the config, for one engine. ``enabled`` is the same on every rank
+    (it decides whether ranks gather their hardware figures); only the first rank of the engine's
+    data-parallel group holds writers (per-engine output: two engines on disjoint groups each
+    write their own). Writers are flushed and closed by ``close()``, when the master is garbage
+    collected, or at exit.
 
-    def __init__(self, config, rank: int | None = None, world_size: int | None = None):
-        from zerotrain.comm.distributed import get_rank, get_world_size
+    ``topology`` is the engine's (``engine.topology``); without one, ``zerotrain.topology.current()``
+    (the one ``initialize`` set for the engine it is building). ``rank``/``world_size`` override
+    the data-parallel rank and size (a master outside any process group)."""
 
-        self.rank = get_rank() if rank is None else rank
-        self.world_size = get_world_size() if world_size is None else world_size
+    def __init__(self, config, rank: int | None = None, world_size: int | None = None, topology=None):
+        hardware_group, hardware_ranks = None, None
+        if rank is None or world_size is None:
+            if topology is None:
+                from zerotrain.topology import current
+
+                topology = current()
+            hardware_group, hardware_ranks = topology.data_group, topology.axis_ranks("data")
+        # "Rank 0" of the monitors: the engine's first data-parallel rank, not the job's.
+        self.rank = topology.data_rank if rank is None else rank
+        self.world_size = topology.data_size if world_size is None else world_size
         if config.wandb.enabled:
             raise NotImplementedError('"wandb.enabled": the Weights & Biases monitor is not implemented; '
                                       "use tensorboard, csv_monitor or mlflow")
@@ -84,7 +96,7 @@ class MonitorMaster:
         if self.enabled:
             from zerotrain.monitor.hardware import HardwareSampler
 
-            self._hardware = HardwareSampler()
+            self._hardware = HardwareSampler(hardware_group, hardware_ranks)
         if self.enabled and self.rank == 0:
             try:
                 for name, cfg, _, _ in on:
@@ -125,7 +137,8 @@ class MonitorMaster:
     def write_step(self, engine, losses) -> None:
         """Events of the step just taken: loss, lr, loss scale, phase times (with
         ``wall_clock_breakdown``) and every rank's hardware figures, at ``global_samples``.
-        Called on every rank (the hardware figures are gathered); only rank 0 writes."""
+        Called on every rank of the engine (the hardware figures are gathered over its data
+        group); only the group's first rank writes."""
         times = engine._timers.pop_step()
         hardware = self._hardware.gather(engine.device) if self._hardware is not None else None
         if not self.monitors:

@@ -8,8 +8,9 @@ raises, because zerotrain has no pipeline parallelism yet.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
+
+from zerotrain.topology.process_rank import process_rank
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineError"]
 
@@ -28,7 +29,10 @@ class LayerSpec:
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs
-        self.global_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        # DeepSpeed's LayerSpec.global_rank: the process's global rank (-1 before
+        # torch.distributed), only tagging build()'s log line; specs are made before any engine
+        # or topology exists, and describing a layer must not build one (a collective).
+        self.global_rank = process_rank()
 
     def __repr__(self) -> str:
         args = [repr(a) for a in self.module_args] + [f"{k}={v!r}" for k, v in self.module_kwargs.items()]

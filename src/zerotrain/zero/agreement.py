@@ -25,13 +25,20 @@ def checking_enabled() -> bool:
 
 
 class CollectiveAgreement:
-    """Verifies ``(kind, unit index)`` across the ranks of ``group`` before a unit collective."""
+    """Verifies ``(kind, unit index)`` across the ranks of ``group`` before a unit collective.
+
+    ``group`` is the very group the unit collectives run over (the stage's: the engine's data
+    group), so the check pairs the same ranks as the collectives it guards; a disagreement names
+    those ranks by their global rank (two engines on disjoint groups name their own ranks)."""
 
     def __init__(self, group, describe: Callable[[str, int], str], device=None):
         self.group = group
         self.describe = describe
         self.device = device
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # Global rank of each group position (None is the world: positions are global ranks).
+        self.ranks = (dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None
+                      else list(range(self.world)))
 
     def check(self, kind: str, index: int) -> None:
         if self.world == 1:
@@ -41,7 +48,7 @@ class CollectiveAgreement:
         dist.all_gather(every, mine, group=self.group)
         seen = [tuple(int(v) for v in t.tolist()) for t in every]
         if len(set(seen)) > 1:
-            ranks = ", ".join(f"rank {r} {self._what(k, i)}" for r, (k, i) in enumerate(seen))
+            ranks = ", ".join(f"rank {self.ranks[r]} {self._what(k, i)}" for r, (k, i) in enumerate(seen))
             raise RuntimeError(
                 "ZeRO ranks diverged: they are about to run different collectives (" + ranks +
                 "). The model's control flow differs between ranks; run the same modules on "
