@@ -28,9 +28,12 @@ def bucket_numel(zero_config, element_size: int) -> int:
     return max(1, min(explicit)) if explicit else DEFAULT_BUCKET_BYTES // element_size
 
 
-def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None):
+def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None,
+                     norm_group=None):
     """The stage object for ``config.zero_optimization.stage`` over ``module``'s parameters,
-    sharded over the data-parallel ``group`` (None: the world).
+    sharded over the data-parallel ``group`` (None: the world). ``norm_group``: the ranks
+    holding distinct parameters beside this replica (``Topology.distinct_group``), which the
+    gradient norm and the overflow decision also sum over.
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
     release = ReleasePolicy(config.memory_release, config.zero_optimization.stage)  # this engine's
@@ -49,7 +52,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
         # optimizer works, shape-dependent ones included). Without an optimizer there is no
         # state to partition (an engine for inference, a frozen reference model).
         module.to(precision.param_dtype)
-        return ReplicatedGradients(params, numel, overlap=overlap, group=group)
+        return ReplicatedGradients(params, numel, overlap=overlap, group=group, norm_group=norm_group)
     # Without an explicit stage3_prefetch_bucket_size, prefetch one bucket ahead: DeepSpeed's
     # 5e7-element default gathers half of a 110M model ahead of use.
     prefetch = (int(zero.prefetch_bucket_size) if "prefetch_bucket_size" in zero.model_fields_set
@@ -66,7 +69,8 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     from zerotrain.offload import build_placement  # offload settings -> where state lives
 
     stage = ZeroStage(strategy, module, optimizer, options, precision, group=group,
-                      placement=build_placement(config), memory_release=release)
+                      placement=build_placement(config), memory_release=release,
+                      norm_group=norm_group)
     for p in module.parameters():  # parameters outside every unit stay whole
         if is_partitioned(p):
             materialize(p, group)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain.accelerator import get_accelerator
-from zerotrain.comm import collectives
 from zerotrain.memory_release import ReleasePolicy
 from zerotrain.offload.aio import DiskActivity
 from zerotrain.offload.placement import Placement
@@ -34,6 +33,7 @@ from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
 from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_alignment
+from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.strategy import ShardingStrategy
@@ -64,7 +64,7 @@ class ZeroStage(StageInterface):
     def __init__(self, strategy: ShardingStrategy, module: nn.Module, optimizer,
                  options: StageOptions, precision: PrecisionPolicy = PrecisionPolicy(),
                  group=None, placement: Placement = Placement(),
-                 memory_release: ReleasePolicy | None = None):
+                 memory_release: ReleasePolicy | None = None, norm_group=None):
         _check_optimizer(strategy.stage, optimizer)
         self.strategy = strategy
         # This engine's memory_release policy (None: the environment's or the stage's default).
@@ -130,6 +130,12 @@ class ZeroStage(StageInterface):
                     offload.close()
             raise
         self.trained = [u for u in self.units if u.trained]
+        # Each trained unit's reduction group and divide factor (zero/reduce_groups.py): the data
+        # group, averaged. ``norm_group``: the ranks holding distinct parameters beside this
+        # replica (``Topology.distinct_group``), which the gradient norm also sums over.
+        self._reductions = {id(u): UnitReduction(group, self.world_size, self.rank, float(self.world_size))
+                            for u in self.trained}
+        self.norm_group = norm_group
         self.trim = self.memory_release.trim_every(
             strategy.trim_numel(options.unit_numel, self.units))
         # The trained units in the groups a 16-bit step casts and steps together (see step()).
@@ -148,7 +154,8 @@ class ZeroStage(StageInterface):
 
         for p in outside:
             p.data = p.data.to(precision.param_dtype)
-        self.outside = (ReplicatedGradients(outside, options.unit_numel, options.overlap, group)
+        self.outside = (ReplicatedGradients(outside, options.unit_numel, options.overlap, group,
+                                            norm_group)
                         if outside else None)
         self.coordinator = None
         self.reduction = strategy.reduction(self, self.trained, options.overlap,
@@ -223,6 +230,25 @@ class ZeroStage(StageInterface):
         """The gradient buckets (one per trained unit)."""
         return self.reduction.grads
 
+    def reduction_of(self, unit: FlatParamUnit) -> UnitReduction:
+        """Where ``unit``'s gradients are reduced and what their sum is divided by."""
+        return self._reductions[id(unit)]
+
+    def set_gradient_divide_factor(self, factor: float, units=None) -> None:
+        """Divide the reduced gradient sums of ``units`` (default: every trained unit, and the
+        parameters outside the optimizer) by ``factor`` instead of their group's size: 1 sums,
+        the group size averages (FSDP2's ``set_gradient_divide_factor``)."""
+        factor = check_divide_factor(factor)
+        chosen = self.trained if units is None else list(units)
+        unknown = [u for u in chosen if id(u) not in self._reductions]
+        if unknown:
+            raise ValueError(f"set_gradient_divide_factor: {len(unknown)} of the units are not trained "
+                             "units of this stage; pass units from sharded_state().units that have a group")
+        for unit in chosen:
+            self._reductions[id(unit)].divide_factor = factor
+        if units is None and self.outside is not None:
+            self.outside.set_gradient_divide_factor(factor)
+
     def unit_reduced(self, unit: FlatParamUnit) -> None:
         """A unit's gradients are copied out: backward needs its full parameters no more."""
         if self.coordinator is not None and unit.resharded:
@@ -269,20 +295,16 @@ class ZeroStage(StageInterface):
 
     # -- step ---------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
-        """fp32 L2 norm of the whole averaged gradient (inf/NaN if any rank overflowed)."""
+        """fp32 L2 norm of the whole reduced gradient, every unit's group and the ranks holding
+        distinct parameters included (inf/NaN if any of them overflowed)."""
         if self.grad_swapper is not None:  # evicted gradients: the norm kept when written out
             norms = [self.grad_swapper.norm_of(u) for u in self.trained]
         else:
             self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
-            norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32)
-        if not norms:
-            norms = [torch.zeros((), device=self._compute_device)]
-        squares = torch.stack(norms).square().sum()
-        if self.strategy.shards_optimizer and self.world_size > 1:
-            # Shard gradients may live in host memory (offload_param): NCCL reduces device tensors.
-            squares = squares.to(self._compute_device)
-            collectives.all_reduce(squares, group=self.group)
-        return squares.sqrt()
+            norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32) if self.shard_grads else []
+        sharded = [u.layout.world_size > 1 for u in self.trained]
+        return global_norm(norms, [self._reductions[id(u)] for u in self.trained], sharded,
+                           self.group, self.world_size, self.norm_group, self._compute_device)
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update the weights from the gradients multiplied by ``grad_scale`` (loss-scale and

@@ -58,7 +58,14 @@ class StageInterface(ABC):
     # -- step ---------------------------------------------------------------------------
     @abstractmethod
     def grad_norm(self) -> torch.Tensor:
-        """fp32 L2 norm of the whole averaged gradient over the group (inf/NaN on overflow)."""
+        """fp32 L2 norm of the whole reduced gradient: over every unit's group and the ranks
+        holding distinct parameters (pipeline stages, model slices), each element counted once;
+        the same on every rank, inf/NaN where any of them overflowed. Collective."""
+
+    @abstractmethod
+    def set_gradient_divide_factor(self, factor: float, units=None) -> None:
+        """Divide the reduced gradient sums by ``factor`` instead of each unit's group size
+        (1 sums); ``units``: the ``sharded_state().units`` to set it for (None: all)."""
 
     @abstractmethod
     def step(self, optimizer, grad_scale: float = 1.0) -> None:

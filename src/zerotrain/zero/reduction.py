@@ -26,6 +26,7 @@ from zerotrain.memory_release import TrimEvery, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.partition import FlatParamUnit
+from zerotrain.zero.reduce_groups import UnitReduction
 from zerotrain.zero.staging import StagingPool
 
 
@@ -102,21 +103,32 @@ class AllReduceGradients(_Reduction):
     DeepSpeed's stages 1 and 2); another backward before it (a GAN's second discriminator loss)
     first turns each bucket back into a sum to accumulate onto."""
 
-    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy, world_size: int,
-                 shard_rank: int, group, overlap: bool, trim: TrimEvery, scatter: bool = False):
-        self.world_size, self.rank, self.group, self._trim = world_size, shard_rank, group, trim
+    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
+                 reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
+                 scatter: bool = False):
+        # Each unit's group and divide factor (shared with the core, which may change factors).
+        self.reductions, self._trim = list(reductions), trim
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=True,
                                        dtype=precision.grad_accum_dtype)
-        self.shard_grads = [b.layout.shard(b.flat, shard_rank) for b in self.grads.buckets]
+        self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
+        # A unit sharded over its group (stage 1) holds the shard of its rank there.
+        self._shard_ranks = [r.rank if b.layout.world_size > 1 else 0
+                             for b, r in zip(self.grads.buckets, self.reductions)]
+        self.shard_grads = [b.layout.shard(b.flat, rank)
+                            for b, rank in zip(self.grads.buckets, self._shard_ranks)]
         largest = max((u.layout.padded_numel for u in units), default=1)
         device = units[0].device if units else None
         needs_cast = precision.comm_dtype != precision.grad_accum_dtype
+        communicates = any(r.size > 1 for r in self.reductions)
         self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
-                        if needs_cast and world_size > 1 else None)
+                        if needs_cast and communicates else None)
         # In-place reduce-scatters of the buckets themselves (on gloo each receives the peers'
-        # rows into a shard-sized temporary, freed when the reduction is waited for).
-        self.scatter = scatter and world_size > 1 and self.staging is None
+        # rows into a shard-sized temporary, freed when the reduction is waited for): the units
+        # sharded over their whole group.
+        self.scatter = scatter and self.staging is None
+        self._scatters = [self.scatter and r.size > 1 and b.layout.world_size == r.size
+                          for b, r in zip(self.grads.buckets, self.reductions)]
         self._scattered = False  # buckets reduce-scattered since the last zero()
         self._in_flight: list = []
 
@@ -126,28 +138,35 @@ class AllReduceGradients(_Reduction):
         super().begin_backward(boundary, no_sync)
 
     def _restore_sums(self) -> None:
-        """Each bucket back to what accumulating onto needs: this rank's averaged shard times
-        the world size (the next reduction averages it again), zeros in the other ranks' parts."""
-        for bucket, shard in zip(self.grads.buckets, self.shard_grads):
-            start = self.rank * bucket.layout.shard_numel
+        """Each scattered bucket back to what accumulating onto needs: this rank's reduced
+        shard times the divide factor (the next reduction divides it again), zeros in the other
+        ranks' parts."""
+        for i, (bucket, shard) in enumerate(zip(self.grads.buckets, self.shard_grads)):
+            if not self._scatters[i]:
+                continue
+            start = self._shard_ranks[i] * bucket.layout.shard_numel
             end = start + bucket.layout.shard_numel
             bucket.flat.narrow(0, 0, start).zero_()
             bucket.flat.narrow(0, end, bucket.flat.numel() - end).zero_()
-            shard.mul_(self.world_size)
+            shard.mul_(self.reductions[i].divide_factor)
             bucket.attach()
         self._scattered = False
 
     def _launch(self, bucket: GradientBucket):
         self._trim.reduced(bucket.layout.padded_numel)
-        if self.world_size == 1:
+        index = self._index[id(bucket)]
+        spec = self.reductions[index]
+        if spec.size == 1:
+            if spec.divide_factor != 1.0:
+                bucket.flat.div_(spec.divide_factor)
             return None
         self._agree(bucket)
-        if self.scatter:
+        if self._scatters[index]:
             self._scattered = True
-            bucket.flat.div_(self.world_size)
+            bucket.flat.div_(spec.divide_factor)
             bucket.free_grads()  # the rest of the bucket is the peers' to hold: no .grad shows it
-            mine = bucket.layout.shard(bucket.flat, self.rank)
-            work = collectives.reduce_scatter_into(mine, bucket.flat, group=self.group,
+            mine = bucket.layout.shard(bucket.flat, self._shard_ranks[index])
+            work = collectives.reduce_scatter_into(mine, bucket.flat, group=spec.group,
                                                    async_op=True)
             # Each reduction in flight holds a shard-sized receive buffer (and, on gloo, the
             # backend's copies of what it sends): two at a time, not the whole model's worth
@@ -158,12 +177,12 @@ class AllReduceGradients(_Reduction):
             return work
         if self.staging is None:
             # Dividing before the sum keeps the launch inside backward, off the critical path.
-            bucket.flat.div_(self.world_size)
-            return collectives.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.flat.div_(spec.divide_factor)
+            return collectives.all_reduce(bucket.flat, group=spec.group, async_op=True)
         slot = self.staging.acquire()  # reduced in another dtype: cast through a slot
         wire = slot.flat.narrow(0, 0, bucket.flat.numel())
-        wire.copy_(bucket.flat).div_(self.world_size)
-        work = collectives.all_reduce(wire, group=self.group, async_op=True)
+        wire.copy_(bucket.flat).div_(spec.divide_factor)
+        work = collectives.all_reduce(wire, group=spec.group, async_op=True)
         return slot.track(work, lambda: bucket.flat.copy_(wire))
 
     def end_backward(self) -> None:
@@ -187,11 +206,17 @@ class ReduceScatterGradients(_Reduction):
     reduces_every_backward = True  # full gradients cannot be kept across micro-steps
     before_reduce: Callable[[FlatParamUnit], None] | None = None
 
-    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy, world_size: int,
-                 shard_rank: int, group, overlap: bool, trim: TrimEvery, slot_numel: int,
-                 use_reduce_scatter: bool = True,
+    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
+                 reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
+                 slot_numel: int, use_reduce_scatter: bool = True,
                  reduced: Callable[[FlatParamUnit], None] | None = None):
-        self.world_size, self.rank, self.group, self._trim = world_size, shard_rank, group, trim
+        # Each unit's group and divide factor (shared with the core, which may change factors);
+        # a unit is sharded over its whole group.
+        self.reductions, self._trim = list(reductions), trim
+        for unit, spec in zip(units, self.reductions):
+            if unit.layout.world_size != spec.size:
+                raise ValueError(f"unit {unit.names[:1]} is sharded {unit.layout.world_size} ways but "
+                                 f"reduced over a group of {spec.size}; shard it over its group")
         self._use_reduce_scatter = use_reduce_scatter
         self._reduced = reduced  # called once a unit's gradients are copied out (stage 3 frees it)
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
@@ -212,9 +237,13 @@ class ReduceScatterGradients(_Reduction):
         # Slots hold one bucket (or the largest unit, if smaller); bigger units go in chunks.
         # One bucket in four slots: up to three reductions stay in flight while backward goes on
         # (with two slots backward waited ~0.35 s per step on the 110M GPT-2).
-        self._scratch_rows = collectives.reduce_scatter_scratch_rows(group) if world_size > 1 else 0
-        self.staging = StagingPool(4 if overlap else 1,
-                                   min(largest, max(slot_numel, world_size + self._scratch_rows)),
+        rows_of: dict[int, int] = {}  # per group: the backend's receive rows (gloo: a peer's each)
+        for spec in self.reductions:
+            if spec.size > 1 and id(spec.group) not in rows_of:
+                rows_of[id(spec.group)] = collectives.reduce_scatter_scratch_rows(spec.group)
+        self._scratch_rows = [rows_of.get(id(s.group), 0) if s.size > 1 else 0 for s in self.reductions]
+        widest = max((s.size + rows for s, rows in zip(self.reductions, self._scratch_rows)), default=1)
+        self.staging = StagingPool(4 if overlap else 1, min(largest, max(slot_numel, widest)),
                                    precision.comm_dtype, compute_device)
 
     def _launch(self, bucket: GradientBucket):
@@ -228,31 +257,32 @@ class ReduceScatterGradients(_Reduction):
             self._freed.discard(index)
             self.shard_grads[index] = torch.empty(self._shard_numels[index], dtype=self._grad_dtype,
                                                   device=self._device)
-        world, shard = self.world_size, bucket.layout.shard_numel
+        spec = self.reductions[index]
+        world, shard = spec.size, bucket.layout.shard_numel
         self._agree(bucket)
         # Gloo receives the peers' rows beside the slot's own (one row per peer): chunks shrink
         # so both fit, keeping the staging memory what it was.
-        rows = self._scratch_rows if self._use_reduce_scatter else 0
+        rows = self._scratch_rows[index] if self._use_reduce_scatter else 0
         chunk = self.staging.chunk_numel(world + rows)
         pending = []
         for c0 in range(0, shard, chunk):
             n = min(chunk, shard - c0)
             slot = self.staging.acquire()
             wire = slot.flat.narrow(0, 0, n * world)
-            for r in range(world):  # row r: the part of rank r's shard in this chunk, averaged
+            for r in range(world):  # row r: the part of rank r's shard in this chunk, divided
                 bucket.copy_grad_range(wire.narrow(0, r * n, n), r * shard + c0,
-                                       r * shard + c0 + n, divisor=world)
+                                       r * shard + c0 + n, divisor=spec.divide_factor)
             if world == 1:
                 self._land(index, c0, wire, fresh)
                 continue
-            mine = wire.narrow(0, self.rank * n, n)  # reduced in place: this rank's slice
+            mine = wire.narrow(0, spec.rank * n, n)  # reduced in place: this rank's slice
             if self._use_reduce_scatter:
                 work = collectives.reduce_scatter_into(
-                    mine, wire, group=self.group, async_op=True,
+                    mine, wire, group=spec.group, async_op=True,
                     scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None,
                     identity=self.identities and self.identities.reduce(index, c0, n))
             else:
-                work = collectives.all_reduce(wire, group=self.group, async_op=True)
+                work = collectives.all_reduce(wire, group=spec.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which
             # must not keep a shard gradient alive after ``zero()`` freed it.
             pending.append(slot.track(work, lambda i=index, c0=c0, m=mine, fresh=fresh:

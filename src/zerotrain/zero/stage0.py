@@ -8,13 +8,14 @@ only in the backward pass that ends an accumulation window.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
+from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm
 
 
 class ReplicatedGradients(StageInterface):
@@ -26,20 +27,41 @@ class ReplicatedGradients(StageInterface):
 
     stage = 0
 
-    def __init__(self, params, bucket_numel: int, overlap: bool = True, group=None):
+    def __init__(self, params, bucket_numel: int, overlap: bool = True, group=None,
+                 norm_group=None):
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        # The ranks holding distinct parameters (pipeline stages, model slices) the gradient
+        # norm also sums over (``Topology.distinct_group``); None: this replica's alone.
+        self.norm_group = norm_group
+        spec = UnitReduction.over(group)
+        self.world_size = spec.size
         self.params = [p for p in params if p.requires_grad]
         # Reverse registration order approximates the order backward produces gradients.
         buckets = split_into_buckets(self.params[::-1], bucket_numel)
         self.grads = BucketedGradients(buckets, self._all_reduce, overlap)
+        # Each bucket's group and divide factor (zero/reduce_groups.py): the data group, averaged.
+        self.reductions = [UnitReduction(spec.group, spec.size, spec.rank, spec.divide_factor)
+                           for _ in self.grads.buckets]
+        self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
 
     def _all_reduce(self, bucket: GradientBucket):
-        if self.world_size == 1:
-            return None
+        spec = self.reductions[self._index[id(bucket)]]
         # Dividing before the sum keeps the launch inside backward, off the critical path.
-        bucket.flat.div_(self.world_size)
-        return collectives.all_reduce(bucket.flat, group=self.group, async_op=True)
+        if spec.divide_factor != 1.0:
+            bucket.flat.div_(spec.divide_factor)
+        if spec.size == 1:
+            return None
+        return collectives.all_reduce(bucket.flat, group=spec.group, async_op=True)
+
+    def set_gradient_divide_factor(self, factor: float, units=None) -> None:
+        """Divide every bucket's reduced sum by ``factor`` instead of the group size (1: sum).
+        Here the buckets are the units; ``units`` must be None."""
+        if units is not None:
+            raise ValueError("set_gradient_divide_factor(units=...): fp32 stage 0 has no flat units; "
+                             "pass units=None to set the factor of every gradient bucket")
+        factor = check_divide_factor(factor)
+        for spec in self.reductions:
+            spec.divide_factor = factor
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Replicated gradients can wait: reduce once per accumulation window.
@@ -52,9 +74,13 @@ class ReplicatedGradients(StageInterface):
         self.grads.abort_backward()
 
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the (already averaged, replicated) gradients."""
-        norms = torch._foreach_norm(self.grads.flats(), 2, dtype=torch.float32)
-        return torch.linalg.vector_norm(torch.stack(norms))
+        """L2 norm of the (already reduced, replicated) gradients over every rank holding
+        distinct parameters: each replica holds the same, so only ``norm_group`` sums."""
+        flats = self.grads.flats()
+        norms = torch._foreach_norm(flats, 2, dtype=torch.float32) if flats else []
+        device = flats[0].device if flats else get_accelerator().device()
+        return global_norm(norms, self.reductions, [False] * len(norms), self.group,
+                           self.world_size, self.norm_group, device)
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update from the gradients multiplied by ``grad_scale`` (the clipping factor)."""

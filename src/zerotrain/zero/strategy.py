@@ -40,8 +40,10 @@ class ShardingStrategy:
         return unit_numel
 
     def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        return AllReduceGradients(units, core.precision, core.world_size, core.shard_rank,
-                                  core.group, overlap, core.trim)
+        """How ``units`` (the core's trained units) reduce, each over its own group and divide
+        factor (``core.reduction_of(unit)``, a ``zero.reduce_groups.UnitReduction``)."""
+        return AllReduceGradients(units, core.precision, [core.reduction_of(u) for u in units],
+                                  overlap, core.trim)
 
 
 class Stage0(ShardingStrategy):
@@ -58,8 +60,8 @@ class Stage1(ShardingStrategy):
     stage = 1
 
     def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        return AllReduceGradients(units, core.precision, core.world_size, core.shard_rank,
-                                  core.group, overlap, core.trim, scatter=use_reduce_scatter)
+        return AllReduceGradients(units, core.precision, [core.reduction_of(u) for u in units],
+                                  overlap, core.trim, scatter=use_reduce_scatter)
 
 
 class Stage2(ShardingStrategy):
@@ -75,9 +77,9 @@ class Stage2(ShardingStrategy):
         return max(1, bucket_numel // 4)
 
     def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        return ReduceScatterGradients(units, core.precision, core.world_size, core.shard_rank,
-                                      core.group, overlap, core.trim, slot_numel,
-                                      use_reduce_scatter, reduced=core.unit_reduced)
+        return ReduceScatterGradients(units, core.precision, [core.reduction_of(u) for u in units],
+                                      overlap, core.trim, slot_numel, use_reduce_scatter,
+                                      reduced=core.unit_reduced)
 
 
 class Stage3(Stage2):

@@ -1,0 +1,90 @@
+"""Per-unit reduction groups and divide factors, and the gradient norm over every group.
+
+Every gradient unit (a flat unit of the core, a bucket of fp32 stage 0) carries a
+``UnitReduction``: the process group its gradients are reduced over and the factor the sum is
+divided by (FSDP2's ``set_gradient_divide_factor``). The default is the engine's data group and
+its size, an average; a factor of 1 sums, and a unit over another group (experts' expert-data
+group, which must lie within the data group) may divide by something other than that group's
+size.
+
+The gradient norm (and with it the fp16 overflow decision) counts every element of the model's
+gradient once across the job. Each rank adds the squares it *owns*: a gradient shard is owned by
+the rank holding it (shards of one unit are disjoint); a gradient replicated over its unit's
+group is owned by that group's first rank. The owned squares are summed over the data group
+(skipped when every unit is replicated over the whole data group: each rank then already holds
+its replica's total) and then over the ranks holding distinct parameters
+(``Topology.distinct_group``: the pipeline stages and model slices of one replica). A NaN or inf
+on any rank makes the result non-finite on every rank (0 x inf is NaN), so all skip together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.comm import collectives
+
+
+@dataclass
+class UnitReduction:
+    """Where one unit's gradients are reduced (``group``: its ``size`` ranks, this one at
+    ``rank``) and what their sum is divided by (``divide_factor``)."""
+
+    group: object
+    size: int
+    rank: int
+    divide_factor: float
+
+    @classmethod
+    def over(cls, group, divide_factor: float | None = None) -> "UnitReduction":
+        """Over ``group`` (None: the world), averaging unless ``divide_factor`` is given."""
+        if dist.is_initialized():
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            size, rank = 1, 0
+        return cls(group, size, rank, float(size) if divide_factor is None else check_divide_factor(divide_factor))
+
+
+def check_divide_factor(factor) -> float:
+    """``factor`` as a float, or a one-line ValueError naming what is wrong."""
+    try:
+        value = float(factor)
+    except (TypeError, ValueError):
+        raise ValueError(f"set_gradient_divide_factor: factor must be a number, got {factor!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"set_gradient_divide_factor: factor must be a finite number > 0, got {factor!r} "
+                         "(1 sums the gradients, the group size averages them)")
+    return value
+
+
+def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReduction],
+                sharded: Sequence[bool], data_group, data_size: int, distinct_group,
+                device) -> torch.Tensor:
+    """fp32 L2 norm of the whole model's gradient from each unit's local norm on this rank.
+
+    ``norms[i]``: the L2 norm of unit i's gradient as this rank holds it; ``sharded[i]``: whether
+    that is this rank's disjoint shard of the unit (else the whole gradient, replicated over
+    ``reductions[i].group``). Collective over the data group (when some unit is not replicated
+    over all of it) and over ``distinct_group`` (when not None): every rank of both calls it."""
+    owns_part = [s and r.size > 1 for r, s in zip(reductions, sharded)]
+    need_data = data_size > 1 and any(own or r.size < data_size for own, r in zip(owns_part, reductions))
+    if norms:
+        squares = torch.stack([n.to(torch.float32) for n in norms]).square()
+        if need_data:  # a replicated gradient counts at its group's first rank only
+            weights = [1.0 if own or r.rank == 0 else 0.0 for own, r in zip(owns_part, reductions)]
+            if not all(weights):
+                squares = squares * torch.tensor(weights, dtype=torch.float32, device=squares.device)
+        total = squares.sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32)
+    # Gradients may live in host memory (offload_param): NCCL reduces device tensors.
+    total = total.to(device)
+    if need_data:
+        collectives.all_reduce(total, group=data_group)
+    if distinct_group is not None:
+        collectives.all_reduce(total, group=distinct_group)
+    return total.sqrt()
