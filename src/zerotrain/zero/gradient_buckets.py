@@ -25,8 +25,9 @@ from zerotrain.zero.flat import FlatLayout
 # answers is about the process's autograd, not one engine: a gradient reaching one engine's
 # parameters while another engine runs backward (a GAN's generator loss flowing through the
 # discriminator) accumulates there until that engine's zero_grad/step, as in DeepSpeed. An engine
-# that leaves a backward unfinished stops counting once it is closed or collected, so it cannot
-# make another engine accept gradients from a plain ``loss.backward()``.
+# that leaves a backward unfinished stops counting once it is closed (``destroy()``), so it cannot
+# make another engine accept gradients from a plain ``loss.backward()``; held weakly, the set
+# keeps no engine alive.
 _in_backward: "weakref.WeakSet[BucketedGradients]" = weakref.WeakSet()
 
 
