@@ -249,3 +249,55 @@ def test_model_files_are_written_by_each_groups_first_rank(results):
         plain = torch.load(results["root"] / f"plain-{group}" / "plain.pt", weights_only=True)
         assert torch.equal(plain["weight"], torch.full((2, 3), float(group + 1)))
     assert [out["plain_written"] for out in results["per_rank"]] == [True, False, True, False]
+
+
+def _group_rank_stays_away(root: str) -> dict:
+    """Group 1's rank 3 never calls ``save_checkpoint``: rank 2 must name global rank 3 after the
+    collective timeout, while group 0 saves as if nothing happened (it never waits for 2 or 3)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import zerotrain
+    import zerotrain.comm as comm
+
+    zerotrain.init_distributed()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rank = dist.get_rank()
+    mine = rank // GROUP_SIZE
+    engine = _build(mine, groups[mine])
+    store = dist.distributed_c10d._get_default_store()
+    folder = str(Path(root) / f"away{mine}")
+    out = {}
+    if rank == 3:  # as if stuck in its data loader until rank 2 has its error
+        while not store.check(["test/rank2-done"]):  # no deadline: the test's timeout bounds it
+            time.sleep(0.05)
+    else:
+        try:
+            engine.save_checkpoint(folder, tag="t")
+            out["message"] = "saved"
+        except comm.CollectiveError as error:
+            out.update(message=str(error), missing=error.missing, op=error.op)
+        if rank == 2:
+            store.set("test/rank2-done", "1")
+    out["files"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    store.set(f"test/left-{rank}", "1")  # rank 0 hosts the store: it leaves last
+    while rank == 0 and not store.check([f"test/left-{r}" for r in range(4)]):
+        time.sleep(0.05)
+    engine.destroy()
+    return out
+
+
+def test_a_rank_missing_from_its_groups_save_is_named_and_the_other_group_saves(tmp_path):
+    results = run_on_ranks(_group_rank_stays_away, world_size=4, args=(str(tmp_path),),
+                           timeout=600, comm_timeout=3.0)
+    for rank in (0, 1):
+        assert results[rank]["message"] == "saved", results[rank]["message"]
+        assert "t" in results[rank]["files"] and (tmp_path / "away0" / "latest").read_text() == "t"
+    r = results[2]
+    assert r.get("missing") == [3], r["message"]
+    assert r["op"] == "new_group (save_checkpoint)"
+    first = r["message"].splitlines()[0]
+    assert "of 2 ranks failed on rank 2 after" in first and first.endswith("rank 3 had not arrived."), first
+    assert "t" not in r["files"] and "latest" not in r["files"]
