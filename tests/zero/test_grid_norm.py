@@ -212,3 +212,101 @@ def test_grid_clips_with_the_whole_models_norm_and_overflow_skips_everywhere():
             want = _reference(clip=None, steps=2, sum_layers=(0, 1))[0] if stage == 0 else divided
             for name, value in got.items():
                 assert torch.allclose(value, want[name], rtol=0, atol=1e-6), (out["rank"], stage, name)
+
+
+# -- one stage object holding units over different groups ---------------------------------
+# Four data ranks; a shared layer reduced over all of them, and an "expert" layer each pair of
+# ranks ({0,1}: expert 0, {2,3}: expert 1) holds alone, reduced over its pair and divided by 4
+# (a divide factor that is not its group's size). One ZeroStage holds both kinds of unit.
+
+def _expert_reference(steps: int = STEPS, clip: float = CLIP):
+    torch.manual_seed(1)
+    shared, experts = nn.Linear(D, D), [nn.Linear(D, D), nn.Linear(D, D)]
+    params = list(shared.parameters()) + [p for e in experts for p in e.parameters()]
+    norms = []
+    for step in range(steps):
+        x, y = _batches(step)  # [2, 6, D]: rank r's samples are x[r // 2, (r % 2) * 3: ...]
+        loss = 0
+        for r in range(4):
+            rows = slice((r % 2) * MICRO, (r % 2 + 1) * MICRO)
+            xr, yr = x[r // 2, rows], y[r // 2, rows]
+            loss = loss + (_layer_loss(shared, xr, yr) + _layer_loss(experts[r // 2], xr, yr)) / 4
+        for p in params:
+            p.grad = None
+        loss.backward()
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        norms.append(norm)
+        with torch.no_grad():
+            for p in params:
+                p -= LR * min(clip / (norm + 1e-6), 1.0) * p.grad
+    return shared, experts, norms
+
+
+def _expert_stage_on_ranks():
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.zero.core import StageOptions, ZeroStage
+    from zerotrain.zero.reduce_groups import UnitReduction
+    from zerotrain.zero.strategy import STRATEGIES
+
+    zerotrain.init_distributed()
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(1)
+        shared, experts = nn.Linear(D, D), [nn.Linear(D, D), nn.Linear(D, D)]
+        model = nn.ModuleDict({"shared": shared, "expert": experts[rank // 2]})
+        expert_reduction = UnitReduction.over(pairs[rank // 2], divide_factor=4)
+        expert_params = {id(p) for p in model["expert"].parameters()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        zero = ZeroStage(STRATEGIES[stage], model, optimizer, StageOptions(unit_numel=10 ** 6),
+                         reduce_group_of=lambda p: expert_reduction if id(p) in expert_params else None)
+        assert len(zero.trained) == 2  # the two kinds never share a unit
+        rows = slice((rank % 2) * MICRO, (rank % 2 + 1) * MICRO)
+        norms = []
+        for step in range(STEPS):
+            x, y = _batches(step)
+            xr, yr = x[rank // 2, rows], y[rank // 2, rows]
+            zero.begin_backward(True, False)
+            (_layer_loss(model["shared"], xr, yr) + _layer_loss(model["expert"], xr, yr)).backward()
+            zero.end_backward()
+            norm = float(zero.grad_norm())
+            norms.append(norm)
+            zero.step(optimizer, min(CLIP / (norm + 1e-6), 1.0))
+            zero.zero_grad()
+        try:
+            zero.sharded_state()
+            refused = ""
+        except NotImplementedError as error:
+            refused = str(error)
+        out[stage] = {"norms": norms, "refused": refused,
+                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        zero.close()
+    model = nn.ModuleDict({"shared": nn.Linear(D, D), "expert": nn.Linear(D, D)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    spec = UnitReduction.over(pairs[rank // 2])
+    try:
+        ZeroStage(STRATEGIES[3], model, optimizer, StageOptions(unit_numel=10 ** 6),
+                  reduce_group_of=lambda p: spec)
+        out["stage3"] = ""
+    except NotImplementedError as error:
+        out["stage3"] = str(error)
+    return out
+
+
+def test_one_stage_holds_units_over_different_groups():
+    per_rank = run_on_ranks(_expert_stage_on_ranks, world_size=4, timeout=600)
+    shared, experts, norms = _expert_reference()
+    for rank, out in enumerate(per_rank):
+        want = {**{f"shared.{n}": p for n, p in shared.named_parameters()},
+                **{f"expert.{n}": p for n, p in experts[rank // 2].named_parameters()}}
+        for stage in (0, 1, 2):
+            got = out[stage]
+            for step in range(STEPS):
+                assert abs(got["norms"][step] - norms[step]) <= 1e-5 * norms[step], (rank, stage, step)
+            for name, value in got["weights"].items():
+                assert torch.allclose(value, want[name].detach(), rtol=0, atol=1e-6), (rank, stage, name)
+            assert "reduced over different groups" in got["refused"]
+        assert "stage 3" in out["stage3"]

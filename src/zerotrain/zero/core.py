@@ -33,7 +33,7 @@ from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
 from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_alignment
-from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm
+from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm, split_by_reduction
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
 from zerotrain.zero.strategy import ShardingStrategy
@@ -64,7 +64,8 @@ class ZeroStage(StageInterface):
     def __init__(self, strategy: ShardingStrategy, module: nn.Module, optimizer,
                  options: StageOptions, precision: PrecisionPolicy = PrecisionPolicy(),
                  group=None, placement: Placement = Placement(),
-                 memory_release: ReleasePolicy | None = None, norm_group=None):
+                 memory_release: ReleasePolicy | None = None, norm_group=None,
+                 reduce_group_of=None):
         _check_optimizer(strategy.stage, optimizer)
         self.strategy = strategy
         # This engine's memory_release policy (None: the environment's or the stage's default).
@@ -84,6 +85,15 @@ class ZeroStage(StageInterface):
         leaves = leaf_of(module, options.leaf_modules)
         plan = strategy.plan(param_groups, module, options.unit_numel, optimizer is not None,
                              leaf_of=leaves)
+        # ``reduce_group_of(param)``: a ``UnitReduction`` for parameters reduced over another
+        # group than the data group (or with another divide factor); units never mix them.
+        plan, plan_specs = split_by_reduction(plan, reduce_group_of, group)
+        self._mixed_groups = any(spec is not None for spec in plan_specs)
+        if self._mixed_groups and (strategy.partitions_parameters or placement.nvme is not None
+                                   or placement.param_nvme is not None):
+            raise NotImplementedError("units reduced over another group than the data group work at "
+                                      "stages 0-2 without NVMe offload; stage 3 and offload to NVMe "
+                                      "with them are not supported yet")
         name_of = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name_of.setdefault(id(p), name)
@@ -101,12 +111,17 @@ class ZeroStage(StageInterface):
                 self.param_offload = _nvme_param_offload(placement, plan, shard_world, self.rank,
                                                          precision, self.offload,
                                                          self.disk_activity)
-            for g, params in plan:  # one unit at a time: with zero.Init only one is ever whole
+            unit_specs = {}
+            for (g, params), spec in zip(plan, plan_specs):  # with zero.Init only one unit is ever whole
                 for p in params:
                     if is_partitioned(p):
                         materialize(p, group)
-                unit = FlatParamUnit(params, shard_world, self.shard_rank, precision.param_dtype,
+                world, rank = shard_world, self.shard_rank  # sharded over its own group
+                if spec is not None:
+                    world, rank = (spec.size, spec.rank) if strategy.shards_optimizer else (1, 0)
+                unit = FlatParamUnit(params, world, rank, precision.param_dtype,
                                      names=[name_of[id(p)] for p in params], group=g)
+                unit_specs[id(unit)] = spec
                 master = None
                 if unit.trained and placement.separate_master(unit.shard, precision.mixed):
                     master = placement.master_for(unit.shard)  # fp32, copied before the cast
@@ -133,7 +148,8 @@ class ZeroStage(StageInterface):
         # Each trained unit's reduction group and divide factor (zero/reduce_groups.py): the data
         # group, averaged. ``norm_group``: the ranks holding distinct parameters beside this
         # replica (``Topology.distinct_group``), which the gradient norm also sums over.
-        self._reductions = {id(u): UnitReduction(group, self.world_size, self.rank, float(self.world_size))
+        self._reductions = {id(u): unit_specs[id(u)] or UnitReduction(group, self.world_size, self.rank,
+                                                                      float(self.world_size))
                             for u in self.trained}
         self.norm_group = norm_group
         self.trim = self.memory_release.trim_every(
@@ -202,6 +218,9 @@ class ZeroStage(StageInterface):
 
     def sharded_state(self) -> ShardedState:
         swapper = self.offload.swapper if self.offload is not None else None
+        if self._mixed_groups:
+            raise NotImplementedError("checkpoints of a stage whose units are reduced over different groups "
+                                      "are not supported yet")
         return ShardedState(tuple(self.units), self.shard_rank, swapper)
 
     @property
@@ -340,9 +359,11 @@ class ZeroStage(StageInterface):
                     if unit.master is not None and not unit.derived:
                         unit.shard.data.copy_(master.detach())
                     master.grad = None  # gradients live for the step only (zero_grad may free them)
-        if self.strategy.shards_optimizer and self.world_size > 1:
-            # Stage 3's partitioned units are gathered when next used; the rest right away.
-            for work in [u.all_gather(self.group) for u in self.trained if not u.resharded]:
+        if self.strategy.shards_optimizer:
+            # Stage 3's partitioned units are gathered when next used; the rest right away, each
+            # over the group it is sharded over.
+            for work in [u.all_gather(self._reductions[id(u)].group) for u in self.trained
+                         if not u.resharded and u.layout.world_size > 1]:
                 work.wait()
         # The step's temporaries (fp32 copies of 16-bit gradients, the optimizer's foreach
         # intermediates) were freed on the heap: return them before the next forward needs
@@ -391,7 +412,8 @@ class ZeroStage(StageInterface):
             return out
         for unit, master in zip(self.trained, self.masters):
             state = optimizer.state.get(master, {})
-            for piece in unit.layout.shard_pieces(self.shard_rank):
+            spec = self._reductions[id(unit)]
+            for piece in unit.layout.shard_pieces(spec.rank if unit.layout.world_size > 1 else 0):
                 sliced = {}
                 for key, value in state.items():
                     if torch.is_tensor(value) and value.shape == master.shape:

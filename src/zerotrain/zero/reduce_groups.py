@@ -46,7 +46,8 @@ class UnitReduction:
             size, rank = dist.get_world_size(group), dist.get_rank(group)
         else:
             size, rank = 1, 0
-        return cls(group, size, rank, float(size) if divide_factor is None else check_divide_factor(divide_factor))
+        factor = float(size) if divide_factor is None else check_divide_factor(divide_factor)
+        return cls(group, size, rank, factor)
 
 
 def check_divide_factor(factor) -> float:
@@ -88,3 +89,35 @@ def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReductio
     if distinct_group is not None:
         collectives.all_reduce(total, group=distinct_group)
     return total.sqrt()
+
+
+def split_by_reduction(plan, reduce_group_of, data_group) -> tuple[list, list]:
+    """``plan`` (``[(optimizer group, [parameters])]``) with each planned unit split so every
+    unit's parameters share one reduction, and that reduction per unit (None: the data group's).
+
+    ``reduce_group_of(param)`` returns a ``UnitReduction`` (parameters returning the same object
+    share units) or None; its group must lie within the data group."""
+    if reduce_group_of is None:
+        return list(plan), [None] * len(plan)
+    out, specs, checked = [], [], set()
+    data_ranks = ({0} if not dist.is_initialized()
+                  else set(dist.get_process_group_ranks(data_group or dist.group.WORLD)))
+    for g, params in plan:
+        by_spec: dict[int, tuple[UnitReduction | None, list]] = {}
+        for p in params:
+            spec = reduce_group_of(p)
+            if spec is not None and not isinstance(spec, UnitReduction):
+                raise TypeError("reduce_group_of must return a UnitReduction or None, got "
+                                f"{type(spec).__name__}")
+            if spec is not None and id(spec) not in checked:
+                checked.add(id(spec))
+                ranks = (set(dist.get_process_group_ranks(spec.group or dist.group.WORLD))
+                         if dist.is_initialized() else {0})
+                if not ranks <= data_ranks:
+                    raise ValueError(f"a unit's reduction group {sorted(ranks)} is not within the data group "
+                                     f"{sorted(data_ranks)}; reduce over a subgroup of the data group")
+            by_spec.setdefault(id(spec), (spec, []))[1].append(p)
+        for spec, members in by_spec.values():
+            out.append((g, members))
+            specs.append(spec)
+    return out, specs
