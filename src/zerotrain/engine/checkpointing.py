@@ -43,6 +43,9 @@ class EngineCheckpointing:
         thread while training goes on; the next save or load (or ``wait_for_checkpoint()``)
         waits for it, and ``latest`` moves when it is complete. Returns True."""
         self.wait_for_checkpoint()
+        if self.topology.distinct_size > 1:  # each model rank would write the same file names
+            raise NotImplementedError(f"save_checkpoint on a {self.topology.describe()} topology is not supported "
+                                      "yet; save each model rank's engine.module_state_dict() yourself")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         group = self._checkpoint_group()
         check_tag(tag, self._config.checkpoint.tag_validation, group)

@@ -87,7 +87,7 @@ class ZeroStage(StageInterface):
                              leaf_of=leaves)
         # ``reduce_group_of(param)``: a ``UnitReduction`` for parameters reduced over another
         # group than the data group (or with another divide factor); units never mix them.
-        plan, plan_specs = split_by_reduction(plan, reduce_group_of, group)
+        plan, plan_specs, plan_counted = split_by_reduction(plan, reduce_group_of, group)
         self._mixed_groups = any(spec is not None for spec in plan_specs)
         if self._mixed_groups and (strategy.partitions_parameters or placement.nvme is not None
                                    or placement.param_nvme is not None):
@@ -111,8 +111,9 @@ class ZeroStage(StageInterface):
                 self.param_offload = _nvme_param_offload(placement, plan, shard_world, self.rank,
                                                          precision, self.offload,
                                                          self.disk_activity)
-            unit_specs = {}
-            for (g, params), spec in zip(plan, plan_specs):  # with zero.Init only one unit is ever whole
+            unit_specs, unit_counted = {}, {}
+            for (g, params), spec, counted in zip(plan, plan_specs, plan_counted):  # one unit at a time:
+                # with zero.Init only one is ever whole
                 for p in params:
                     if is_partitioned(p):
                         materialize(p, group)
@@ -121,7 +122,7 @@ class ZeroStage(StageInterface):
                     world, rank = (spec.size, spec.rank) if strategy.shards_optimizer else (1, 0)
                 unit = FlatParamUnit(params, world, rank, precision.param_dtype,
                                      names=[name_of[id(p)] for p in params], group=g)
-                unit_specs[id(unit)] = spec
+                unit_specs[id(unit)], unit_counted[id(unit)] = spec, counted
                 master = None
                 if unit.trained and placement.separate_master(unit.shard, precision.mixed):
                     master = placement.master_for(unit.shard)  # fp32, copied before the cast
@@ -152,6 +153,8 @@ class ZeroStage(StageInterface):
                                                                       float(self.world_size))
                             for u in self.trained}
         self.norm_group = norm_group
+        # False for units of tied copies (``ds_pipe_replicated``) another rank's norm counts.
+        self._counted = [unit_counted[id(u)] for u in self.trained]
         self.trim = self.memory_release.trim_every(
             strategy.trim_numel(options.unit_numel, self.units))
         # The trained units in the groups a 16-bit step casts and steps together (see step()).
@@ -323,7 +326,8 @@ class ZeroStage(StageInterface):
             norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32) if self.shard_grads else []
         sharded = [u.layout.world_size > 1 for u in self.trained]
         return global_norm(norms, [self._reductions[id(u)] for u in self.trained], sharded,
-                           self.group, self.world_size, self.norm_group, self._compute_device)
+                           self.group, self.world_size, self.norm_group, self._compute_device,
+                           self._counted)
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update the weights from the gradients multiplied by ``grad_scale`` (loss-scale and

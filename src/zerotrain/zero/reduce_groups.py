@@ -62,23 +62,33 @@ def check_divide_factor(factor) -> float:
     return value
 
 
+def counted_in_norm(param) -> bool:
+    """False for a parameter marked ``ds_pipe_replicated`` (DeepSpeed's mark of a tied copy
+    whose gradient another rank holding distinct parameters counts)."""
+    return not getattr(param, "ds_pipe_replicated", False)
+
+
 def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReduction],
                 sharded: Sequence[bool], data_group, data_size: int, distinct_group,
-                device) -> torch.Tensor:
+                device, counted: Sequence[bool] | None = None) -> torch.Tensor:
     """fp32 L2 norm of the whole model's gradient from each unit's local norm on this rank.
 
     ``norms[i]``: the L2 norm of unit i's gradient as this rank holds it; ``sharded[i]``: whether
     that is this rank's disjoint shard of the unit (else the whole gradient, replicated over
-    ``reductions[i].group``). Collective over the data group (when some unit is not replicated
-    over all of it) and over ``distinct_group`` (when not None): every rank of both calls it."""
+    ``reductions[i].group``); ``counted[i]`` False: a tied copy counted elsewhere. Collective
+    over the data group (when some unit is not replicated over all of it) and over
+    ``distinct_group`` (when not None): every rank of both calls it."""
     owns_part = [s and r.size > 1 for r, s in zip(reductions, sharded)]
     need_data = data_size > 1 and any(own or r.size < data_size for own, r in zip(owns_part, reductions))
+    counted = [True] * len(norms) if counted is None else list(counted)
     if norms:
         squares = torch.stack([n.to(torch.float32) for n in norms]).square()
-        if need_data:  # a replicated gradient counts at its group's first rank only
-            weights = [1.0 if own or r.rank == 0 else 0.0 for own, r in zip(owns_part, reductions)]
-            if not all(weights):
-                squares = squares * torch.tensor(weights, dtype=torch.float32, device=squares.device)
+        # A replicated gradient counts at its group's first rank only (when the data group
+        # sums), a tied copy nowhere here; 0 x inf is NaN, so an overflow still shows.
+        weights = [1.0 if c and (own or r.rank == 0 or not need_data) else 0.0
+                   for own, r, c in zip(owns_part, reductions, counted)]
+        if not all(weights):
+            squares = squares * torch.tensor(weights, dtype=torch.float32, device=squares.device)
         total = squares.sum()
     else:
         total = torch.zeros((), dtype=torch.float32)
@@ -91,21 +101,22 @@ def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReductio
     return total.sqrt()
 
 
-def split_by_reduction(plan, reduce_group_of, data_group) -> tuple[list, list]:
+def split_by_reduction(plan, reduce_group_of, data_group) -> tuple[list, list, list]:
     """``plan`` (``[(optimizer group, [parameters])]``) with each planned unit split so every
-    unit's parameters share one reduction, and that reduction per unit (None: the data group's).
+    unit's parameters share one reduction and one ``counted_in_norm``; that reduction per unit
+    (None: the data group's) and whether the norm counts it.
 
     ``reduce_group_of(param)`` returns a ``UnitReduction`` (parameters returning the same object
     share units) or None; its group must lie within the data group."""
-    if reduce_group_of is None:
-        return list(plan), [None] * len(plan)
-    out, specs, checked = [], [], set()
+    if reduce_group_of is None and all(counted_in_norm(p) for _, params in plan for p in params):
+        return list(plan), [None] * len(plan), [True] * len(plan)
+    out, specs, counts, checked = [], [], [], set()
     data_ranks = ({0} if not dist.is_initialized()
                   else set(dist.get_process_group_ranks(data_group or dist.group.WORLD)))
     for g, params in plan:
-        by_spec: dict[int, tuple[UnitReduction | None, list]] = {}
+        by_spec: dict[tuple, tuple[UnitReduction | None, list]] = {}
         for p in params:
-            spec = reduce_group_of(p)
+            spec = reduce_group_of(p) if reduce_group_of is not None else None
             if spec is not None and not isinstance(spec, UnitReduction):
                 raise TypeError("reduce_group_of must return a UnitReduction or None, got "
                                 f"{type(spec).__name__}")
@@ -116,8 +127,9 @@ def split_by_reduction(plan, reduce_group_of, data_group) -> tuple[list, list]:
                 if not ranks <= data_ranks:
                     raise ValueError(f"a unit's reduction group {sorted(ranks)} is not within the data group "
                                      f"{sorted(data_ranks)}; reduce over a subgroup of the data group")
-            by_spec.setdefault(id(spec), (spec, []))[1].append(p)
-        for spec, members in by_spec.values():
+            by_spec.setdefault((id(spec), counted_in_norm(p)), (spec, []))[1].append(p)
+        for (_, counted), (spec, members) in by_spec.items():
             out.append((g, members))
             specs.append(spec)
-    return out, specs
+            counts.append(counted)
+    return out, specs, counts

@@ -15,7 +15,7 @@ from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
-from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm
+from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, counted_in_norm, global_norm
 
 
 class ReplicatedGradients(StageInterface):
@@ -36,8 +36,16 @@ class ReplicatedGradients(StageInterface):
         spec = UnitReduction.over(group)
         self.world_size = spec.size
         self.params = [p for p in params if p.requires_grad]
-        # Reverse registration order approximates the order backward produces gradients.
-        buckets = split_into_buckets(self.params[::-1], bucket_numel)
+        # Reverse registration order approximates the order backward produces gradients. Tied
+        # copies another rank's norm counts (``ds_pipe_replicated``) go in buckets of their own.
+        counted = [p for p in self.params if counted_in_norm(p)]
+        tied = [p for p in self.params if not counted_in_norm(p)]
+        buckets = split_into_buckets(counted[::-1], bucket_numel)
+        self._counted = [True] * len(buckets)
+        if tied:
+            tied_buckets = split_into_buckets(tied[::-1], bucket_numel)
+            buckets = list(buckets) + list(tied_buckets)
+            self._counted += [False] * len(tied_buckets)
         self.grads = BucketedGradients(buckets, self._all_reduce, overlap)
         # Each bucket's group and divide factor (zero/reduce_groups.py): the data group, averaged.
         self.reductions = [UnitReduction(spec.group, spec.size, spec.rank, spec.divide_factor)
@@ -80,7 +88,7 @@ class ReplicatedGradients(StageInterface):
         norms = torch._foreach_norm(flats, 2, dtype=torch.float32) if flats else []
         device = flats[0].device if flats else get_accelerator().device()
         return global_norm(norms, self.reductions, [False] * len(norms), self.group,
-                           self.world_size, self.norm_group, device)
+                           self.world_size, self.norm_group, device, self._counted)
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update from the gradients multiplied by ``grad_scale`` (the clipping factor)."""
