@@ -75,16 +75,16 @@ def test_two_engines_on_disjoint_groups_match_their_references():
 def test_mpu_with_model_parallelism_is_refused_naming_it():
     import pytest
 
-    from zerotrain.engine.initialize import _data_parallel_group
+    from zerotrain.engine.initialize import build_topology
 
     class TensorParallel(_DataParallelOnly):
         def get_tensor_model_parallel_world_size(self):
             return 2
 
-    with pytest.raises(NotImplementedError, match="get_tensor_model_parallel_world_size"):
-        _data_parallel_group(None, TensorParallel(None))
+    # Refused before any group is touched (no process group needed).
+    with pytest.raises(NotImplementedError, match="get_tensor_model_parallel_world_size.*PipelineParallelGrid"):
+        build_topology(None, TensorParallel(None))
     with pytest.raises(ValueError, match="get_data_parallel_group"):
-        _data_parallel_group(None, object())
-    sentinel = object()
-    assert _data_parallel_group(None, _DataParallelOnly(sentinel)) is sentinel
-    assert _data_parallel_group(sentinel, None) is sentinel
+        build_topology(None, object())
+    with pytest.raises(ValueError, match="pass the data-parallel group once"):
+        build_topology(object(), _DataParallelOnly(object()))

@@ -17,7 +17,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.checkpoint import full_state_dict, save_16bit_model
-from zerotrain.comm.distributed import get_local_rank, get_rank, get_world_size
+from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
@@ -27,6 +27,8 @@ from zerotrain.monitor import MonitorMaster
 from zerotrain.monitor.memory import register_engine, unregister_engine
 from zerotrain.offload import describe_stats
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
+from zerotrain.topology import Topology
+from zerotrain.topology.process_wide import reset as reset_current_topology
 from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
@@ -35,7 +37,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
-                 training_dataloader=None, data_parallel_group=None):
+                 training_dataloader=None, data_parallel_group=None, topology=None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -44,10 +46,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self._config = config
         self.accelerator = get_accelerator()
         self.local_rank = get_local_rank()
-        self.global_rank = get_rank()
-        self.data_parallel_group = data_parallel_group  # None: the world
-        self.dp_world_size = (get_world_size() if data_parallel_group is None
-                              else torch.distributed.get_world_size(data_parallel_group))
+        # Every rank and group this engine uses comes from its topology (zerotrain.topology).
+        self.topology = topology if topology is not None else Topology.from_group(data_parallel_group)
+        self.global_rank = self.topology.global_rank
+        self.data_parallel_group = self.topology.data_group
+        self.dp_world_size = self.topology.data_size
         self.device = self.accelerator.device(self.local_rank)
         self.global_steps = 0
         self.global_samples = 0
@@ -56,10 +59,14 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self.precision = PrecisionPolicy.from_config(config)
         _check_device_supports(self.precision, self.device)
         self.loss_scaler = build_loss_scaler(config)
+        # The gradient norm and the overflow decision span the data group and the ranks holding
+        # distinct parameters beside it (pipeline stages, model slices).
         self._zero = build_zero_stage(config, module, optimizer, self.precision,
-                                      group=data_parallel_group)
+                                      group=self.data_parallel_group,
+                                      norm_group=self.topology.distinct_group)
         self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
-        self.monitor = MonitorMaster(config)  # rank 0 writes; closed by destroy() or at exit
+        # The data group's first rank writes; closed by destroy() or at exit.
+        self.monitor = MonitorMaster(config, topology=self.topology)
         register_engine(self)  # weakly, for zerotrain.memory_status()
         self._boundary_override: bool | None = None
         self._in_no_sync = False
@@ -200,7 +207,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self.skipped_steps += 1
         self._global_grad_norm = None
         log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
-                  self.global_steps, scale, self.loss_scaler.loss_scale)
+                  self.global_steps, scale, self.loss_scaler.loss_scale, topology=self.topology)
 
     @property
     def loss_scale(self) -> float:
@@ -231,7 +238,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """Gradient norm across all ranks at the last update (None unless clipping is on)."""
+        """Gradient norm of the whole model at the last update, over every rank holding a part
+        of it (data shards, pipeline stages, model slices); None unless clipping is on."""
         return self._global_grad_norm
 
     def get_lr(self) -> list[float]:
@@ -271,7 +279,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
                 raise ValueError("module_state_dict(keep_vars=True) at ZeRO stage 3: the "
                                  "parameters are partitioned placeholders; use keep_vars=False "
                                  "for gathered copies")
-            gathered = full_state_dict(self.module, coordinator, exclude_frozen_parameters)
+            gathered = full_state_dict(self.module, coordinator, exclude_frozen_parameters,
+                                       group=self.data_parallel_group)
             state = {prefix + k: v for k, v in gathered.items()}
         if destination is not None:
             destination.update(state)
@@ -284,7 +293,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         if self._zero.parameter_coordinator is None:
             raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3")
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        first = torch.distributed.get_rank(self.data_parallel_group) == 0  # of this engine's group
+        first = self.topology.is_first("data")  # of this engine's group
         return state if first else None
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -307,7 +316,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
             raise ValueError(
                 "save_16bit_model at ZeRO stage 3 gathers the partitioned weights, which "
                 "needs \"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization")
-        save_16bit_model(self.module, save_dir, save_filename, coordinator, exclude_frozen_parameters)
+        save_16bit_model(self.module, save_dir, save_filename, coordinator, exclude_frozen_parameters,
+                         group=self.data_parallel_group)
         return True
 
     def destroy(self) -> None:
@@ -317,6 +327,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
         self.monitor.close()
+        reset_current_topology(self.topology)  # DeepSpeed's global getters no longer answer from it
         unregister_engine(self)  # memory reports no longer count it
 
     # -- logging ------------------------------------------------------------------------
@@ -334,13 +345,14 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         loss = float(torch.stack(losses).mean()) if losses else float("nan")
         lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
         log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f",
-                  self.global_steps, self.skipped_steps, lr, loss, rate)
+                  self.global_steps, self.skipped_steps, lr, loss, rate, topology=self.topology)
         offload = describe_stats(self._zero.offload_stats())
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
-            log_rank0(offload)
+            log_rank0(offload, topology=self.topology)
         if self._timers.enabled:
             times = self._timers.pop()
-            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()))
+            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()),
+                      topology=self.topology)
 
 
 def _cast_floats(tree, dtype: torch.dtype):

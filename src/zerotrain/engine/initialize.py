@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerotrain.accelerator import get_accelerator
@@ -18,6 +17,7 @@ from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.expert_groups import refuse_expert_parameters
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
+from zerotrain.topology import PipelineParallelGrid, Topology, set_current
 from zerotrain.zero.flat import split_into_buckets
 
 # Parameters are broadcast from rank 0 in chunks of this many elements, so start-up needs no
@@ -58,11 +58,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         args = None
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    group = _data_parallel_group(data_parallel_group, mpu)
-    dp_world, dp_rank = dist.get_world_size(group), dist.get_rank(group)
-    if dp_rank < 0:
-        raise ValueError("initialize(data_parallel_group=...): this rank is not a member of the "
-                         "group; build the engine only on the group's ranks")
+    topology = build_topology(data_parallel_group, mpu)
+    set_current(topology)  # what DeepSpeed's global getters (zerotrain.utils.groups) answer from
+    group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
     before_engine(model, cfg)  # issue 15: activation_checkpointing section, QLoRA at stage 3
@@ -75,7 +73,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # engine sets it too).
     get_accelerator().set_device(get_local_rank())
     model.to(device)
-    _broadcast_from_rank0(model, group)
+    _broadcast_from_rank0(model, topology)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, cfg, params)
@@ -87,29 +85,43 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
             world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
             pin_memory=device.type == "cuda")
     engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
-                             training_dataloader=loader, data_parallel_group=group)
+                             training_dataloader=loader, topology=topology)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _data_parallel_group(group, mpu):
-    """The group to shard over: ``data_parallel_group``, else the mpu's (data parallelism only),
-    else None (the world)."""
+def build_topology(group, mpu) -> Topology:
+    """The engine's topology: ``mpu`` (a ``PipelineParallelGrid``, or a Megatron-style object
+    describing data parallelism only), else ``data_parallel_group``, else the world."""
     if mpu is None:
-        return group
-    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
-                 "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size"):
-        size = getattr(mpu, name, None)
-        if size is not None and size() > 1:
-            raise NotImplementedError(f"initialize(mpu=...): {name}() is {size()}; model, pipeline "
-                                      "and sequence parallelism are not supported, zerotrain is "
-                                      "data-parallel only")
-    if not hasattr(mpu, "get_data_parallel_group"):
-        raise ValueError("initialize(mpu=...): the mpu has no get_data_parallel_group()")
+        return Topology.from_group(group)
+    if isinstance(mpu, PipelineParallelGrid):
+        topology = mpu.topology_
+    else:
+        for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+                     "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size"):
+            size = getattr(mpu, name, None)
+            if size is not None and size() > 1:
+                raise NotImplementedError(f"initialize(mpu=...): {name}() is {size()}; model, pipeline "
+                                          "and sequence parallelism from a Megatron mpu are not supported; "
+                                          "describe the layout with zerotrain.runtime.pipe.topology."
+                                          "PipelineParallelGrid")
+        if not hasattr(mpu, "get_data_parallel_group"):
+            raise ValueError("initialize(mpu=...): the mpu has no get_data_parallel_group()")
+        topology = None
     mpu_group = mpu.get_data_parallel_group()
     if group is not None and group is not mpu_group:
         raise ValueError("pass the data-parallel group once: data_parallel_group= and "
                          "mpu.get_data_parallel_group() differ")
-    return mpu_group
+    if topology is None:
+        return Topology.from_group(mpu_group)
+    if topology.size("pipe") > 1:
+        raise NotImplementedError(f"initialize(mpu=PipelineParallelGrid): {topology.describe()}: an engine over "
+                                  "a pipe axis above 1 is not supported yet; use num_pp=1 (a model axis "
+                                  "holding your own split of the model works: num_mp)")
+    # A model axis: each model rank holds its own parameters (the user's split of the model);
+    # ZeRO shards and reduces them over the data group, and the gradient norm and the overflow
+    # decision sum over the model ranks too (Topology.distinct_group).
+    return topology
 
 
 def _build_optimizer(client, cfg, params):
@@ -138,11 +150,11 @@ def _build_scheduler(client, cfg, optimizer):
 
 
 @torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module, group=None) -> None:
-    """Make every rank of ``group`` start from its first rank's parameters and buffers."""
-    if dist.get_world_size(group) == 1:
+def _broadcast_from_rank0(model: nn.Module, topology: Topology) -> None:
+    """Make every rank of the data group start from its first rank's parameters and buffers."""
+    if topology.data_size == 1:
         return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    group, src = topology.data_group, topology.first_global_rank("data")
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
     unique = list({t.data_ptr(): t for t in tensors}.values())
     for chunk in split_into_buckets(unique, _BROADCAST_CHUNK):
