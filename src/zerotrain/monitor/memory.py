@@ -21,7 +21,7 @@ import torch
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.accelerator.cpu import peak_rss_bytes
-from zerotrain.comm.distributed import get_rank as _rank
+from zerotrain.topology.process_rank import process_rank
 
 logger = logging.getLogger("zerotrain")
 
@@ -67,7 +67,7 @@ def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False,
     engine part is ``engine``'s, or with none named the sum over every live engine (then
     ``stats["engines"]`` lists each one's, and the line ends ``engines=N`` when N > 1).
     """
-    rank = _rank()
+    rank = max(process_rank(), 0)  # the process's global rank, as DeepSpeed prints and compares it
     if print_rank != -1 and rank != print_rank:
         return None
     accelerator = get_accelerator()
@@ -122,7 +122,9 @@ def see_memory_usage(message: str, force: bool = False, engine=None) -> None:
     (``MA``/``Max_MA``/``CA``/``Max_CA``) on CUDA or RSS/peak RSS and the bytes ``engine`` (else
     every live engine, summed) holds on CPU, then the machine's virtual memory. Resets the CUDA
     peaks for the next call."""
-    if not force or _rank() != 0:
+    # Once: on the named engine's first data rank, else on the process's global rank 0 (DeepSpeed's).
+    first = engine.topology.is_first("data") if engine is not None else max(process_rank(), 0) == 0
+    if not force or not first:
         return
     gc.collect()
     logger.info(message)
