@@ -12,7 +12,9 @@ Two ways, chosen by the stage strategy:
   them, so the start of backward (the peak: every activation saved) does not hold them.
 
 Both launch buckets strictly in unit order, so ranks whose backward completes units in another
-order (a branch taken on one rank only) still issue the same collectives.
+order (a branch taken on one rank only) still issue the same collectives. Each unit is reduced
+over its own ``UnitReduction`` (zero/reduce_groups.py): its group, and the divide factor its sum
+is divided by ("averaged" above: the default, the group's size).
 """
 
 from __future__ import annotations

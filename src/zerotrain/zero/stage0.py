@@ -1,8 +1,9 @@
 """ZeRO stage 0: plain data parallelism.
 
 Every rank holds the whole model, all gradients and the whole optimizer state. Gradients are
-averaged with bucketed all-reduces launched during backward (overlapping the rest of it), and
-only in the backward pass that ends an accumulation window.
+averaged (or divided by ``set_gradient_divide_factor``'s factor) with bucketed all-reduces
+launched during backward (overlapping the rest of it), and only in the backward pass that ends an
+accumulation window.
 """
 
 from __future__ import annotations
