@@ -164,6 +164,19 @@ def _job() -> dict:
         out["mismatch_error"] = None
     except ValueError as e:
         out["mismatch_error"] = str(e)
+
+    # 7. Whole parameters (fp32 stage 0 has no units; stage 2 fp32 keeps them whole): modifier_rank
+    #    is group rank 1 and the broadcast stays inside the group.
+    out["whole"] = {}
+    for stage in (0, 2):
+        torch.manual_seed(MIXED_SEEDS[mine] + 1000 * grank + stage)
+        engine3, *_ = zerotrain.initialize(model=_Net(), config=_config(stage), data_parallel_group=g)
+        before = _state(engine3.module)
+        with GatheredParameters(engine3.module.fc2.weight, modifier_rank=1):
+            if grank == 1:
+                engine3.module.fc2.weight.data.mul_(MARK[mine])
+        out["whole"][stage] = (before, _state(engine3.module))
+        engine3.destroy()
     return out
 
 
@@ -269,6 +282,18 @@ def test_stage2_fp32_and_stage3_bf16_side_by_side(per_rank):
     for first, second in ((0, 1), (2, 3)):  # every member of a group holds the same weights
         _assert_equal(per_rank[second]["mixed"], per_rank[first]["mixed"], "group members",
                       rtol=0.0)
+
+
+def test_whole_parameters_take_the_group_ranks_edit(per_rank):
+    for stage in (0, 2):
+        for first, second in ((0, 1), (2, 3)):
+            before, after = per_rank[first]["whole"][stage]
+            group = per_rank[first]["group"]
+            want = dict(before, **{"fc2.weight": before["fc2.weight"] * MARK[group]})
+            for rank in (first, second):
+                _assert_equal(per_rank[rank]["whole"][stage][1], want, f"stage {stage} rank {rank}", rtol=0.0)
+    # the two groups started from different weights: a world-wide broadcast would have mixed them
+    assert not torch.equal(per_rank[0]["whole"][0][0]["fc1.weight"], per_rank[2]["whole"][0][0]["fc1.weight"])
 
 
 def test_an_engine_over_other_ranks_than_init_is_refused_naming_both(per_rank):

@@ -106,9 +106,12 @@ class GatheredParameters(contextlib.ContextDecorator):
 
 def _group_of(param: torch.Tensor):
     """The data-parallel group ``param`` is partitioned (or, whole, replicated) over: its engine
-    unit's, else zero.Init's, else None (the world)."""
+    unit's, else zero.Init's, else the group an engine without units (fp32 stage 0) replicates it
+    over, else None (the world)."""
     unit = registry.unit_of(param)
     if unit is not None:
         return unit.process_group
     how = partitioning_of(param)
-    return how.group if how is not None else None
+    if how is not None:
+        return how.group
+    return registry.replicated_group(param)  # fp32 stage 0's whole parameters, else None

@@ -27,6 +27,9 @@ _unit_of = WeakIdKeyDictionary()
 # zero.Init): a script holding two engines (a GAN) can key by ds_id without collisions. Nothing
 # in zerotrain decides by them: not checkpoints (keyed by name), not the cross-rank checks.
 _next_id = itertools.count()
+# Whole parameters an engine replicates over a group without units (fp32 stage 0): the group
+# ``GatheredParameters(modifier_rank=...)`` broadcasts them over.
+_replicated_over = WeakIdKeyDictionary()
 DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor")
 
 
@@ -47,6 +50,23 @@ def unregister(units: Sequence) -> None:
             for name in DS_ATTRIBUTES:
                 if name in vars(p):
                     delattr(p, name)
+
+
+def register_replicated(params: Sequence, group) -> None:
+    """``params`` are whole on every rank of ``group`` (an engine without units)."""
+    for p in params:
+        _replicated_over[p] = group
+
+
+def unregister_replicated(params: Sequence, group) -> None:
+    for p in params:
+        if p in _replicated_over and _replicated_over[p] is group:
+            del _replicated_over[p]
+
+
+def replicated_group(param: torch.Tensor):
+    """The group ``param`` is replicated over by an engine without units; None if none is."""
+    return _replicated_over.get(param)
 
 
 def unit_of(param: torch.Tensor):

@@ -12,6 +12,7 @@ import torch
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
+from zerotrain.zero import registry
 from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.interface import ShardedState, StageInterface
@@ -52,6 +53,8 @@ class ReplicatedGradients(StageInterface):
         self.reductions = [UnitReduction(spec.group, spec.size, spec.rank, spec.divide_factor)
                            for _ in self.grads.buckets]
         self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
+        # GatheredParameters(modifier_rank=...) broadcasts these over this group, not the world.
+        registry.register_replicated(self.params, group)
 
     def _all_reduce(self, bucket: GradientBucket):
         spec = self.reductions[self._index[id(bucket)]]
@@ -134,3 +137,4 @@ class ReplicatedGradients(StageInterface):
 
     def close(self) -> None:
         self.grads.remove_hooks()
+        registry.unregister_replicated(self.params, self.group)
