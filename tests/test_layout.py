@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src" / "zerotrain"
+from tests.source_tree import ROOT, SRC, module_name as _module_name, modules as _modules
 
 #: Packages (and everything under them) that exist only to give DeepSpeed's import paths
 #: (docs/compat.md): ``deepspeed.runtime.*``, ``deepspeed.utils.*``, ``deepspeed.ops.*``,
@@ -32,17 +30,6 @@ COMPAT = ("zerotrain.runtime", "zerotrain.utils", "zerotrain.ops", "zerotrain.mo
 
 #: Package-level edges allowed to close a cycle: none through these packages.
 ACYCLIC = ("zero", "offload")
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(SRC.rglob("*.py")) if "__pycache__" not in p.parts}
 
 
 MODULES = _modules()

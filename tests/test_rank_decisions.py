@@ -14,10 +14,8 @@ checked. Every import counts, function-level ones included, and relative imports
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src" / "zerotrain"
+from tests.source_tree import ROOT, SRC, module_name as _module_name, modules as _modules
 
 #: Functions that answer for a group, the world when the group is missing or None.
 TORCH = {"torch.distributed.get_rank", "torch.distributed.get_world_size",
@@ -34,17 +32,6 @@ COMM_ALLOWED = TORCH_ALLOWED + ("zerotrain.launcher",)
 #: Offenders in files owned by other work in progress (issue 30): module -> why it is still here.
 #: The lead empties this list; a module leaving it must not come back.
 ALLOWED_FOR_NOW: dict[str, str] = {}
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(SRC.rglob("*.py")) if "__pycache__" not in p.parts}
 
 
 def _in(module: str, packages) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checkpoint.workloads import config
 from tests.engine.workloads import SEQ, TINY, make_model
 from zerotrain.testing import run_on_ranks
 
@@ -32,21 +33,9 @@ TAG = "s2"
 
 
 def _config(stage: int, precision: str) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupDecayLR",
-                      "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 3e-3}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
-        "steps_per_print": 1000,
-    }
+    cfg = config(stage, precision, micro=MICRO, gas=1)
     if stage == 3:  # small tensors stay whole: both paths saved
-        cfg["zero_optimization"].update(stage3_param_persistence_threshold=100,
-                                        stage3_gather_16bit_weights_on_model_save=True)
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     return cfg
 
 

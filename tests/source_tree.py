@@ -1,0 +1,21 @@
+"""The library's modules as files, for the tests that read the source with ``ast``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "zerotrain"
+
+
+def module_name(path: Path) -> str:
+    """``src/zerotrain/zero/core.py`` -> ``zerotrain.zero.core`` (a package is its ``__init__``)."""
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module under src/zerotrain, by dotted name."""
+    return {module_name(p): p for p in sorted(SRC.rglob("*.py")) if "__pycache__" not in p.parts}
