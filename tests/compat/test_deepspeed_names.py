@@ -140,7 +140,7 @@ def test_modules_deepspeed_does_not_load_are_not_in_the_reference():
 
 def test_pipeline_example_import_level_lines():
     """DeepSpeedExamples training/pipeline_parallelism/train.py, with ``import zerotrain as deepspeed``:
-    everything it touches at import level and before initialize (PipelineModule itself is pending)."""
+    everything it touches at import level and before initialize."""
     script = """
 import argparse, random, json
 import torch
@@ -304,7 +304,7 @@ def test_expert_parameters_get_their_own_groups():
 
 
 @exercises("PipelineModule", "pipe.PipelineModule", "pipe.LayerSpec", "pipe.TiedLayerSpec")
-def test_pipe_specs_build_and_pipeline_module_names_what_is_missing():
+def test_pipe_specs_build_and_pipeline_module_builds_one_stage():
     import zerotrain
     from zerotrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
@@ -316,7 +316,9 @@ def test_pipe_specs_build_and_pipeline_module_names_what_is_missing():
     with pytest.raises(RuntimeError, match="torch.nn.Module"):
         LayerSpec(len)
     assert zerotrain.PipelineModule is PipelineModule
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+    module = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), torch.nn.ReLU()], num_stages=1)
+    assert module.parts == [0, 2] and list(module.state_dict()) == ["0.weight", "0.bias"]
+    with pytest.raises(RuntimeError, match="num_stages=2 does not divide the world size 1"):
         PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=2)
 
 

@@ -1,73 +1,17 @@
-"""Pipeline-parallel model description: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``
-(``deepspeed.pipe``'s names; ``zerotrain.pipe`` re-exports them).
+"""Pipeline parallelism's model description: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``
+and DeepSpeed's partitioning (``deepspeed.pipe``'s names; ``zerotrain.pipe`` and
+``zerotrain.runtime.pipe.module`` re-export them).
 
-Scripts import these at module level even when they train data-parallel only. ``LayerSpec``
-and ``TiedLayerSpec`` work (they describe and build layers); building a ``PipelineModule``
-raises, because zerotrain has no pipeline parallelism yet.
+``LayerSpec``/``TiedLayerSpec`` (specs.py) describe layers; ``PipelineModule`` (module.py) splits
+them among the stages (partition.py), builds this stage's, ties shared layers across stages
+(tied.py) and saves/loads per-layer files (layer_files.py).
 """
 
 from __future__ import annotations
 
-from torch import nn
+from zerotrain.pipeline.module import PipelineModule
+from zerotrain.pipeline.partition import partition_balanced, partition_uniform
+from zerotrain.pipeline.specs import LayerSpec, PipelineError, TiedLayerSpec
 
-from zerotrain.topology.process_rank import process_rank
-
-__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineError"]
-
-
-class PipelineError(Exception):
-    """Errors about pipeline-parallel modules (DeepSpeed's name)."""
-
-
-class LayerSpec:
-    """A layer to build later: ``LayerSpec(nn.Linear, 4, 8, bias=False).build()`` returns
-    ``nn.Linear(4, 8, bias=False)``."""
-
-    def __init__(self, typename, *module_args, **module_kwargs):
-        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise RuntimeError(f"LayerSpec only supports torch.nn.Module types, got {typename!r}")
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-        # DeepSpeed's LayerSpec.global_rank: the process's global rank (-1 before
-        # torch.distributed), only tagging build()'s log line; specs are made before any engine
-        # or topology exists, and describing a layer must not build one (a collective).
-        self.global_rank = process_rank()
-
-    def __repr__(self) -> str:
-        args = [repr(a) for a in self.module_args] + [f"{k}={v!r}" for k, v in self.module_kwargs.items()]
-        return f"{self.typename.__name__}({', '.join(args)})"
-
-    def build(self, log: bool = False) -> nn.Module:
-        """Construct the layer."""
-        if log:
-            from zerotrain.log import logger
-
-            logger.info("RANK=%d building %r", self.global_rank, self)
-        return self.typename(*self.module_args, **self.module_kwargs)
-
-
-class TiedLayerSpec(LayerSpec):
-    """A layer whose ``tied_weight_attr`` weights are shared by every spec with the same ``key``."""
-
-    def __init__(self, key, typename, *module_args, forward_fn=None, tied_weight_attr=("weight",),
-                 **module_kwargs):
-        super().__init__(typename, *module_args, **module_kwargs)
-        self.key = key
-        self.forward_fn = forward_fn
-        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
-
-
-class PipelineModule(nn.Module):
-    """DeepSpeed's pipeline-parallel module. Building one raises ``NotImplementedError``:
-    zerotrain does not implement pipeline parallelism yet. Train the same layers data-parallel
-    instead, e.g. ``nn.Sequential(*(spec.build() for spec in layers))`` with ZeRO."""
-
-    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
-                 seed_fn=None, base_seed=1234, partition_method="parameters",
-                 activation_checkpoint_interval=0, activation_checkpoint_func=None,
-                 checkpointable_layers=None, dynamic_shape=False):
-        raise NotImplementedError(
-            "PipelineModule: pipeline parallelism is not available in zerotrain yet. Build the "
-            "layers as one module and train it data-parallel (ZeRO stages 0-3), e.g. "
-            "nn.Sequential(*(spec.build() if isinstance(spec, LayerSpec) else spec for spec in layers))")
+__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineError", "partition_uniform",
+           "partition_balanced"]

@@ -1,10 +1,10 @@
-"""``deepspeed.runtime.pipe``: re-exports (zerotrain.pipeline, zerotrain.topology); the submodule
-``topology`` is an attribute, loaded on first access."""
+"""``deepspeed.runtime.pipe``: re-exports (zerotrain.pipeline, zerotrain.topology); the submodules
+``topology`` and ``module`` are attributes, loaded on first access."""
 
 from zerotrain._lazy import lazy_attributes
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"]
-SUBMODULES = ("topology",)
+SUBMODULES = ("topology", "module")
 
 __getattr__, __dir__ = lazy_attributes(
     __name__, SUBMODULES,

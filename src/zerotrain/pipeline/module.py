@@ -1,0 +1,346 @@
+"""``PipelineModule``: DeepSpeed's pipeline-parallel model description (``deepspeed.pipe``).
+
+Every rank builds the same ``PipelineModule(layers, num_stages=... | topology=...)`` after
+``zerotrain.init_distributed()``. The layers are split among the pipeline stages (``parts``,
+DeepSpeed's partitioning); each rank builds and holds only its stage's layers, registered under
+their global index (``"3"``: state-dict keys ``3.weight`` as in DeepSpeed) and moved to the
+accelerator device of ``LOCAL_RANK``. ``forward(x)`` runs the local layers in order; the
+pipeline engine moves activations between stages.
+
+Tied layers (``TiedLayerSpec``) live in ``pipeline/tied.py``, the per-layer checkpoint files in
+``pipeline/layer_files.py``; both are mixed into ``PipelineModule`` under DeepSpeed's method names.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerotrain.checkpointing import checkpoint as _default_checkpoint
+from zerotrain.checkpointing import non_reentrant_checkpoint
+from zerotrain.pipeline.layer_files import LayerFiles
+from zerotrain.pipeline.partition import partition_balanced, partition_uniform
+from zerotrain.pipeline.specs import LayerSpec, TiedLayerSpec
+from zerotrain.pipeline.tied import TiedLayers
+from zerotrain.seeding import set_random_seed
+from zerotrain.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+__all__ = ["PipelineModule", "PARTITION_METHODS"]
+
+PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
+
+# Megatron-DeepSpeed's model classes whose transformer layers DeepSpeed always checkpoints.
+_GPT_PIPES = ("GPTModelPipe", "GPT2ModelPipe")
+
+
+def _world_size() -> int:
+    return dist.get_world_size(group=dist.group.WORLD) if dist.is_initialized() else 1
+
+
+def layer_name(layer) -> str:
+    """The name DeepSpeed prints for a layer: a spec's class, a module's class, a function's
+    ``__name__``, else ``str(layer)``."""
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, nn.Module):
+        return layer.__class__.__name__
+    return getattr(layer, "__name__", str(layer))
+
+
+class PipelineModule(TiedLayers, LayerFiles, nn.Module):
+    """Layers split among pipeline stages (DeepSpeed's ``PipelineModule``).
+
+    - ``layers``: an iterable (``nn.Sequential``, list) of ``nn.Module`` (already built: every
+      rank holds it whole until the stage keeps its own), ``LayerSpec`` (built only on its stage),
+      ``TiedLayerSpec``, or any callable (``lambda x: x.flatten(1)``). Each layer's input and
+      output is a tensor or a tuple of tensors.
+    - ``num_stages`` or ``topology``: a ``ProcessTopology`` with a ``"pipe"`` axis; by default
+      ``PipeDataParallelTopology(num_stages, world // num_stages)``.
+    - ``loss_fn(outputs, labels)``: the loss the engine computes on the last stage.
+    - ``seed_layers``: seed ``base_seed + layer_idx`` before building each layer (the weights
+      then do not depend on the number of stages) and ``base_seed * (micro_offset + 1) +
+      layer_idx`` before running it (``micro_offset`` counts forwards); ``seed_fn`` replaces
+      ``set_random_seed``.
+    - ``partition_method``: ``"parameters"`` (balance trainable parameter counts, building every
+      ``LayerSpec`` once on every rank to count), ``"uniform"`` (layer counts) or
+      ``"type:<regex>"`` (balance the layers whose class name matches, case-insensitively).
+    - ``activation_checkpoint_interval=k``: checkpoint each run of ``k`` local layers with
+      ``activation_checkpoint_func`` when the run has parameters (or, with
+      ``checkpointable_layers``, when all its classes are listed).
+    - ``dynamic_shape``: activations may change shape between micro-batches (read by the engine).
+    """
+
+    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
+                 seed_fn=None, base_seed=1234, partition_method="parameters",
+                 activation_checkpoint_interval=0, activation_checkpoint_func=_default_checkpoint,
+                 checkpointable_layers=None, dynamic_shape=False):
+        super().__init__()
+        self._layer_specs = list(layers)
+        self._validate(num_stages, topology, partition_method, activation_checkpoint_interval,
+                       checkpointable_layers)
+        self.micro_offset = 0
+        self.loss_fn = loss_fn
+        self.checkpointable_layers = checkpointable_layers
+        self.seed_layers = seed_layers
+        self.seed_fn = seed_fn
+        self.base_seed = base_seed
+        self.dynamic_shape = dynamic_shape
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpoint_parallel_write_pipeline = False  # DeepSpeed's engine sets it from the config
+
+        # Ranks and groups: the grid's topology over the whole world.
+        if topology is None:
+            world = _world_size()
+            if world % num_stages:
+                raise RuntimeError(f"PipelineModule: num_stages={num_stages} does not divide the world size "
+                                   f"{world}; choose num_stages among the divisors of {world}")
+            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        self._topo = topology
+        self.num_stages = topology.get_dim("pipe")
+        self._grid = PipelineParallelGrid(topology=topology)
+        self.global_rank = self._grid.get_global_rank()
+        self.world_size = self._grid.world_size
+        self.stage_id = self._grid.get_stage_id()
+        from zerotrain.comm import get_local_rank
+
+        self.local_rank = get_local_rank()
+        self._log(f"SEED_LAYERS={self.seed_layers} BASE_SEED={self.base_seed} "
+                  f"SEED_FN={getattr(self.seed_fn, '__name__', None)}")
+
+        self._num_layers = len(self._layer_specs)
+        self._local_start = 0
+        self._local_stop = None
+        self._partition_layers(method=partition_method)
+
+        self.forward_funcs = []
+        self.fwd_map = {}
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs = {}
+        self._checkpointable_cache = (None, [])  # (interval, one bool per block)
+        self._build()
+        from zerotrain.accelerator import get_accelerator
+
+        self.to(get_accelerator().device_name(self.local_rank))
+        self.tied_comms = self._index_tied_modules()
+        self._synchronize_tied_weights()
+
+    # -- checks (before any process group exists, so every rank fails alike) ------------------
+    def _validate(self, num_stages, topology, method, interval, checkpointable_layers) -> None:
+        if num_stages is None and topology is None:
+            raise RuntimeError("PipelineModule: must provide num_stages or topology, e.g. "
+                               "PipelineModule(layers, num_stages=2)")
+        if topology is not None:
+            if "pipe" not in topology.get_axis_names():
+                raise ValueError(f"PipelineModule: the topology's axes {topology.get_axis_names()} have no "
+                                 "'pipe' axis; use PipeDataParallelTopology(num_pp, num_dp)")
+            if num_stages is not None and num_stages != topology.get_dim("pipe"):
+                raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology has "
+                                 f"{topology.get_dim('pipe')} pipe stages; pass one of the two")
+        elif not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+            raise ValueError(f"PipelineModule: num_stages must be a positive int, got {num_stages!r}")
+        for idx, layer in enumerate(self._layer_specs):
+            if isinstance(layer, PipelineModule):
+                raise NotImplementedError(
+                    f"PipelineModule: layer {idx} is a PipelineModule; nesting them is not supported "
+                    "(RECURSIVE BUILD NOT YET IMPLEMENTED): pass its layers in the outer list instead")
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise TypeError(f"PipelineModule: layer {idx} ({layer!r}) is not an nn.Module, a LayerSpec "
+                                "or a callable; wrap it in one of these")
+        if not isinstance(method, str) or not (
+                method.lower() in ("parameters", "uniform", "profile") or method.lower().startswith("type:")):
+            raise NotImplementedError(f"PipelineModule: partition_method={method!r} is not implemented; "
+                                      f"use one of {', '.join(PARTITION_METHODS)}")
+        if method.lower() == "profile":
+            raise NotImplementedError("PipelineModule: partition_method='profile' is not implemented (as in "
+                                      "DeepSpeed); use 'parameters', 'uniform' or 'type:<regex>'")
+        if not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+            raise TypeError("PipelineModule: checkpointable_layers must be a list of class names, got "
+                            f"{type(checkpointable_layers).__name__}")
+
+    def _log(self, message: str) -> None:
+        # Once per job: the topology's first rank (every coordinate 0).
+        if not any(self._grid.topology_.coord):
+            from zerotrain.log import logger
+
+            logger.info(message)
+
+    # -- partitioning ------------------------------------------------------------------------
+    def _count_layer_params(self) -> list[int]:
+        """Trainable parameters per layer; builds each ``LayerSpec`` once (DeepSpeed does, on
+        every rank, which also draws from the random generators as DeepSpeed's build does)."""
+        counts = [0] * len(self._layer_specs)
+        for idx, layer in enumerate(self._layer_specs):
+            if isinstance(layer, LayerSpec):
+                layer = layer.build()
+            if isinstance(layer, nn.Module):
+                counts[idx] = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        return counts
+
+    def _find_layer_type(self, pattern: str) -> list[int]:
+        regex = re.compile(pattern, re.IGNORECASE)
+        found = [idx for idx, layer in enumerate(self._layer_specs)
+                 if (isinstance(layer, (LayerSpec, nn.Module)) or hasattr(layer, "__name__"))
+                 and regex.search(layer_name(layer))]
+        if not found:
+            names = sorted({layer_name(layer) for layer in self._layer_specs})
+            raise RuntimeError(f"PipelineModule: partition_method 'type:{pattern}' matches no layer class "
+                               f"(classes: {', '.join(names)}); change the regex")
+        return found
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        stages = self.num_stages
+        self._log(f"Partitioning pipeline stages with method {method}")
+        method = method.lower()
+        if method == "uniform":
+            self.parts = partition_uniform(num_items=len(self._layer_specs), num_parts=stages)
+        elif method == "parameters":
+            self.parts = partition_balanced(weights=self._count_layer_params(), num_parts=stages)
+        else:  # "type:<regex>" (_validate refused the rest)
+            weights = [0] * len(self._layer_specs)
+            for idx in self._find_layer_type(method.split(":", 1)[1]):
+                weights[idx] = 1
+            self.parts = partition_balanced(weights=weights, num_parts=stages)
+        for stage in range(stages):
+            start, stop = self.parts[stage], self.parts[stage + 1]
+            lines = [f"stage={stage} layers={stop - start}"]
+            lines += [f"    {idx:2d}: {layer_name(self._layer_specs[idx])}" for idx in range(start, stop)]
+            self._log("\n".join(lines))
+        if self.loss_fn is not None:
+            self._log(f"  loss: {getattr(self.loss_fn, '__name__', self.loss_fn.__class__.__name__)}")
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def _set_bounds(self, start=None, stop=None) -> None:
+        """This stage's layers: ``self._layer_specs[start:stop]``."""
+        self._local_start = start
+        self._local_stop = stop
+
+    def partitions(self) -> list[int]:
+        return self.parts
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The stage holding global layer ``layer_idx``."""
+        if not 0 <= layer_idx < self._num_layers:
+            raise IndexError(f"stage_owner: layer {layer_idx} is outside 0..{self._num_layers - 1}")
+        for stage in range(self.num_stages):
+            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
+                return stage
+        raise RuntimeError(f"Layer {layer_idx} not owned? parts={self.parts}")
+
+    # -- building ----------------------------------------------------------------------------
+    def _seed(self, seed: int) -> None:
+        (self.seed_fn or set_random_seed)(seed)
+
+    def _build(self) -> None:
+        for local_idx, layer in enumerate(self._layer_specs[self._local_start:self._local_stop]):
+            layer_idx = local_idx + self._local_start
+            if self.seed_layers:
+                self._seed(self.base_seed + layer_idx)
+            if isinstance(layer, nn.Module):
+                self._add_layer(layer_idx, layer)
+            elif isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+            elif isinstance(layer, LayerSpec):
+                self._add_layer(layer_idx, layer.build())
+            else:  # a function: no state, called in forward
+                self.forward_funcs.append(layer)
+        # Every pipeline parameter starts as this stage's own (not a replica): the 16-bit
+        # optimizers and the gradient norm count it; tied replicas are marked in tied.py.
+        for p in self.parameters():
+            p.ds_pipe_replicated = False
+
+    def _add_layer(self, layer_idx: int, module: nn.Module) -> None:
+        name = str(layer_idx)
+        self.forward_funcs.append(module)
+        self.fwd_map[name] = len(self.forward_funcs) - 1
+        self.add_module(name, module)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _is_checkpointable(self, funcs) -> bool:
+        if self.activation_checkpoint_func is not non_reentrant_checkpoint and self.__class__.__name__ in _GPT_PIPES:
+            # Megatron's GPT pipes: the transformer layers (not the embedding, whose input needs
+            # no grad, which only the non-reentrant checkpoint handles).
+            return all("ParallelTransformerLayerPipe" in f.__class__.__name__
+                       or (self.checkpointable_layers is not None
+                           and f.__class__.__name__ in self.checkpointable_layers) for f in funcs)
+        if self.checkpointable_layers is not None:
+            return all(f.__class__.__name__ in self.checkpointable_layers for f in funcs)
+        return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
+
+    def _checkpointable_blocks(self) -> list[bool]:
+        interval = self.activation_checkpoint_interval
+        if self._checkpointable_cache[0] != interval:
+            n = len(self.forward_funcs)
+            blocks = [self._is_checkpointable(self.forward_funcs[s:min(s + interval, n)])
+                      for s in range(0, n, interval)]
+            self._checkpointable_cache = (interval, blocks)
+        return self._checkpointable_cache[1]
+
+    def _range_func(self, start: int, end: int, micro_offset: int):
+        """Run local layers ``start:end`` (DeepSpeed's ``exec_range_func``): one argument
+        passes through as is, several arrive as a tuple (a checkpoint unpacks tuples)."""
+
+        def run(*inputs):
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for idx, layer in enumerate(self.forward_funcs[start:end]):
+                self.curr_layer = start + idx + self._local_start
+                if self.seed_layers:
+                    self._seed(self.base_seed * micro_offset + self.curr_layer)
+                x = layer(x)
+            return x
+
+        return run
+
+    def forward(self, forward_input):
+        # The micro-batch's seed offset, captured now so a checkpoint's recomputation reseeds alike.
+        self.micro_offset += 1
+        offset = self.micro_offset + 1
+        n = len(self.forward_funcs)
+        interval = self.activation_checkpoint_interval
+        if interval == 0:
+            return self._range_func(0, n, offset)(forward_input)
+        x = forward_input
+        for start, checkpointable in zip(range(0, n, interval), self._checkpointable_blocks()):
+            end = min(start + interval, n)
+            args = x if isinstance(x, tuple) else (x,)
+            run = self._range_func(start, end, offset)
+            x = self.activation_checkpoint_func(run, *args) if checkpointable else run(*args)
+        return x
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        if not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval: interval must be an int >= 0, got {interval!r}")
+        self.activation_checkpoint_interval = interval
+
+    # -- DeepSpeed's accessors ---------------------------------------------------------------
+    def topology(self):
+        """The ``ProcessTopology`` of the job."""
+        return self._topo
+
+    def mpu(self) -> PipelineParallelGrid:
+        return self._grid
+
+    def num_pipeline_stages(self) -> int:
+        return self._topo.get_dim("pipe")
+
+    def get_additional_losses(self):
+        """Model-specific losses to report, ``{"name": value}``, or None (DeepSpeed's hook)."""
+        return None
+
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` each local layer (modules in place, functions replaced)."""
+        for idx, layer in enumerate(self.forward_funcs):
+            if isinstance(layer, nn.Module):
+                layer.compile(*args, **kwargs)
+            else:
+                self.forward_funcs[idx] = torch.compile(layer, *args, **kwargs)
