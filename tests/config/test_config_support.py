@@ -72,7 +72,6 @@ UNSUPPORTED = [
     ({"prescale_gradients": True}, "prescale_gradients=True"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0"),
     ({"amp": {"enabled": True}}, "amp="),
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline="),
     ({"elasticity": {"enabled": True}}, "elasticity="),
     ({"autotuning": {"enabled": True}}, "autotuning="),
     ({"compression_training": {"weight_quantization": {}}}, "compression_training="),

@@ -131,12 +131,16 @@ def iter_leaves(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[s
         yield path, node
 
 
+# Keys whose own value "auto" is a setting, not a placeholder (DeepSpeed's default).
+_AUTO_ALLOWED = {("pipeline", "stages")}
+
+
 def auto_keys(data: dict[str, Any]) -> list[str]:
     """Dotted keys whose value is still "auto" (sections zerotrain does not implement and unknown
     top-level keys, which validation drops or rejects, are skipped)."""
     skipped = set(FOREIGN_SECTIONS) | set(unknown_top_level_keys(data))
     return [".".join(path) for path, value in iter_leaves(data)
-            if value == "auto" and path and path[0] not in skipped]
+            if value == "auto" and path and path[0] not in skipped and path not in _AUTO_ALLOWED]
 
 
 def _reject_auto(data: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from .errors import UnknownConfigKeyWarning
 from .fields import (BatchSize, FiniteFloat, Float, GradAccum, Int, LowerStr, NonNegInt, PosInt, Section, known_keys,
                      lower, reject_both_spellings, steps_or_never)
 from .ranges import MAX_LOSS_SCALE, MAX_SCALE_POWER, in_range, optimizer_param_problems, scheduler_param_problems
+from .pipeline import PipelineConfig
 from .zero import ZeroConfig, legacy_zero_section
 
 
@@ -163,7 +164,7 @@ class CheckpointConfig(Section):
 
 #: DeepSpeed top-level sections zerotrain accepts but does not implement (see support.py).
 FOREIGN_SECTIONS = (
-    "amp", "pipeline", "elasticity", "autotuning", "compression_training", "data_efficiency",
+    "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
     "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
     "progressive_layer_drop", "sparse_attention", "comet", "torch_autocast", "data_types",
     "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
@@ -174,7 +175,6 @@ class _UnimplementedKeys(Section):
     """DeepSpeed keys that parse but are not implemented; check_supported rejects them when active."""
 
     amp: Any = None
-    pipeline: Any = None
     elasticity: Any = None
     autotuning: Any = None
     compression_training: Any = None
@@ -242,6 +242,8 @@ class ZeroTrainConfig(_UnimplementedKeys):
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # Read by the pipeline engine only (a PipelineModule); docs/pipeline.md.
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     # zerotrain only: unknown top-level keys are errors instead of warnings (ZEROTRAIN_STRICT_CONFIG=1 too).
     strict: bool = False
     # zerotrain only (zerotrain.memory_release): "eager" hands freed memory back to the OS several

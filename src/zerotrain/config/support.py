@@ -160,7 +160,6 @@ PENDING: tuple[Pending, ...] = (
             "expert parallelism"),
     Pending("log_level", lambda c: c.log_level is not None, "config-driven log level"),
     _foreign("amp", "apex AMP (not planned: use bf16 or fp16)"),
-    _foreign("pipeline", "pipeline parallelism"),
     _foreign("elasticity", "elastic training"),
     _foreign("autotuning", "autotuning"),
     _foreign("compression_training", "compression training"),

@@ -58,7 +58,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         args = None
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = build_topology(data_parallel_group, mpu)
+    pipeline = _is_pipeline_module(model)
+    if pipeline:
+        topology = _pipeline_topology(model, mpu, data_parallel_group)
+    else:
+        topology = build_topology(data_parallel_group, mpu)
     set_current(topology)  # what DeepSpeed's global getters (zerotrain.utils.groups) answer from
     group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
     cfg = load_config(config, args=args, world_size=dp_world)
@@ -79,14 +83,46 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     opt = _build_optimizer(optimizer, cfg, params)
     sched = _build_scheduler(lr_scheduler, cfg, opt)
     loader = None
-    if training_data is not None:
+    # A pipeline's data is read by its first and last stage only.
+    reads_data = not pipeline or topology.rank("pipe") in (0, topology.size("pipe") - 1)
+    if training_data is not None and reads_data:
         loader = DistributedDataLoader(
             training_data, batch_size=cfg.train_micro_batch_size_per_gpu, rank=dp_rank,
             world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
             pin_memory=device.type == "cuda")
-    engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
-                             training_dataloader=loader, topology=topology)
+    if pipeline:
+        from zerotrain.pipeline.engine import PipelineEngine
+
+        engine = PipelineEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
+                                training_dataloader=loader, topology=topology)
+    else:
+        engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
+                                 training_dataloader=loader, topology=topology)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_pipeline_module(model) -> bool:
+    from zerotrain.pipeline import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def _pipeline_topology(model, mpu, group) -> Topology:
+    """A ``PipelineModule`` brings its own grid (DeepSpeed: ``mpu`` must be None)."""
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...) with a PipelineModule: the module's own grid (model.mpu()) "
+                         "is used; pass mpu=None")
+    topology = model.mpu().topology_
+    if group is not None and dist_group_ranks(group) != sorted(topology.axis_ranks("data")):
+        raise ValueError("initialize(data_parallel_group=...) with a PipelineModule: the data group comes "
+                         "from the module's grid; leave data_parallel_group unset")
+    return topology
+
+
+def dist_group_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return sorted(dist.get_process_group_ranks(group))
 
 
 def build_topology(group, mpu) -> Topology:
@@ -115,9 +151,9 @@ def build_topology(group, mpu) -> Topology:
     if topology is None:
         return Topology.from_group(mpu_group)
     if topology.size("pipe") > 1:
-        raise NotImplementedError(f"initialize(mpu=PipelineParallelGrid): {topology.describe()}: an engine over "
-                                  "a pipe axis above 1 is not supported yet; use num_pp=1 (a model axis "
-                                  "holding your own split of the model works: num_mp)")
+        raise NotImplementedError(f"initialize(mpu=PipelineParallelGrid): {topology.describe()}: a pipe axis "
+                                  "above 1 needs the model to be a zerotrain.pipe.PipelineModule (pass it as "
+                                  "model= with mpu=None); otherwise use num_pp=1")
     # A model axis: each model rank holds its own parameters (the user's split of the model);
     # ZeRO shards and reduces them over the data group, and the gradient norm and the overflow
     # decision sum over the model ranks too (Topology.distinct_group).

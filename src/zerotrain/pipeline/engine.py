@@ -1,0 +1,241 @@
+"""``PipelineEngine``: DeepSpeed's pipeline engine (``train_batch``/``eval_batch``) on torch's
+``torch.distributed.pipelining`` schedules, with ZeRO stages 0-2 over each stage's data replicas.
+
+One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps`` micro-batches:
+
+1. the first and last stage pull the micro-batches (``next(data_iter)`` that many times);
+2. torch's schedule (``zerotrain.pipeline.schedule``) runs them; the last stage scales each loss
+   once (1/M, times the fp16 loss scale). Gradients accumulate locally: the stage object's
+   backward is open with reduction deferred (``no_sync``) for the whole schedule;
+3. tied gradients are summed over their tied groups (``allreduce_tied_weight_gradients``);
+4. one boundary pass reduces every gradient bucket over the data group (ZeRO 0/1: all-reduce or
+   reduce-scatter, ZeRO 2: reduce-scatter into the shards);
+5. the engine's usual step: the gradient norm and the overflow decision over every stage
+   (the stage object's ``norm_group``), clipping, the optimizer, the LR scheduler, counters and
+   monitors;
+6. the mean loss over the micro-batches, averaged over the data group, broadcast to every stage.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from zerotrain.comm import collectives
+from zerotrain.engine.data import RepeatingLoader
+from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
+from zerotrain.engine.timers import STEP
+from zerotrain.pipeline.schedule import StageRunner
+
+_ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
+
+
+def _pipeline_error(message: str) -> Exception:
+    from zerotrain.pipeline import PipelineError
+
+    return PipelineError(message)
+
+
+def check_pipeline_config(config) -> None:
+    """What the pipeline engine refuses, before anything is built (one line each)."""
+    zero = config.zero_optimization
+    if zero.stage >= 3:
+        raise NotImplementedError(f"zero_optimization.stage={zero.stage} with a PipelineModule: ZeRO-3 is not "
+                                  "supported with pipeline parallelism yet; use stage 0, 1 or 2")
+    if zero.stage > 0 and not zero.ignore_unused_parameters:
+        raise NotImplementedError("zero_optimization.ignore_unused_parameters=false with a PipelineModule is "
+                                  "not supported (the pipeline reduces once per batch); set it to true")
+
+
+class PipelineEngine(ZeroTrainEngine):
+    """The engine ``zerotrain.initialize`` returns for a ``PipelineModule``: train with
+    ``train_batch()``, evaluate with ``eval_batch()``; ``forward``/``backward``/``step`` raise."""
+
+    def __init__(self, module, config, optimizer=None, lr_scheduler=None, training_dataloader=None,
+                 topology=None):
+        check_pipeline_config(config)
+        super().__init__(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         training_dataloader=None, topology=topology)
+        self.grid = module.mpu()
+        self.stage_id = self.topology.rank("pipe")
+        self.num_stages = self.topology.size("pipe")
+        self.micro_batches = config.gradient_accumulation_steps
+        self.micro_batch_size = config.train_micro_batch_size_per_gpu
+        pipe = config.pipeline
+        _apply_checkpoint_settings(module, pipe)
+        cast = None
+        if self.precision.auto_cast:
+            cast = functools.partial(_cast_floats, dtype=self.precision.param_dtype)
+        self._runner = StageRunner(module, self.stage_id, self.num_stages, self.device,
+                                   self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast)
+        self.data_iterator = None
+        self.batch_fn = None
+        self.total_loss = None
+        self.agg_train_loss = None
+        self.dp_group_loss = None
+        if training_dataloader is not None:
+            self.training_dataloader = training_dataloader
+            self.set_dataiterator(iter(RepeatingLoader(training_dataloader)))
+
+    # -- who is who ----------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def _reads_data(self) -> bool:
+        return self.is_first_stage() or self.is_last_stage()
+
+    # -- data ----------------------------------------------------------------------------
+    def set_dataiterator(self, iterator) -> None:
+        """The iterator ``train_batch()`` pulls from (kept on the first and last stage only)."""
+        if self._reads_data():
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        if self._reads_data():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """Post-process every batch pulled (``fn(batch) -> (inputs, labels)``)."""
+        self.batch_fn = fn
+
+    def _pull(self, n: int, iterator) -> tuple[list, list]:
+        if not self._reads_data():
+            return [], []
+        if iterator is None:
+            raise ValueError("train_batch()/eval_batch(): no data on the first/last pipeline stage; pass "
+                             "data_iter=, call set_dataiterator(), or give initialize(training_data=...)")
+        inputs, labels = [], []
+        for _ in range(n):
+            batch = next(iterator)
+            if self.batch_fn is not None:
+                batch = self.batch_fn(batch)
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise ValueError("a pipeline batch must be (inputs, labels): the first stage reads inputs, "
+                                 f"the last labels; got {type(batch).__name__}")
+            inputs.append(self._to_device(batch[0]) if self.is_first_stage() else None)
+            labels.append(self._to_device(batch[1]) if self.is_last_stage() else None)
+        return inputs, labels
+
+    def _to_device(self, tree):
+        from torch.utils._pytree import tree_map
+
+        return tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, tree)
+
+    # -- training ------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
+        mean loss (averaged over the data-parallel replicas) on every stage."""
+        if not torch.is_grad_enabled():
+            raise _pipeline_error("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        m = self.micro_batches
+        inputs, labels = self._pull(m, self.data_iterator)
+        factor = self.loss_scaler.loss_scale / m
+        self._zero.begin_backward(False, True)  # accumulate locally for the whole schedule
+        try:
+            losses, _ = self._runner.run(inputs, labels, m, train=True, factor=factor)
+        except BaseException:
+            self._zero.abort_backward()
+            raise
+        self._zero.end_backward()
+        self.module.allreduce_tied_weight_gradients()
+        self._reduce_gradients()
+        self.micro_steps += m
+        self._timers.start(STEP)
+        self._take_model_step(None)
+        self._timers.stop(STEP)
+        loss = self._aggregate_loss(losses)
+        self.total_loss = self.agg_train_loss = loss
+        self._window_losses.append(loss)
+        self._log_step()
+        return loss
+
+    def _reduce_gradients(self) -> None:
+        """The batch's one reduction over the data group: a boundary pass that computes no
+        gradient launches every bucket's collective and waits for it."""
+        self._zero.begin_backward(True, False)
+        self._zero.end_backward()
+
+    def _aggregate_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean over micro-batches on the last stage, averaged over the data group there
+        (``dp_group_loss`` before the average), then broadcast over the pipe group."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and losses:
+            loss = torch.stack([l.float() for l in losses]).mean()
+            self.dp_group_loss = loss.clone()
+            if self.dp_world_size > 1:
+                collectives.all_reduce(loss, group=self.data_parallel_group)
+                loss /= self.dp_world_size
+        if self.num_stages > 1:
+            src = self.grid.stage_to_global(self.num_stages - 1)
+            collectives.broadcast(loss, src=src, group=self.topology.group("pipe"))
+        return loss
+
+    # -- evaluation ----------------------------------------------------------------------
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):
+        """Forward only over ``num_micro_batches`` (default: gradient_accumulation_steps)
+        micro-batches pulled from ``data_iter``. Returns the loss averaged over micro-batches and
+        the data group (``reduce_output="avg"``; None: the per-micro-batch list, last stage),
+        broadcast to every stage with ``bcast_loss``; ``return_logits=True`` returns
+        ``(loss, outputs)`` with the last micro-batch's outputs on the last stage (None elsewhere)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        n = num_micro_batches or self.micro_batches
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            inputs, labels = self._pull(n, data_iter if self._reads_data() else None)
+            with torch.no_grad():
+                losses, outputs = self._runner.run(inputs, labels, n, train=False,
+                                                   compute_loss=compute_loss)
+        finally:
+            self.module.train(was_training)
+        values = losses if compute_loss else outputs
+        result = None
+        if self.is_last_stage():
+            result = values
+            if reduce_output == "avg" and values and all(torch.is_tensor(v) for v in values):
+                result = torch.stack([v.float() for v in values]).mean(0)
+                if self.dp_world_size > 1:
+                    collectives.all_reduce(result, group=self.data_parallel_group)
+                    result /= self.dp_world_size
+        if compute_loss and bcast_loss and reduce_output == "avg" and self.num_stages > 1:
+            result = result if result is not None else torch.zeros((), device=self.device)
+            src = self.grid.stage_to_global(self.num_stages - 1)
+            collectives.broadcast(result, src=src, group=self.topology.group("pipe"))
+        if return_logits:
+            return result, (outputs[-1] if outputs else None)
+        return result
+
+    # -- disabled ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise _pipeline_error(_ONLY_TRAIN_BATCH)
+
+    def backward(self, *args, **kwargs):
+        raise _pipeline_error(_ONLY_TRAIN_BATCH)
+
+    def step(self, *args, **kwargs):
+        raise _pipeline_error(_ONLY_TRAIN_BATCH)
+
+
+def _apply_checkpoint_settings(module, pipe) -> None:
+    """DeepSpeed's engine overrides the module's activation checkpoint interval (when > 0) and,
+    with ``use_reentrant: false``, its checkpoint function."""
+    if pipe.activation_checkpoint_interval > 0:
+        module.activation_checkpoint_interval = pipe.activation_checkpoint_interval
+    if not pipe.use_reentrant and hasattr(module, "activation_checkpoint_func"):
+        from torch.utils.checkpoint import checkpoint
+
+        module.activation_checkpoint_func = functools.partial(checkpoint, use_reentrant=False)

@@ -1,0 +1,148 @@
+"""The adapter between the pipeline engine and ``torch.distributed.pipelining``.
+
+torch owns the schedule, the point-to-point transfers and the per-stage backward; this module only
+hands it what DeepSpeed's API gives the engine: a list of micro-batches pulled on the first and
+last stage, the module's ``loss_fn`` and the gradient scale.
+
+- The stage's module is wrapped (``_StageModule``) so torch calls it with one tensor per input:
+  on the first stage that tensor is the micro-batch's index and the wrapper looks the micro-batch
+  up (any structure, any size per micro-batch, no copy into one batch); later stages get the
+  activations torch received.
+- The last stage's target is the micro-batch index too: ``_LossFunction`` looks the labels up,
+  computes ``loss_fn(outputs, labels)`` (the outputs themselves with ``loss_fn=None``), records
+  the unscaled loss and returns it scaled once, there: divided by the number of micro-batches and
+  multiplied by the fp16 loss scale (DeepSpeed's fix #8154). Schedules are built with
+  ``scale_grads=False`` so torch scales nothing again.
+- One schedule per (kind, number of micro-batches), built on first use and reused; torch infers
+  the shapes of what crosses stages at its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+# The schedules offered (tested against single-process training; docs/pipeline.md).
+SCHEDULES = ("1f1b", "gpipe")
+DEFAULT_SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is synchronous 1F1B
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
+
+
+def check_torch_supports_pipelining() -> None:
+    """torch.distributed.pipelining with working gloo point-to-point needs torch >= 2.8."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if version < (2, 8):
+        raise RuntimeError(f"pipeline parallelism needs torch >= 2.8 (torch.distributed.pipelining on "
+                           f"gloo); this is torch {torch.__version__}: upgrade torch")
+
+
+class _StageModule(nn.Module):
+    """What torch's ``PipelineStage`` runs: the stage's layers, called DeepSpeed's way."""
+
+    def __init__(self, module: nn.Module, runner: "StageRunner"):
+        super().__init__()
+        self.module = module
+        self._runner = runner  # not an nn.Module: a plain attribute
+
+    def forward(self, *args):
+        if self._runner.is_first:
+            inputs = self._runner.micro_input(args[0])
+        else:
+            inputs = args[0] if len(args) == 1 else tuple(args)
+        return self.module(inputs)
+
+
+class StageRunner:
+    """Runs one pipeline stage's share of a batch through a torch schedule.
+
+    ``module``: the ``PipelineModule`` (this stage's layers); ``stage_id``/``num_stages``;
+    ``group``: the pipe group (its rank i is stage i); ``cast_inputs``: applied to the first
+    stage's micro-batch inputs (the engine's auto-cast)."""
+
+    def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
+                 group, schedule: str = DEFAULT_SCHEDULE,
+                 cast_inputs: Callable[[Any], Any] | None = None):
+        from torch.distributed.pipelining import PipelineStage
+
+        check_torch_supports_pipelining()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
+        self.module = module
+        self.stage_id, self.num_stages = stage_id, num_stages
+        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
+        self.device = device
+        self.schedule_name = schedule
+        self._cast = cast_inputs
+        self._wrapper = _StageModule(module, self)
+        self.stage = PipelineStage(self._wrapper, stage_id, num_stages, device, group=group)
+        self._schedules: dict[int, Any] = {}
+        self._inputs: Sequence[Any] = ()
+        self._labels: Sequence[Any] = ()
+        self._losses: dict[int, torch.Tensor] = {}
+        self._factor = 1.0
+        self._compute_loss = True
+
+    # -- what the wrapper and the loss look up --------------------------------------------
+    def micro_input(self, index: torch.Tensor):
+        inputs = self._inputs[int(index.reshape(-1)[0])]
+        return self._cast(inputs) if self._cast is not None else inputs
+
+    def _loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        i = int(target.reshape(-1)[0])
+        if not self._compute_loss:
+            return output.sum() * 0 if torch.is_tensor(output) else torch.zeros((), device=self.device)
+        loss_fn = getattr(self.module, "loss_fn", None)
+        loss = loss_fn(output, self._labels[i]) if loss_fn is not None else output
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("the pipeline's loss must be a scalar tensor: loss_fn(outputs, labels) "
+                             "(or, with loss_fn=None, the last stage's output) returned "
+                             f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
+        # Metadata inference calls this once before the micro-batches: by index, the real call wins.
+        self._losses[i] = loss.detach()
+        return loss if self._factor == 1.0 else loss.float() * self._factor
+
+    def _schedule(self, n: int):
+        if n not in self._schedules:
+            cls = _schedule_class(self.schedule_name)
+            try:
+                self._schedules[n] = cls(self.stage, n, loss_fn=self._loss, scale_grads=False)
+            except ValueError as error:  # 1F1B: fewer micro-batches than stages
+                raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
+                                 f"{self.num_stages} stages: {error} Raise gradient_accumulation_steps "
+                                 "(the number of micro-batches) or use \"pipeline\": {\"schedule\": "
+                                 "\"gpipe\"}") from None
+        return self._schedules[n]
+
+    # -- running a batch ------------------------------------------------------------------
+    def run(self, inputs: Sequence[Any], labels: Sequence[Any], n: int, train: bool,
+            factor: float = 1.0, compute_loss: bool = True) -> tuple[list[torch.Tensor], list[Any]]:
+        """Run ``n`` micro-batches (``inputs`` on the first stage, ``labels`` on the last; other
+        stages pass empty lists). ``train``: forward and backward (gradients accumulate into
+        ``.grad``), else forward only. Returns the last stage's unscaled losses per micro-batch
+        and its outputs per micro-batch (empty lists elsewhere)."""
+        self._inputs, self._labels, self._losses = inputs, labels, {}
+        self._factor, self._compute_loss = (factor if train else 1.0), compute_loss
+        schedule = self._schedule(n)
+        index = torch.arange(n, device=self.device)
+        args = (index,) if self.is_first else ()
+        target = index if self.is_last else None
+        losses: list | None = [] if self.is_last else None
+        try:
+            if train:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, losses=losses)
+            outputs = list(self.stage.output_chunks) if self.is_last else []
+        finally:
+            self._inputs, self._labels = (), ()
+            self.stage.output_chunks = []
+        recorded = [self._losses[i] for i in range(n)] if self.is_last and compute_loss else []
+        self._losses = {}
+        return recorded, outputs
