@@ -138,6 +138,10 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
             if "pipe" not in topology.get_axis_names():
                 raise ValueError(f"PipelineModule: the topology's axes {topology.get_axis_names()} have no "
                                  "'pipe' axis; use PipeDataParallelTopology(num_pp, num_dp)")
+            if topology.world_size() != _world_size():
+                raise ValueError(f"PipelineModule: the topology has {topology.world_size()} ranks but the world "
+                                 f"has {_world_size()}; make the product of its dims the world size (call "
+                                 "zerotrain.init_distributed() first on every rank)")
             if num_stages is not None and num_stages != topology.get_dim("pipe"):
                 raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology has "
                                  f"{topology.get_dim('pipe')} pipe stages; pass one of the two")
