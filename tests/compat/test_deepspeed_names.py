@@ -40,6 +40,8 @@ runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live
 utils.set_z3_leaf_modules utils.unset_z3_leaf_modules utils.get_z3_leaf_modules utils.z3_leaf_module
 runtime.pipe.ProcessTopology runtime.pipe.topology.ProcessTopology runtime.pipe.topology.PipeDataParallelTopology
 runtime.pipe.topology.PipeModelDataParallelTopology runtime.pipe.topology.PipelineParallelGrid
+runtime.pipe.module.PipelineModule runtime.pipe.module.LayerSpec runtime.pipe.module.TiedLayerSpec
+runtime.pipe.module.PipelineError
 utils.groups._get_data_parallel_group utils.groups._get_data_parallel_world_size utils.groups._get_data_parallel_rank
 utils.groups._create_expert_and_data_parallel utils.groups._get_expert_parallel_group
 utils.groups._get_expert_data_parallel_group utils.groups._get_max_expert_size_name
@@ -303,10 +305,17 @@ def test_expert_parameters_get_their_own_groups():
     assert groups[1]["moe"] and groups[1]["name"] == "ep_size_2" and groups[1]["lr"] == 0.1
 
 
-@exercises("PipelineModule", "pipe.PipelineModule", "pipe.LayerSpec", "pipe.TiedLayerSpec")
+@exercises("PipelineModule", "pipe.PipelineModule", "pipe.LayerSpec", "pipe.TiedLayerSpec",
+           "runtime.pipe.module.PipelineModule", "runtime.pipe.module.LayerSpec",
+           "runtime.pipe.module.TiedLayerSpec", "runtime.pipe.module.PipelineError")
 def test_pipe_specs_build_and_pipeline_module_builds_one_stage():
     import zerotrain
+    import zerotrain.runtime.pipe.module as ds_module
     from zerotrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    assert (ds_module.PipelineModule, ds_module.LayerSpec, ds_module.TiedLayerSpec) == (
+        PipelineModule, LayerSpec, TiedLayerSpec)
+    assert issubclass(ds_module.PipelineError, Exception) and ds_module.PipelineError is zerotrain.pipe.PipelineError
 
     layer = LayerSpec(torch.nn.Linear, 4, 8, bias=False).build()
     assert isinstance(layer, torch.nn.Linear) and layer.bias is None and layer.out_features == 8
