@@ -89,7 +89,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         loader = DistributedDataLoader(
             training_data, batch_size=cfg.train_micro_batch_size_per_gpu, rank=dp_rank,
             world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-            pin_memory=device.type == "cuda")
+            pin_memory=device.type == "cuda", shuffle=not pipeline)  # DeepSpeed's pipeline: in order
     if pipeline:
         from zerotrain.pipeline.engine import PipelineEngine
 
