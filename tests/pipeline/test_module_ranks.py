@@ -163,9 +163,33 @@ def _two_ranks(save_dir):
     uniform = PipelineModule(_specs(), num_stages=2, partition_method="uniform")
     assert uniform.parts == [0, 4, 7]
 
+    # a tied module whose lowest stage runs it only through forward_fn (no file of its own there):
+    # that stage loads it from the other occurrence's file before the broadcast
+    fn_first = [TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH, forward_fn=_twice), LayerSpec(nn.Linear, WIDTH, WIDTH),
+                TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH)]
+    written = PipelineModule(fn_first, num_stages=2, partition_method="uniform")
+    assert written.parts == [0, 2, 3]
+    with torch.no_grad():
+        for p in written.tied_modules["embed"].parameters():
+            p.fill_(0.125)
+    written.save_state_dict(os.path.join(save_dir, "fn_first"))
+    dist.barrier()
+    loaded = PipelineModule(fn_first, num_stages=2, partition_method="uniform")
+    loaded.load_state_dir(os.path.join(save_dir, "fn_first"))
+    assert all(torch.equal(p, torch.full_like(p, 0.125)) for p in loaded.tied_modules["embed"].parameters())
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(os.path.join(save_dir, "fn_first"))
+
     module.save_state_dict(save_dir)
     dist.barrier()
     return sorted(os.listdir(save_dir))
+
+
+def _twice(linear, x):
+    return linear(linear(x))
 
 
 def _named_reference_params(reference) -> dict[str, torch.Tensor]:
