@@ -264,7 +264,35 @@ def _four_ranks(save_dir):
         if last is not None:
             expected = _reference_forward(_reference(_transform), _ids(20))
             assert torch.allclose(last, expected, rtol=0, atol=1e-5)
-    return sorted(os.listdir(save_dir))
+    listing = sorted(os.listdir(save_dir))
+
+    # a model axis (pipe 2 x data 1 x model 2): DeepSpeed's file names carry the model rank, and
+    # each model slice reads back its own file
+    from zerotrain.topology import PipeModelDataParallelTopology
+
+    sliced = PipelineModule(_specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+                            seed_layers=True)
+    stage, model_rank = rank // 2, rank % 2
+    assert (sliced.stage_id, sliced.mpu().get_slice_parallel_rank()) == (stage, model_rank)
+    assert sliced.ckpt_layer_path("d", 0) == os.path.join("d", f"layer_0{3 * stage}-model_0{model_rank}-model_states.pt")
+    assert sliced.ckpt_prefix("d", "t") == os.path.join("d", "t", f"module-pipe_0{stage}-model_0{model_rank}")
+    assert sliced.tied_comms["embed"]["ranks"] == [model_rank, 2 + model_rank]
+    model_dir = os.path.join(save_dir, "model_axis")
+    with torch.no_grad():
+        for p in sliced.parameters():
+            p.add_(float(model_rank))  # slices differ
+    sliced.save_state_dict(model_dir)
+    dist.barrier()
+    reloaded = PipelineModule(_specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+                              seed_layers=True, base_seed=4321)
+    reloaded.load_state_dir(model_dir)
+    for a, b in zip(sliced.state_dict().values(), reloaded.state_dict().values()):
+        assert torch.equal(a, b)
+    dist.barrier()
+    if rank == 0:
+        assert sorted(os.listdir(model_dir)) == sorted(f"layer_0{i}-model_0{m}-model_states.pt"
+                                                       for i in (0, 1, 2, 3, 5) for m in (0, 1))
+    return listing
 
 
 def test_two_stages_hold_their_layers_run_as_one_model_and_tie_the_embedding(tmp_path):
