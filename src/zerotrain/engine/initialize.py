@@ -91,7 +91,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
             world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
             pin_memory=device.type == "cuda", shuffle=not pipeline)  # DeepSpeed's pipeline: in order
     if pipeline:
-        from zerotrain.pipeline.engine import PipelineEngine
+        from zerotrain.engine.pipeline_engine import PipelineEngine
 
         engine = PipelineEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
                                 training_dataloader=loader, topology=topology)

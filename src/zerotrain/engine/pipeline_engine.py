@@ -3,6 +3,10 @@
 
 One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps`` micro-batches:
 
+It lives in the engine package (the engine knows pipelines, the pipeline package knows no engine:
+tests/test_layout.py keeps the package graph acyclic); ``zerotrain.runtime.pipe.engine`` is
+DeepSpeed's path to it.
+
 1. the first and last stage pull the micro-batches (``next(data_iter)`` that many times);
 2. torch's schedule (``zerotrain.pipeline.schedule``) runs them; the last stage scales each loss
    once (1/M, times the fp16 loss scale). Gradients accumulate locally: the stage object's
@@ -27,13 +31,12 @@ from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
 from zerotrain.engine.timers import STEP
 from zerotrain.pipeline.schedule import StageRunner
+from zerotrain.pipeline.specs import PipelineError
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 
 
 def _pipeline_error(message: str) -> Exception:
-    from zerotrain.pipeline import PipelineError
-
     return PipelineError(message)
 
 
