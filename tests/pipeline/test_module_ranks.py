@@ -157,6 +157,15 @@ def _two_ranks(save_dir):
     module.allreduce_tied_weight_gradients()
     assert torch.equal(tied.weight.grad, torch.full_like(tied.weight, 1.0))
 
+    # a LayerSpec is built only on its stage ("parameters" first builds every spec once to count)
+    _Counted.built = 0
+    counted = [LayerSpec(_Counted, 2, 2) for _ in range(5)]
+    PipelineModule(counted, num_stages=2, partition_method="uniform")
+    assert _Counted.built == (3 if rank == 0 else 2)
+    _Counted.built = 0
+    PipelineModule(counted, num_stages=2, partition_method="parameters")
+    assert _Counted.built == 5 + (3 if rank == 0 else 2)
+
     # type:<regex> balances the matching layers (Linear x2, LayerNorm)
     typed = PipelineModule(_specs(), num_stages=2, partition_method="type:linear|NORM")
     assert typed.parts == partition_balanced([0, 1, 0, 1, 0, 1, 0], 2)
@@ -186,6 +195,14 @@ def _two_ranks(save_dir):
     module.save_state_dict(save_dir)
     dist.barrier()
     return sorted(os.listdir(save_dir))
+
+
+class _Counted(nn.Linear):
+    built = 0
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        type(self).built += 1
 
 
 def _twice(linear, x):
