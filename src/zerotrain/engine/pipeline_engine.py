@@ -1,11 +1,11 @@
 """``PipelineEngine``: DeepSpeed's pipeline engine (``train_batch``/``eval_batch``) on torch's
 ``torch.distributed.pipelining`` schedules, with ZeRO stages 0-2 over each stage's data replicas.
 
-One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps`` micro-batches:
-
 It lives in the engine package (the engine knows pipelines, the pipeline package knows no engine:
 tests/test_layout.py keeps the package graph acyclic); ``zerotrain.runtime.pipe.engine`` is
 DeepSpeed's path to it.
+
+One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps`` micro-batches:
 
 1. the first and last stage pull the micro-batches (``next(data_iter)`` that many times);
 2. torch's schedule (``zerotrain.pipeline.schedule``) runs them; the last stage scales each loss
