@@ -102,7 +102,8 @@ def test_both_implementations_implement_every_abstract_member():
     abstract = StageInterface.__abstractmethods__
     assert {"stage", "begin_backward", "end_backward", "abort_backward", "grad_norm", "step",
             "zero_grad", "load_module_state", "parameter_coordinator", "sharded_state",
-            "memory_breakdown", "offload_stats", "close", "set_gradient_divide_factor"} == set(abstract)
+            "memory_breakdown", "offload_stats", "close", "set_gradient_divide_factor",
+            "accumulated_grad"} == set(abstract)
     assert interface_members() == set(abstract)
     for cls in (ReplicatedGradients, ZeroStage):
         assert issubclass(cls, StageInterface)

@@ -151,7 +151,8 @@ class PipelineEngine(ZeroTrainEngine):
             self._zero.abort_backward()
             raise
         self._zero.end_backward()
-        self.module.allreduce_tied_weight_gradients()
+        # Summed where the stage accumulates them (not .grad with fp32 accumulation of 16-bit weights).
+        self.module.allreduce_tied_weight_gradients(self._zero.accumulated_grad)
         self._reduce_gradients()
         self.micro_steps += m
         self._timers.start(STEP)

@@ -9,8 +9,9 @@ gradient norm and the 16-bit optimizers count the tied weights once.
 
 - at build, and after loading: the lowest rank's weights are broadcast to the others;
 - after the last micro-batch's backward (the engine calls ``allreduce_tied_weight_gradients``
-  before its gradient reduction and step): the gradients are summed over the group, so every
-  copy takes the same step and stays equal.
+  with its ZeRO stage's ``accumulated_grad`` before its gradient reduction and step): the
+  gradients are summed over the group where the stage accumulates them (``.grad``, or the fp32
+  buffer of 16-bit weights), so every copy takes the same step and stays equal.
 
 With one stage there is nothing to tie across and no group is built.
 """
@@ -80,16 +81,25 @@ class TiedLayers:
                 with torch.no_grad():
                     zcomm.broadcast(weight.data, src=min(comm["ranks"]), group=comm["group"])
 
-    def allreduce_tied_weight_gradients(self) -> None:
+    def allreduce_tied_weight_gradients(self, grad_of=None) -> None:
         """Sum each tied weight's gradient over its tied group (a replica with no gradient takes
-        part with zeros, so the collective always matches)."""
+        part with zeros, so the collective always matches). ``grad_of(weight)``: the tensor
+        holding the weight's accumulated gradient (the engine passes its ZeRO stage's
+        ``accumulated_grad``: with fp32 accumulation of 16-bit weights it is not ``.grad``);
+        default ``weight.grad``. Weights it returns None for (frozen) are left out."""
         from zerotrain import comm as zcomm
 
         for key, comm in self.tied_comms.items():
             for _, weight in self._tied_weights(key, comm):
-                if weight.grad is None:
-                    weight.grad = torch.zeros_like(weight)
-                zcomm.all_reduce(weight.grad, group=comm["group"])
+                if grad_of is not None:
+                    grad = grad_of(weight)
+                    if grad is None:
+                        continue
+                else:
+                    if weight.grad is None:
+                        weight.grad = torch.zeros_like(weight)
+                    grad = weight.grad
+                zcomm.all_reduce(grad, group=comm["group"])
 
     def get_tied_weights_and_groups(self) -> list:
         """``[(weight, group), ...]`` for every tied weight this rank holds."""

@@ -304,6 +304,21 @@ class ZeroStage(StageInterface):
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s view of its unit's fp32/16-bit accumulation buffer (stages 0-1), or its
+        ``.grad`` (stage 2, until the window's reduction); None where it takes no gradient."""
+        if not param.requires_grad:
+            return None
+        if self.coordinator is not None:
+            raise NotImplementedError("accumulated_grad at ZeRO stage 3: parameters are partitioned and "
+                                      "their gradients reduced in every backward; use stage 0, 1 or 2")
+        for grads in (self.reduction.grads, self.outside.grads if self.outside is not None else None):
+            grad = grads.accumulated_grad(param) if grads is not None else None
+            if grad is not None:
+                return grad
+        raise ValueError(f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not one of "
+                         "this stage's; pass a parameter of the engine's module")
+
     def _check_every_parameter_used(self) -> None:
         """``ignore_unused_parameters: false``: fail where DeepSpeed does, naming the culprits."""
         unused = self.reduction.unused_names(self.trained)

@@ -212,6 +212,21 @@ class BucketedGradients:
         """In a backward that reduces (ends an accumulation window, or any at stages 2-3)."""
         return self._in_backward and self._sync
 
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The tensor ``param``'s gradient accumulates in (None: not one of these buckets'):
+        its view of the bucket's buffer (a ``.grad`` replaced since is folded in first), or,
+        in staged mode, ``param.grad`` (created as zeros where no backward reached it)."""
+        where = self._where.get(id(param))
+        if where is None:
+            return None
+        bucket, index = where
+        if bucket.views is not None:
+            bucket.adopt(index)
+            return bucket.views[index]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
     # -- after backward ------------------------------------------------------------------
     def flats(self) -> list[torch.Tensor]:
         return [b.flat for b in self.buckets if b.flat is not None]

@@ -55,6 +55,16 @@ class StageInterface(ABC):
     def abort_backward(self) -> None:
         """The backward pass raised: drop its pending reductions and hooks' state."""
 
+    @abstractmethod
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """Where ``param``'s gradient accumulates in the current accumulation window, before
+        the window's reduction over the data group: a view of the stage's gradient buffer
+        (fp32 with 16-bit parameters and ``grad_accum_dtype: fp32``, where ``param.grad`` stays
+        None), else ``param.grad`` (zeros where no backward reached it yet). Editing it in place
+        edits what the reduction reduces (the pipeline engine sums tied copies through it).
+        None for a parameter that takes no gradient; valid from the window's first backward to
+        its reducing one."""
+
     # -- step ---------------------------------------------------------------------------
     @abstractmethod
     def grad_norm(self) -> torch.Tensor:

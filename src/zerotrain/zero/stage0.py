@@ -85,6 +85,16 @@ class ReplicatedGradients(StageInterface):
     def abort_backward(self) -> None:
         self.grads.abort_backward()
 
+    def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s view of its bucket (its ``.grad``); None where it takes no gradient."""
+        if not param.requires_grad:
+            return None
+        grad = self.grads.accumulated_grad(param)
+        if grad is None:
+            raise ValueError(f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not "
+                             "one of this stage's; pass a parameter of the engine's module")
+        return grad
+
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the (already reduced, replicated) gradients over every rank holding
         distinct parameters: each replica holds the same, so only ``norm_group`` sums."""
