@@ -60,6 +60,29 @@ def state_file(rank: int) -> str:
     return f"state.rank{rank:05d}.pt"
 
 
+# A pipeline engine's checkpoint (metadata "pipeline" section) is in DeepSpeed's layout: one
+# folder for every stage, each stage's files named by its stage index (DeepSpeed's mp_rank).
+def pipe_model_file(stage: int) -> str:
+    """Stage ``stage``'s ``mp_rank_XX_model_states.pt``: DeepSpeed's keys (``module`` None,
+    counters, ``lr_scheduler``, ``ds_config``, client state) and the stage's whole parameters,
+    their optimizer state and buffers under ``zerotrain_tensors``."""
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def pipe_optim_file(rank: int, stage: int, bf16: bool = False) -> str:
+    """Data rank ``rank`` of stage ``stage``'s shard of every flat unit (``zerotrain_tensors``)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+def pipe_state_file(rank: int, stage: int) -> str:
+    """Data rank ``rank`` of stage ``stage``'s small state (as ``state_file``)."""
+    return f"state.mp_rank_{stage:02d}.rank{rank:05d}.pt"
+
+
+# The key of a pipeline checkpoint's ``.pt`` tensor files under which its flat {name: tensor} sits.
+PT_TENSORS = "zerotrain_tensors"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -228,6 +251,54 @@ class TensorFile:
             self._fd = -1
 
 
+class PickledTensorFile:
+    """The ``TensorFile`` interface over a ``torch.save`` file whose ``PT_TENSORS`` entry is a
+    flat ``{name: tensor}`` (a pipeline checkpoint's DeepSpeed-named files). Loaded with
+    ``weights_only=True`` (no class is unpickled) and memory-mapped (only the pages read count)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # noqa: BLE001 - name the file, whatever went wrong
+            raise CheckpointError(f"{path} cannot be loaded safely: {error}") from None
+        tensors = raw.get(PT_TENSORS) if isinstance(raw, dict) else None
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"{path}: no {PT_TENSORS!r} entry (not written by zerotrain)")
+        self.header = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.header
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entry(name).shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).dtype
+
+    def read(self, name: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        flat = self._entry(name).reshape(-1)
+        numel = flat.numel() - start if numel is None else numel
+        if start < 0 or start + numel > flat.numel():
+            raise CheckpointError(f"{self.path}: {name} has {flat.numel()} elements, asked for "
+                                  f"[{start}, {start + numel})")
+        return flat.narrow(0, start, numel).clone()
+
+    def _entry(self, name: str) -> torch.Tensor:
+        try:
+            return self.header[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}") from None
+
+    def close(self) -> None:
+        self.header = {}
+
+
+def open_tensor_file(path: Path):
+    """A reader of one tensor file: safetensors, or a pipeline checkpoint's ``.pt`` file."""
+    return PickledTensorFile(path) if path.suffix == ".pt" else TensorFile(path)
+
+
 def resolve_tag(load_dir, tag: str | None = None) -> tuple[Path, str]:
     """``(folder of the checkpoint, tag)``: ``tag``, else the one named in ``load_dir/latest``.
     A folder that itself holds ``metadata.json`` is taken as the checkpoint."""
@@ -316,7 +387,7 @@ class CheckpointReader:
             if expected is None:
                 raise CheckpointError(f"{path} is not listed in {METADATA}")
             self.check_file(filename)
-            self._files[filename] = TensorFile(path)
+            self._files[filename] = open_tensor_file(path)
         return self._files[filename]
 
     def check_file(self, filename: str) -> Path:
@@ -352,14 +423,16 @@ class CheckpointReader:
         name = self.canonical(name)
         kind, entry, offset, total, _ = self.sources[name]
         numel = total - start if numel is None else numel
-        if kind == "whole":
-            return self.file(MODEL_FILE).read(f"{what}/{name}", start, numel)
+        if kind == "whole":  # a pipeline checkpoint names the stage's file
+            return self.file(entry.get("file", MODEL_FILE)).read(f"{what}/{name}", start, numel)
         out, pos, end = [], offset + start, offset + start + numel
         shard = entry["shard_numel"]
+        key = unit_key(entry)
         while pos < end:  # the range may span several ranks' shards
             rank = pos // shard
             take = min(end, (rank + 1) * shard) - pos
-            out.append(self.file(shard_file(rank)).read(f"u{entry['id']}/{what}", pos - rank * shard, take))
+            filename = entry["files"][rank] if "files" in entry else shard_file(rank)
+            out.append(self.file(filename).read(f"{key}/{what}", pos - rank * shard, take))
             pos += take
         return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -370,7 +443,13 @@ class CheckpointReader:
 
     def buffer(self, name: str) -> torch.Tensor:
         entry = self.buffers[name]
-        return self.file(MODEL_FILE).read(f"buffer/{name}").view(entry["shape"])
+        return self.file(entry.get("file", MODEL_FILE)).read(f"buffer/{name}").view(entry["shape"])
+
+
+def unit_key(entry: dict) -> str:
+    """The prefix of a unit's tensors in its shard files (``u<id>``; a pipeline checkpoint's
+    units are ``s<stage>u<id>``, unique over the stages)."""
+    return entry.get("key", f"u{entry['id']}")
 
 
 def _numel(shape) -> int:

@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, state_file
+from zerotrain.checkpoint.format import (CheckpointError, CheckpointReader, pipe_state_file, state_file,
+                                         unit_key)
 from zerotrain.checkpoint.layout import (data_rank, group_of_whole, optimizer_key, parameter_names,
                                          persistent_buffers, shard_rank_of, stage_units,
                                          swapper_of, whole_parameters)
@@ -40,7 +41,9 @@ class ModuleMatch:
         excluded = set(reader.meta.get("excluded_frozen", []))
         model_names = list(first.values()) + [n for n, _ in persistent_buffers(module)[0]]
         self.missing = [n for n in model_names if n not in saved and n not in excluded]
-        self.unexpected = sorted(saved - set(model_names))
+        # A pipeline stage holds some layers: the others' names are expected elsewhere.
+        elsewhere = getattr(engine, "checkpoint_name_elsewhere", lambda name: False)
+        self.unexpected = sorted(n for n in saved - set(model_names) if not elsewhere(n))
         shapes = {n: list(shape) for n, shape in _named_parameter_shapes(engine)}
         shapes.update({n: list(b.shape) for n, b in persistent_buffers(module)[0]})
         self.mismatched = [(n, reader.shape(n), shapes[n]) for n in model_names
@@ -87,7 +90,11 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     match = ModuleMatch(reader, engine, strict)
     optimizer = engine.optimizer
     load_optimizer = load_optimizer and not module_only and optimizer is not None
-    scalars0 = _rank_state(reader, 0)["scalars"] if load_optimizer else {}
+    saved_stages = reader.meta.get("pipeline", {}).get("stages", 1)
+    scalars0 = {}
+    if load_optimizer:  # every saved stage's units (their keys are unique over the stages)
+        for stage in range(saved_stages):
+            scalars0.update(_rank_state(reader, 0, stage)["scalars"])
     if load_optimizer and reader.meta["param_groups"] != len(optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint {reader.folder} has {reader.meta['param_groups']} optimizer param groups, "
@@ -114,8 +121,10 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     if module_only:
         return {}
     rank = data_rank(engine)
-    mine = _rank_state(reader, rank)
-    main = _rank_state(reader, 0)
+    stage, stages = _stage_of(engine)
+    # This rank's own state (random streams) where the saved run had the same stage and data rank.
+    mine = _rank_state(reader, rank, stage) if stages == saved_stages else None
+    main = _rank_state(reader, 0, 0)
     if load_optimizer:
         for group, saved in zip(optimizer.param_groups, main["param_groups"]):
             group.update(saved)
@@ -125,20 +134,32 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     elif "converted_from" in reader.meta:  # DeepSpeed saves no random state
         logger.info("checkpoint %s was converted from %s, which saves no random state: rank %d "
                     "keeps its own", reader.folder, reader.meta["converted_from"]["program"], rank)
+    elif stages != saved_stages:
+        logger.warning("checkpoint %s was saved with %d pipeline stages, this engine has %d: rank %d "
+                       "of the data group of stage %d keeps its own random state", reader.folder,
+                       saved_stages, stages, rank, stage)
     else:
         logger.warning("checkpoint %s was saved on %d ranks: rank %d of the data group keeps its "
                        "own random state", reader.folder, reader.meta["world_size"], rank)
     return main["client_state"]
 
 
-def _rank_state(reader: CheckpointReader, rank: int) -> dict | None:
+def _stage_of(engine) -> tuple[int, int]:
+    """``(pipeline stage, stages)`` of ``engine``; ``(0, 1)`` for an engine without a pipeline."""
+    if getattr(engine, "is_pipeline_engine", False):
+        return engine.stage_id, engine.num_stages
+    return 0, 1
+
+
+def _rank_state(reader: CheckpointReader, rank: int, stage: int = 0) -> dict | None:
     cache = reader.__dict__.setdefault("_rank_states", {})
-    if rank not in cache:
-        name = state_file(rank)
+    if (stage, rank) not in cache:
+        pipeline = "pipeline" in reader.meta
+        name = pipe_state_file(rank, stage) if pipeline else state_file(rank)
         if name not in reader.meta["files"]:
             return None
-        cache[rank] = read_rank_state(reader, name)
-    return cache[rank]
+        cache[(stage, rank)] = read_rank_state(reader, name)
+    return cache[(stage, rank)]
 
 
 def _values(reader, name, dtype, start, numel) -> torch.Tensor:
@@ -256,7 +277,7 @@ def _saved_of(reader, name) -> list[str]:
 
 def _scalar_key(reader, name) -> str:
     kind, entry = reader.sources[reader.canonical(name)][:2]
-    return f"u{entry['id']}" if kind == "unit" else f"param/{name}"
+    return unit_key(entry) if kind == "unit" else f"param/{name}"
 
 
 def _copy_scalars(scalars: dict) -> dict:

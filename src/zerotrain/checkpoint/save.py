@@ -39,6 +39,8 @@ from zerotrain.checkpoint.format import (LATEST, MODEL_FILE, CheckpointError, en
 from zerotrain.checkpoint.layout import (data_rank, describe, first_of_group, group_of_whole,
                                          persistent_buffers, shard_writer, split_state, stage_units,
                                          unit_param, unit_training_state, whole_parameters)
+from zerotrain.checkpoint.pipeline import (annotate_stage, file_names, is_pipeline, layer_files,
+                                           merge_stages, model_states, shard_content)
 from zerotrain.checkpoint.training_state import capture_engine, capture_rng, plain
 
 logger = logging.getLogger("zerotrain")
@@ -48,22 +50,38 @@ __all__ = ["SCRIPTS", "SCRIPT_NAMES", "PendingSave", "capture", "prepare"]
 
 @dataclass
 class RankSnapshot:
-    """What one rank writes: tensor files by name, and its small state (``torch.save``).
+    """What one rank writes: tensor files by name, ``torch.save`` files by name (a pipeline
+    checkpoint's DeepSpeed-named files), and its small state (``torch.save``, ``state_name``).
     ``rank`` is the rank within the engine's data-parallel group (files are named by it)."""
 
     rank: int
     tensor_files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     state: dict = field(default_factory=dict)
+    pt_files: dict[str, dict] = field(default_factory=dict)
+    state_name: str | None = None
 
     def detached(self) -> "RankSnapshot":
         """A copy on the CPU that training can no longer change (for a background write). State
         in NVMe swap files is read into memory here: the next step rewrites those files."""
         files = {name: {k: _cpu_copy(t) for k, t in tensors.items()}
                  for name, tensors in self.tensor_files.items()}
-        return RankSnapshot(self.rank, files, plain(self.state, "state"))
+        pt_files = {name: _tree_copy(content) for name, content in self.pt_files.items()}
+        return RankSnapshot(self.rank, files, plain(self.state, "state"), pt_files, self.state_name)
+
+
+def _tree_copy(value):
+    if torch.is_tensor(value) or hasattr(value, "pieces"):
+        return _cpu_copy(value)
+    if isinstance(value, dict):
+        return {k: _tree_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree_copy(v) for v in value)
+    return value
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(t, "pieces") and not torch.is_tensor(t):  # NVMe-swapped: read it now
+        return torch.cat([p.reshape(-1) for p in t.pieces()]).view(t.shape)
     t = t.detach()
     if t.device.type == "cpu":
         return t.clone()
@@ -73,21 +91,28 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
     """References to this rank's live state (no copies)."""
     rank, optimizer = data_rank(engine), engine.optimizer
-    snap = RankSnapshot(rank)
+    names, pipeline = file_names(engine), is_pipeline(engine)
+    snap = RankSnapshot(rank, state_name=names.state(rank))
     scalars: dict[str, dict] = {}
     if shard_writer(engine):
         tensors = {}
         for i, unit in enumerate(stage_units(engine)):
             if exclude_frozen and unit.group is None:
                 continue
-            tensors[f"u{i}/param"] = unit_param(unit)
+            key = names.unit_key(i)
+            tensors[f"{key}/param"] = unit_param(unit)
             master, elementwise, unit_scalars = unit_training_state(engine, unit, optimizer)
             if master is not None:
-                tensors[f"u{i}/master"] = master
+                tensors[f"{key}/master"] = master
             if optimizer is not None and unit.group is not None:
-                tensors.update({f"u{i}/state/{k}": v for k, v in elementwise.items()})
-                scalars[f"u{i}"] = unit_scalars
-        snap.tensor_files[shard_file(rank)] = tensors
+                tensors.update({f"{key}/state/{k}": v for k, v in elementwise.items()})
+                scalars[key] = unit_scalars
+        if pipeline:  # DeepSpeed's zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt
+            snap.pt_files[names.shard(rank)] = shard_content(tensors)
+        else:
+            snap.tensor_files[shard_file(rank)] = tensors
+    if pipeline:  # each stage's layer files (its first data rank, or split over them)
+        snap.pt_files.update(layer_files(engine, exclude_frozen))
     if first_of_group(engine):
         tensors = {}
         groups = group_of_whole(engine)
@@ -100,7 +125,9 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
                 tensors.update({f"state/{k}/{name}": v for k, v in elementwise.items()})
                 scalars[f"param/{name}"] = whole_scalars
         tensors.update({f"buffer/{name}": b.detach() for name, b in persistent_buffers(engine.module)[0]})
-        snap.tensor_files[MODEL_FILE] = tensors
+        if not pipeline:
+            snap.tensor_files[MODEL_FILE] = tensors
+        whole_tensors = tensors
     snap.state = {
         "rank": rank, "world_size": engine.dp_world_size,
         "scalars": plain(scalars, "optimizer state"),
@@ -110,6 +137,9 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
         "rng": capture_rng(),
         "client_state": plain(dict(client_state or {}), "client_state"),
     }
+    if pipeline and first_of_group(engine):  # DeepSpeed's mp_rank_<s>_model_states.pt
+        snap.pt_files[names.model] = model_states(engine, whole_tensors, snap.state["engine"],
+                                                  snap.state["client_state"])
     return snap
 
 
@@ -120,12 +150,15 @@ def write_rank_files(snap: RankSnapshot, folder: Path) -> dict[str, dict]:
     out = {}
     for name, tensors in snap.tensor_files.items():
         out[name] = write_safetensors(folder / name, tensors, {"format": "pt"})
-    path = folder / state_file(snap.rank)
-    with open(path, "wb") as f:
-        torch.save(snap.state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    out[state_file(snap.rank)] = {"sha256": file_digest(path), "bytes": path.stat().st_size}
+    pickled = dict(snap.pt_files)
+    pickled[snap.state_name or state_file(snap.rank)] = snap.state
+    for name, content in pickled.items():
+        path = folder / name
+        with open(path, "wb") as f:
+            torch.save(content, f)
+            f.flush()
+            os.fsync(f.fileno())
+        out[name] = {"sha256": file_digest(path), "bytes": path.stat().st_size}
     return out
 
 
@@ -163,7 +196,8 @@ def check_tag(tag: str, mode: str, group=None) -> None:
 
 class PendingSave:
     """A save whose files are being written; ``finish()`` agrees and commits (every rank of the
-    engine's data group; ``self.rank`` is the rank within it, 0 commits)."""
+    engine's data group, or of every stage of a pipeline engine; ``self.rank`` is the rank within
+    the data group; the group's first rank, a pipeline's first stage's, commits)."""
 
     def __init__(self, engine, save_dir, tag: str, snap: RankSnapshot, meta: dict | None,
                  save_latest: bool, group=None):
@@ -171,6 +205,9 @@ class PendingSave:
         self.meta, self.save_latest, self.group = meta, save_latest, group
         self.rank = snap.rank
         self.global_rank = engine.global_rank
+        self.pipeline = is_pipeline(engine)
+        self.committer = committer(engine)
+        self.who = _who(self.rank, self.global_rank, engine.stage_id if self.pipeline else None)
         self.partial = self.save_dir / partial_name(tag)
         self.files: dict | None = None
         self.error: str | None = None
@@ -187,21 +224,25 @@ class PendingSave:
             self.snap = None  # free the snapshot as soon as it is on disk
 
     def finish(self) -> Path:
-        outcomes = agree((self.rank, self.global_rank, self.error, self.files), self.group)
-        failed = [(_who(r, g), e) for r, g, e, _ in outcomes if e is not None]
+        # A pipeline's stages describe their own layouts: the committer merges them.
+        stage_meta = self.meta if self.pipeline else None
+        outcomes = agree((self.who, self.error, self.files, stage_meta), self.group)
+        failed = [(who, e) for who, e, _, _ in outcomes if e is not None]
         final = self.save_dir / self.tag
         if failed:
-            if self.rank == 0:
+            if self.committer:
                 shutil.rmtree(self.partial, ignore_errors=True)
             raise CheckpointError(f"checkpoint {final} was not saved: " + "; ".join(
                 f"{who}: {e}" for who, e in failed) + f" ({self.save_dir / LATEST} still names "
                 "the previous checkpoint)")
         error = None
-        if self.rank == 0:
+        if self.committer:
             try:
                 files = {}
-                for *_, rank_files in outcomes:
+                for _, _, rank_files, _ in outcomes:
                     files.update(rank_files)
+                if self.pipeline:
+                    self.meta = merge_stages([m for *_, m in outcomes if m is not None])
                 self._commit(files, final)
             except CheckpointError as e:  # says what state save_dir is in
                 error = str(e)
@@ -209,8 +250,8 @@ class PendingSave:
                 error = f"{type(e).__name__}: {e}"
         errors = [e for e in agree(error, self.group) if e is not None]
         if errors:
-            raise CheckpointError(f"checkpoint {final}: the commit failed on rank 0 of the data group: "
-                                  f"{errors[0]}")
+            where = "the first rank" if self.pipeline else "rank 0 of the data group"
+            raise CheckpointError(f"checkpoint {final}: the commit failed on {where}: {errors[0]}")
         return final
 
     def _commit(self, files: dict, final: Path) -> None:
@@ -218,9 +259,20 @@ class PendingSave:
         commit(self.partial, self.save_dir, self.tag, encode_metadata(meta), self.save_latest)
 
 
-def _who(rank: int, global_rank: int) -> str:
-    """A rank as messages name it: its data-group rank, with its global rank where they differ."""
+def _who(rank: int, global_rank: int, stage: int | None = None) -> str:
+    """A rank as messages name it: its data-group rank, with its global rank where they differ
+    (and its pipeline stage)."""
+    if stage is not None:
+        return f"stage {stage} data rank {rank} (global rank {global_rank})"
     return f"rank {rank}" if rank == global_rank else f"rank {rank} of the data group (global rank {global_rank})"
+
+
+def committer(engine) -> bool:
+    """Whether this rank commits: the data group's first rank; for a pipeline engine, the first
+    rank of the first stage (every stage's files go into one tag folder)."""
+    if is_pipeline(engine):
+        return first_of_group(engine) and engine.topology.is_first("pipe")
+    return first_of_group(engine)
 
 
 def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | None:
@@ -229,8 +281,10 @@ def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | N
     save_dir = Path(save_dir)
     first = first_of_group(engine)
     meta = describe(engine, tag, exclude_frozen) if first else None
+    if meta is not None and is_pipeline(engine):
+        meta = annotate_stage(meta, engine, file_names(engine))
     error = None
-    if first:
+    if committer(engine):
         try:
             recover(save_dir)  # what interrupted saves left behind
             if not save_dir.is_dir():

@@ -31,7 +31,8 @@ class EngineCheckpointing:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: bool = False) -> bool:
         """Save the full training state under ``save_dir/<tag>`` (every rank of the engine's
-        data-parallel group must call this; ranks outside it take no part).
+        data-parallel group must call this, every rank of every stage for a pipeline engine;
+        ranks outside it take no part).
 
         ``tag`` defaults to ``global_step<N>``. ``client_state`` (a dict of numbers, strings,
         containers, tensors, numpy values, enums, namedtuples) comes back from
@@ -43,7 +44,10 @@ class EngineCheckpointing:
         thread while training goes on; the next save or load (or ``wait_for_checkpoint()``)
         waits for it, and ``latest`` moves when it is complete. Returns True."""
         self.wait_for_checkpoint()
-        if self.topology.distinct_size > 1:  # each model rank would write the same file names
+        # A pipeline engine names each stage's files by its stage (DeepSpeed's layout); model
+        # (tensor-parallel) ranks would still write the same file names.
+        pipeline = getattr(self, "is_pipeline_engine", False)
+        if self.topology.size("model") > 1 or (self.topology.distinct_size > 1 and not pipeline):
             raise NotImplementedError(f"save_checkpoint on a {self.topology.describe()} topology is not supported "
                                       "yet; save each model rank's engine.module_state_dict() yourself")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
@@ -137,6 +141,13 @@ class EngineCheckpointing:
         group's ranks alone (torch's ``use_local_synchronization``): an engine on part of the
         job never waits for ranks outside its group."""
         topology = self.topology
+        if getattr(self, "is_pipeline_engine", False):  # every stage's files go into one folder
+            if not dist.is_initialized() or topology.world_size == 1:
+                return None
+            if not topology.is_world:
+                raise NotImplementedError("save_checkpoint of a pipeline engine on part of the job's ranks "
+                                          "is not supported: build the PipelineModule over the whole world")
+            return agreement_group(topology.members, dist.group.WORLD)
         if not dist.is_initialized() or topology.data_size == 1:
             return None
         return agreement_group(topology.axis_ranks("data"), topology.data_group)

@@ -31,7 +31,7 @@ from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
 from zerotrain.engine.timers import STEP
 from zerotrain.pipeline.schedule import StageRunner
-from zerotrain.pipeline.specs import PipelineError
+from zerotrain.pipeline.specs import PipelineError, TiedLayerSpec
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 
@@ -222,6 +222,26 @@ class PipelineEngine(ZeroTrainEngine):
         if return_logits:
             return result, (outputs[-1] if outputs else None)
         return result
+
+    # -- checkpoints ---------------------------------------------------------------------
+    # save_checkpoint/load_checkpoint are the engine's (engine/checkpointing.py), which writes a
+    # pipeline engine's checkpoint in DeepSpeed's layout (zerotrain/checkpoint/pipeline.py): every
+    # rank of every stage calls them; a checkpoint loads with any number of stages or replicas.
+    is_pipeline_engine = True
+
+    def checkpoint_name_elsewhere(self, name: str) -> bool:
+        """Whether a saved parameter or buffer ``name`` belongs to a layer another stage holds
+        (``load_checkpoint`` expects it there rather than calling it unexpected)."""
+        module = self.module
+        head, _, rest = name.partition(".")
+        if head.isdigit():
+            idx = int(head)
+            return 0 <= idx < module._num_layers and not module._local_start <= idx < module._local_stop
+        if head == "tied_modules":
+            key = rest.partition(".")[0]
+            return key not in module.tied_modules and any(
+                isinstance(spec, TiedLayerSpec) and spec.key == key for spec in module._layer_specs)
+        return False
 
     # -- disabled ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
