@@ -269,3 +269,82 @@ def _check_consolidated(save_dir, saved: dict) -> None:
     assert sorted(state) == sorted(saved)
     for n, w in saved.items():
         assert torch.equal(state[n], w), n
+
+
+# -- P=2 x D=1: ZeRO 0 (whole parameters in the stage's mp_rank file), bf16 (bf16_ files, fp32
+# masters), an asynchronous save, and a refusal on one stage failing the save on both.
+
+def _to_bf16(batch):
+    x, y = batch
+    return x.to(torch.bfloat16), y.to(torch.bfloat16)
+
+
+def _small_engine(stage: int, bf16: bool, seed: int = 0):
+    import zerotrain
+    from zerotrain.pipeline import PipelineModule
+
+    model = PipelineModule(_layers(seed), num_stages=2, loss_fn=nn.functional.mse_loss,
+                           partition_method="uniform")
+    config = _config(1, stage)
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "adamw"), config=config)
+    if bf16:
+        engine.set_batch_fn(_to_bf16)
+    return engine
+
+
+def _run_small(root: str) -> dict:
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError
+
+    zerotrain.init_distributed()
+    out = {}
+    for name, stage, bf16, async_save in (("zero0", 0, False, False), ("bf16-zero1", 1, True, True)):
+        save_dir = os.path.join(root, name)
+        engine = _small_engine(stage, bf16)
+        _train(engine, 1, range(SAVED_AT))
+        engine.save_checkpoint(save_dir, client_state={"k": 1}, async_save=async_save)
+        first = (_train(engine, 1, range(SAVED_AT, STEPS)), _weights(engine))
+        engine.wait_for_checkpoint()
+        # stage 1 refuses its client state: both stages raise, latest stays, nothing is left
+        bad = {"f": (lambda: 0)} if engine.stage_id == 1 else {}
+        try:
+            engine.save_checkpoint(save_dir, tag="bad", client_state=bad)
+            refused = None
+        except (TypeError, CheckpointError) as error:
+            refused = "CheckpointError" if isinstance(error, CheckpointError) else "TypeError"
+        engine.destroy()
+        engine = _small_engine(stage, bf16, seed=3)
+        engine.load_checkpoint(save_dir)
+        again = (_train(engine, 1, range(SAVED_AT, STEPS)), _weights(engine))
+        out[name] = {"first": first, "again": again, "refused": refused,
+                     "dtype": str(next(engine.module.parameters()).dtype)}
+        engine.destroy()
+    return out
+
+
+def test_pipeline_checkpoint_zero0_bf16_async_and_refusal(tmp_path):
+    results = run_on_ranks(_run_small, world_size=2, args=(str(tmp_path),), timeout=600)
+    for name, bf16 in (("zero0", False), ("bf16-zero1", True)):
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert got["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32")
+            assert got["again"][0] == got["first"][0], (name, rank, got)
+            for n, w in got["first"][1].items():
+                assert torch.equal(got["again"][1][n], w), (name, rank, n)
+            assert got["refused"] == ("CheckpointError" if rank == 0 else "TypeError"), got["refused"]
+        folder = tmp_path / name / f"global_step{SAVED_AT}"
+        files = sorted(p.name for p in folder.iterdir())
+        assert (tmp_path / name / "latest").read_text() == f"global_step{SAVED_AT}"
+        assert not (tmp_path / name / "bad").exists()
+        assert not [f for f in (tmp_path / name).iterdir() if f.name.startswith(".")]
+        if bf16:
+            assert [f for f in files if "optim_states" in f] == [
+                "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+        else:  # fp32 ZeRO 0: no ZeRO files; the stage's parameters and their state in mp_rank_XX
+            assert not [f for f in files if "optim_states" in f], files
+            ms = torch.load(folder / "mp_rank_01_model_states.pt", weights_only=True)
+            assert ms["module"] is None and ms["k"] == 1
+            assert {k for k in ms["zerotrain_tensors"] if k.startswith("param/")} == {
+                f"param/{i}.{w}" for i in range(3, 6) for w in ("weight", "bias")}
