@@ -71,7 +71,9 @@ class PipelineEngine(ZeroTrainEngine):
         if self.precision.auto_cast:
             cast = functools.partial(_cast_floats, dtype=self.precision.param_dtype)
         self._runner = StageRunner(module, self.stage_id, self.num_stages, self.device,
-                                   self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast)
+                                   self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast,
+                                   first_rank=self.grid.stage_to_global(0),
+                                   dynamic_shape=bool(getattr(module, "dynamic_shape", False)))
         self.data_iterator = None
         self.batch_fn = None
         self.total_loss = None
@@ -90,6 +92,12 @@ class PipelineEngine(ZeroTrainEngine):
 
     def get_pipeline_parallel_rank(self) -> int:
         return self.stage_id
+
+    def reset_activation_shape(self) -> None:
+        """Infer the shapes of what crosses stages again at the next batch (call it on every
+        stage, e.g. before evaluating with another micro-batch size); with
+        ``PipelineModule(dynamic_shape=True)`` that happens whenever the input shapes change."""
+        self._runner.reset_activation_shape()
 
     def _reads_data(self) -> bool:
         return self.is_first_stage() or self.is_last_stage()

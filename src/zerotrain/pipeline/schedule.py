@@ -14,15 +14,23 @@ last stage, the module's ``loss_fn`` and the gradient scale.
   multiplied by the fp16 loss scale (DeepSpeed's fix #8154). Schedules are built with
   ``scale_grads=False`` so torch scales nothing again.
 - One schedule per (kind, number of micro-batches), built on first use and reused; torch infers
-  the shapes of what crosses stages at its first step.
+  the shapes of what crosses stages at its first step, once.
+- Shapes (``ShapeAgreement``): before every batch the first stage broadcasts, over the pipe
+  group, a key of its micro-batches' input shapes and dtypes. When it changes, every stage
+  rebuilds its ``PipelineStage`` and schedules (torch infers again) if the module has
+  ``dynamic_shape=True`` or ``reset_activation_shape()`` was called; otherwise every stage raises
+  the same one-line error naming them. Micro-batches of one batch must share their shapes (torch
+  receives one shape per batch).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 # The schedules offered (tested against single-process training; docs/pipeline.md).
 SCHEDULES = ("1f1b", "gpipe")
@@ -68,9 +76,8 @@ class StageRunner:
 
     def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
                  group, schedule: str = DEFAULT_SCHEDULE,
-                 cast_inputs: Callable[[Any], Any] | None = None):
-        from torch.distributed.pipelining import PipelineStage
-
+                 cast_inputs: Callable[[Any], Any] | None = None, first_rank: int = 0,
+                 dynamic_shape: bool = False):
         check_torch_supports_pipelining()
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
@@ -81,13 +88,29 @@ class StageRunner:
         self.schedule_name = schedule
         self._cast = cast_inputs
         self._wrapper = _StageModule(module, self)
-        self.stage = PipelineStage(self._wrapper, stage_id, num_stages, device, group=group)
+        self._group = group
         self._schedules: dict[int, Any] = {}
+        self._build_stage()
+        self.shapes = ShapeAgreement(self.is_first, num_stages, group, first_rank, device, dynamic_shape)
         self._inputs: Sequence[Any] = ()
         self._labels: Sequence[Any] = ()
         self._losses: dict[int, torch.Tensor] = {}
         self._factor = 1.0
         self._compute_loss = True
+
+    def _build_stage(self) -> None:
+        """A new ``PipelineStage`` (torch infers what crosses stages at its first step) and no
+        schedule yet."""
+        from torch.distributed.pipelining import PipelineStage
+
+        self.stage = PipelineStage(self._wrapper, self.stage_id, self.num_stages, self.device,
+                                   group=self._group)
+        self._schedules = {}
+
+    def reset_activation_shape(self) -> None:
+        """Infer the shapes of what crosses stages again at the next batch (DeepSpeed's name;
+        every stage must call it)."""
+        self.shapes.reset()
 
     # -- what the wrapper and the loss look up --------------------------------------------
     def micro_input(self, index: torch.Tensor):
@@ -127,6 +150,8 @@ class StageRunner:
         stages pass empty lists). ``train``: forward and backward (gradients accumulate into
         ``.grad``), else forward only. Returns the last stage's unscaled losses per micro-batch
         and its outputs per micro-batch (empty lists elsewhere)."""
+        if self.shapes.changed(inputs):
+            self._build_stage()
         self._inputs, self._labels, self._losses = inputs, labels, {}
         self._factor, self._compute_loss = (factor if train else 1.0), compute_loss
         schedule = self._schedule(n)
@@ -146,3 +171,78 @@ class StageRunner:
         recorded = [self._losses[i] for i in range(n)] if self.is_last and compute_loss else []
         self._losses = {}
         return recorded, outputs
+
+
+def _shape_signature(inputs: Any) -> tuple:
+    """The shapes and dtypes of one micro-batch's tensors (types of the rest), in tree order."""
+    leaves, spec = tree_flatten(inputs)
+    return (str(spec),) + tuple((tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else type(x).__name__
+                                for x in leaves)
+
+
+class ShapeAgreement:
+    """Whether this batch's inputs have the shapes the stages were built for, decided by the
+    first stage and broadcast over the pipe group (so every stage rebuilds, or raises, together).
+
+    ``dynamic_shape``: rebuild when the shapes change (else raise naming it). One small
+    broadcast per batch (none with one stage)."""
+
+    def __init__(self, is_first: bool, num_stages: int, group, first_rank: int,
+                 device: torch.device, dynamic_shape: bool):
+        self.is_first, self.num_stages = is_first, num_stages
+        self.group, self.first_rank, self.device = group, first_rank, device
+        self.dynamic_shape = dynamic_shape
+        self.key: int | None = None  # the shapes the stages were built for (None: none yet)
+        self.described = ""  # the first stage's words for them
+        self._reset = False
+        self.rebuilds = 0  # how many times the stages were rebuilt for new shapes
+
+    def reset(self) -> None:
+        self._reset = True
+
+    def changed(self, inputs: Sequence[Any]) -> bool:
+        """Collective over the pipe group: True when the stages must be rebuilt for ``inputs``
+        (the first stage's micro-batches; other stages pass anything). Raises on every stage
+        for micro-batches of different shapes, or changed shapes without ``dynamic_shape``."""
+        mixed, key, described = 0, 0, ""
+        what = ""  # the first stage names the micro-batch that differs
+        if self.is_first and inputs:
+            signatures = [_shape_signature(x) for x in inputs]
+            mixed = next((i for i, sig in enumerate(signatures) if sig != signatures[0]), 0)
+            described = _describe(signatures[0])
+            digest = hashlib.blake2b(repr(signatures[0]).encode(), digest_size=7).digest()
+            key = int.from_bytes(digest, "little")
+            if mixed:
+                what = f" (inputs {_describe(signatures[mixed])}, micro-batch 0's {described})"
+        if self.num_stages > 1:
+            from zerotrain.comm import collectives
+
+            agreed = torch.tensor([key, mixed], dtype=torch.int64, device=self.device)
+            collectives.broadcast(agreed, src=self.first_rank, group=self.group)
+            key, mixed = int(agreed[0]), int(agreed[1])
+        if mixed:
+            raise ValueError(f"pipeline micro-batch {mixed} has other input shapes than micro-batch 0{what}: "
+                             "the micro-batches of one train_batch/eval_batch must share their "
+                             "shapes (torch's pipeline stages receive one shape per batch); pad them to one "
+                             "length, or vary the shape between batches with PipelineModule(dynamic_shape=True)")
+        if self.key is None:
+            self.key, self.described, self._reset = key, described, False
+            return False
+        if key == self.key and not self._reset:
+            return False
+        if key != self.key and not (self.dynamic_shape or self._reset):
+            was = f" (were {self.described}, now {described})" if self.is_first else ""
+            raise ValueError(f"the pipeline's input shapes changed between batches{was}: the stages infer "
+                             "the activation shapes once; build the PipelineModule with dynamic_shape=True "
+                             "to infer them again when they change, or call engine.reset_activation_shape() "
+                             "on every stage before such a batch")
+        self.key, self.described, self._reset = key, described, False
+        self.rebuilds += 1
+        return True
+
+
+def _describe(signature: tuple) -> str:
+    """``[2, 5, 8] float32`` for each tensor of a ``_shape_signature``."""
+    tensors = [f"{list(item[0])} {item[1].replace('torch.', '')}" for item in signature[1:]
+               if isinstance(item, tuple)]
+    return ", ".join(tensors) or "no tensors"
