@@ -9,6 +9,7 @@ them among the stages (partition.py), builds this stage's, ties shared layers ac
 
 from __future__ import annotations
 
+from zerotrain.pipeline.hf import from_hf_causal_lm, hf_state_dict  # HF causal LMs (pipeline/hf.py)
 from zerotrain.pipeline.module import PipelineModule
 from zerotrain.pipeline.partition import partition_balanced, partition_uniform
 from zerotrain.pipeline.specs import LayerSpec, PipelineError, TiedLayerSpec
