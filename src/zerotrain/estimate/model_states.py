@@ -199,7 +199,7 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
         gathered = e * min(total, window)
     # Step: fp32 copies of 16-bit shard gradients (zerotrain builds Adam/AdamW with fused
     # kernels, which allocate no per-element temporaries), one chunk at a time.
-    from zerotrain.zero.core import plan_step_chunks
+    from zerotrain.zero.step_chunks import plan_step_chunks
 
     shards = [u.shard for u in units]
     chunk = max(sum(shards[i] for i in c) for c in plan_step_chunks(shards))

@@ -10,8 +10,6 @@ all-gathered (stages 1-2) or gathered when next used (stage 3's partitioned unit
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -24,7 +22,7 @@ from zerotrain.memory_release import ReleasePolicy
 from zerotrain.offload.aio import DiskActivity
 from zerotrain.offload.placement import Placement
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero import registry
+from zerotrain.zero import nvme, registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
 from zerotrain.zero.init import is_partitioned, materialize
@@ -32,10 +30,11 @@ from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
-from zerotrain.zero.partition import FlatParamUnit, outside_optimizer, shard_alignment
+from zerotrain.zero.partition import FlatParamUnit, outside_optimizer
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm, split_by_reduction
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
+from zerotrain.zero.step_chunks import plan_step_chunks, steps_per_parameter
 from zerotrain.zero.strategy import ShardingStrategy
 
 _log = logging.getLogger("zerotrain")
@@ -103,12 +102,12 @@ class ZeroStage(StageInterface):
         self._io_busy_since, self._io_busy_s = 0.0, 0.0
         self.param_offload = None  # NVMe: zerotrain.offload.NvmeParamOffload
         if placement.nvme is not None and optimizer is not None:
-            self.offload = _nvme_offload(placement, plan, optimizer, shard_world, self.rank,
+            self.offload = nvme.optimizer_offload(placement, plan, optimizer, shard_world, self.rank,
                                          precision, self.disk_activity)
         self.units = []
         try:
             if placement.param_nvme is not None and strategy.partitions_parameters:
-                self.param_offload = _nvme_param_offload(placement, plan, shard_world, self.rank,
+                self.param_offload = nvme.param_offload(placement, plan, shard_world, self.rank,
                                                          precision, self.offload,
                                                          self.disk_activity)
             unit_specs, unit_counted = {}, {}
@@ -398,7 +397,7 @@ class ZeroStage(StageInterface):
         step. An optimizer known to keep per-parameter state and skip parameters without a
         gradient then steps one chunk (``plan_step_chunks``) at a time (bf16 GPT-2 110M stage 3:
         peak 1505 -> 1442 MiB, now in backward). Otherwise one call steps everything."""
-        if any(u.master is not None for u in self.trained) and _steps_per_parameter(type(optimizer)):
+        if any(u.master is not None for u in self.trained) and steps_per_parameter(type(optimizer)):
             return self._chunk_plan
         return [list(range(len(self.trained)))]
 
@@ -458,33 +457,8 @@ class ZeroStage(StageInterface):
 
     # -- accounting ---------------------------------------------------------------------
     def offload_stats(self) -> dict:
-        """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
-        (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``, ``io_busy_s`` (wall
-        time with any swap read or write under way, parameters' and gradients' included, from
-        the previous step's end to this one's); and the swap footprint: ``swap_file_bytes`` on
-        disk, ``swap_buffer_bytes`` in memory. Empty without NVMe offload."""
-        if self.offload is None:
-            return {}
-        swapper = self.offload.swapper
-        stats = dict(swapper.stats)
-        stats["io_wait_share"] = stats["io_wait_s"] / stats["step_s"] if stats["step_s"] else 0.0
-        stats["swap_file_bytes"] = swapper.file_nbytes()
-        stats["swap_buffer_bytes"] = swapper.buffer_nbytes
-        stats["direct_io"] = self.offload.io.direct
-        stats["io_busy_s"] = self._io_busy_s
-        if self.param_offload is not None:
-            params = self.param_offload.swapper
-            if self.grad_swapper is not None:
-                grads = self.grad_swapper
-                stats["grads"] = {**getattr(self, "_grad_io", grads.stats),
-                                  "swap_file_bytes": grads.file_nbytes(),
-                                  "resident_bytes": grads.resident_nbytes}
-            stats["params"] = {**getattr(self, "_param_io", params.stats),
-                               "swap_file_bytes": params.file_nbytes(),
-                               "swap_buffer_bytes": params.buffer_nbytes,
-                               "resident_bytes": params.resident_nbytes,
-                               "peak_resident_numel": params.peak_resident_numel}
-        return stats
+        """NVMe offload, last step (zerotrain.zero.nvme.offload_stats); empty without it."""
+        return nvme.offload_stats(self)
 
     def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
         grads = (self.reduction.nbytes if self.grad_swapper is None  # else: the resident ones
@@ -532,36 +506,6 @@ class ZeroStage(StageInterface):
         registry.unregister(self.units)
 
 
-def plan_step_chunks(shard_numels: list[int]) -> list[list[int]]:
-    """Consecutive indices into ``shard_numels`` grouped into chunks of at most an eighth of
-    their sum, or the largest one where that is bigger (also the estimator's step transient)."""
-    budget = max(max(shard_numels, default=0), sum(shard_numels) // 8)
-    chunks, numel = [[]], 0
-    for i, size in enumerate(shard_numels):
-        if chunks[-1] and numel + size > budget:
-            chunks.append([])
-            numel = 0
-        chunks[-1].append(i)
-        numel += size
-    return chunks
-
-
-@functools.lru_cache(maxsize=None)
-def _steps_per_parameter(optimizer_class: type) -> bool:
-    """Whether the class's ``step()`` is one of the built-in steps that keep state per
-    parameter and pass over parameters without a gradient, so several calls in one training
-    step, each over some of the parameters, equal one call over all (a subclass overriding
-    ``step`` is not assumed to)."""
-    from zerotrain.optim.fused_adam import FusedAdam
-    from zerotrain.optim.lion import Lion
-
-    known = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
-             torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-             torch.optim.Adadelta, FusedAdam, Lion)
-    step = inspect.unwrap(optimizer_class.step)
-    return any(step is inspect.unwrap(cls.step) for cls in known)
-
-
 def _check_optimizer(stage: int, optimizer) -> None:
     what = f"zero_optimization.stage={stage}" if stage else "fp16/bf16 training"
     if optimizer is None and stage != 3:
@@ -580,37 +524,3 @@ def _refuse_add_param_group(param_group) -> None:
         "optimizer before initialize (a group with lr=0 can be unfrozen later by raising its lr)")
 
 
-def _nvme_offload(placement: Placement, plan, optimizer, shard_world: int, rank: int,
-                  precision: PrecisionPolicy, activity: DiskActivity):
-    """The swap folder and swapper, after checking path and free space for the planned units."""
-    from zerotrain.offload import NvmeOptimizerOffload
-
-    align = shard_alignment(precision.param_dtype)
-    planned = []
-    for g, params in plan:
-        if g is not None:
-            numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
-            planned.append((g, -(-numel // (shard_world * align)) * align))
-    first = next((p for _, params in plan for p in params), None)
-    on_host = first is None or first.device.type == "cpu"
-    return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
-                                swap_master=precision.mixed or not on_host,
-                                local_ranks=placement.local_ranks, activity=activity)
-
-
-def _nvme_param_offload(placement: Placement, plan, shard_world: int, rank: int,
-                        precision: PrecisionPolicy, optimizer_offload, activity: DiskActivity):
-    """The parameter swap folder, after checking path and free space for every unit's shard."""
-    from zerotrain.offload import NvmeParamOffload
-    from zerotrain.offload.aio import ALIGN, round_up
-
-    align = shard_alignment(precision.param_dtype)
-    itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
-    need = 0
-    for _, params in plan:
-        numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
-        need += round_up(-(-numel // (shard_world * align)) * align * itemsize) + ALIGN
-    also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
-            if optimizer_offload is not None else None)
-    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also,
-                            activity=activity)
