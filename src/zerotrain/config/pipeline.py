@@ -14,7 +14,8 @@ class PipelineConfig(Section):
     """DeepSpeed parses ``stages``, ``partition`` and ``seed_layers`` and ignores them (users set
     them on ``PipelineModule``); ``pipe_partitioned``/``grad_partitioned`` only act with tensor
     parallelism, which zerotrain has not; ``activation_checkpoint_interval`` (> 0) and
-    ``use_reentrant`` are applied to the module. ``schedule`` (zerotrain) picks torch's schedule."""
+    ``use_reentrant`` are applied to the module. ``schedule`` (zerotrain) picks torch's schedule;
+    ``virtual_stages`` (zerotrain), when set, must equal the module's ``virtual_stages``."""
 
     stages: Union[Literal["auto"], PosInt] = "auto"
     partition: str = "best"
@@ -23,4 +24,6 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     use_reentrant: bool = True
-    schedule: Annotated[Literal["1f1b", "gpipe"], BeforeValidator(lower)] = "1f1b"
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs"], BeforeValidator(lower)] = "1f1b"
+    # zerotrain: model chunks per pipeline rank; "auto" takes PipelineModule(virtual_stages=).
+    virtual_stages: Union[Literal["auto"], PosInt] = "auto"

@@ -66,6 +66,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.micro_batches = config.gradient_accumulation_steps
         self.micro_batch_size = config.train_micro_batch_size_per_gpu
         pipe = config.pipeline
+        virtual = _virtual_stages(module, pipe)
         _apply_checkpoint_settings(module, pipe)
         cast = None
         if self.precision.auto_cast:
@@ -73,7 +74,9 @@ class PipelineEngine(ZeroTrainEngine):
         self._runner = StageRunner(module, self.stage_id, self.num_stages, self.device,
                                    self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast,
                                    first_rank=self.grid.stage_to_global(0),
-                                   dynamic_shape=bool(getattr(module, "dynamic_shape", False)))
+                                   dynamic_shape=bool(getattr(module, "dynamic_shape", False)),
+                                   virtual_stages=virtual)
+        self._runner._schedule(self.micro_batches)  # torch's limits on M, one line on every rank now
         self.data_iterator = None
         self.batch_fn = None
         self.total_loss = None
@@ -244,7 +247,7 @@ class PipelineEngine(ZeroTrainEngine):
         head, _, rest = name.partition(".")
         if head.isdigit():
             idx = int(head)
-            return 0 <= idx < module._num_layers and not module._local_start <= idx < module._local_stop
+            return 0 <= idx < module._num_layers and not module.owns_layer(idx)
         if head == "tied_modules":
             key = rest.partition(".")[0]
             return key not in module.tied_modules and any(
@@ -260,6 +263,16 @@ class PipelineEngine(ZeroTrainEngine):
 
     def step(self, *args, **kwargs):
         raise _pipeline_error(_ONLY_TRAIN_BATCH)
+
+
+def _virtual_stages(module, pipe) -> int:
+    """The module's chunks per rank; ``pipeline.virtual_stages``, when set, must agree."""
+    built = getattr(module, "virtual_stages", 1)
+    if pipe.virtual_stages != "auto" and pipe.virtual_stages != built:
+        raise ValueError(f"pipeline.virtual_stages={pipe.virtual_stages} but the PipelineModule was built with "
+                         f"virtual_stages={built}: build it with PipelineModule(..., virtual_stages="
+                         f"{pipe.virtual_stages}) or set pipeline.virtual_stages to \"auto\"")
+    return built
 
 
 def _apply_checkpoint_settings(module, pipe) -> None:

@@ -53,7 +53,7 @@ class LayerFiles:
 
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx: int) -> str:
         """The file of local layer ``local_layer_idx`` (named by its global index)."""
-        idx = local_layer_idx + self._local_start
+        idx = self.local_to_global(local_layer_idx)
         path = os.path.join(ckpt_dir, f"layer_{idx:02d}")
         rank_repr = self._grid._topo.get_rank_repr(rank=self.global_rank)
         if rank_repr != "":
@@ -62,7 +62,7 @@ class LayerFiles:
 
     def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx: int) -> list[str]:
         """Every file of local layer ``local_layer_idx`` (one per model slice), sorted."""
-        return self._global_layer_files(ckpt_dir, local_layer_idx + self._local_start)
+        return self._global_layer_files(ckpt_dir, self.local_to_global(local_layer_idx))
 
     @staticmethod
     def _global_layer_files(ckpt_dir, idx: int) -> list[str]:
@@ -118,14 +118,14 @@ class LayerFiles:
         """Load this stage's layers from ``load_dir`` by global layer index (any number of
         stages may have written it), then make the tied replicas equal again."""
         tied_loaded = set()
-        local_specs = self._layer_specs[self._local_start:self._local_stop]
+        local_specs = [self._layer_specs[i] for i in self._local_layers]
         for idx, layer in enumerate(self.forward_funcs):
             if not isinstance(layer, nn.Module):
                 continue
             files = self.ckpt_layer_path_list(load_dir, idx)
             if not files:
                 raise FileNotFoundError(
-                    f"load_state_dir: no file layer_{idx + self._local_start:02d}-*model_states.pt in "
+                    f"load_state_dir: no file layer_{self.local_to_global(idx):02d}-*model_states.pt in "
                     f"{load_dir}; pass the checkpoint's tag folder, as save_state_dict wrote it")
             _, state = self._read_layer_file(files, checkpoint_engine)
             layer.load_state_dict(state, strict=strict)

@@ -72,16 +72,25 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
       ``activation_checkpoint_func`` when the run has parameters (or, with
       ``checkpointable_layers``, when all its classes are listed).
     - ``dynamic_shape``: activations may change shape between micro-batches (read by the engine).
+    - ``virtual_stages=V`` (zerotrain): the layers are split into ``num_stages * V`` parts
+      (virtual stages, by ``partition_method``) and rank ``r`` holds parts ``r, r + P, r + 2P,
+      ...`` (torch's looped layout), each run by ``chunk(c)``; for the interleaved schedules
+      (``"pipeline": {"schedule": "interleaved_1f1b" | "looped_bfs"}``). Layers keep their global
+      index (state-dict keys, layer files) whatever V is.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
                  seed_fn=None, base_seed=1234, partition_method="parameters",
                  activation_checkpoint_interval=0, activation_checkpoint_func=_default_checkpoint,
-                 checkpointable_layers=None, dynamic_shape=False):
+                 checkpointable_layers=None, dynamic_shape=False, virtual_stages=1):
         super().__init__()
         self._layer_specs = list(layers)
         self._validate(num_stages, topology, partition_method, activation_checkpoint_interval,
                        checkpointable_layers)
+        if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be a positive int (model chunks per "
+                             f"pipeline rank), got {virtual_stages!r}")
+        self.virtual_stages = virtual_stages
         self.micro_offset = 0
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
@@ -117,7 +126,7 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         self._local_stop = None
         self._partition_layers(method=partition_method)
 
-        self.forward_funcs = []
+        self.forward_funcs = []  # one per local layer, in global order (see _local_layers)
         self.fwd_map = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs = {}
@@ -199,7 +208,8 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         return found
 
     def _partition_layers(self, method: str = "uniform") -> None:
-        stages = self.num_stages
+        # With virtual stages ``parts`` splits the layers into num_stages * V virtual stages.
+        stages = self.num_stages * self.virtual_stages
         self._log(f"Partitioning pipeline stages with method {method}")
         method = method.lower()
         if method == "uniform":
@@ -214,25 +224,59 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         for stage in range(stages):
             start, stop = self.parts[stage], self.parts[stage + 1]
             lines = [f"stage={stage} layers={stop - start}"]
+            if self.virtual_stages > 1:
+                lines[0] += f" (rank {stage % self.num_stages}, chunk {stage // self.num_stages})"
             lines += [f"    {idx:2d}: {layer_name(self._layer_specs[idx])}" for idx in range(start, stop)]
             self._log("\n".join(lines))
         if self.loss_fn is not None:
             self._log(f"  loss: {getattr(self.loss_fn, '__name__', self.loss_fn.__class__.__name__)}")
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        if self.virtual_stages == 1:
+            self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        else:
+            self._set_chunks()
 
     def _set_bounds(self, start=None, stop=None) -> None:
         """This stage's layers: ``self._layer_specs[start:stop]``."""
         self._local_start = start
         self._local_stop = stop
+        self._local_layers = list(range(start, stop))
+        self._chunk_ranges = [(0, stop - start)]
+
+    def _set_chunks(self) -> None:
+        """With virtual stages: this rank's chunks ``c`` hold virtual stages ``c * P + rank``;
+        ``_local_layers`` lists their layers' global indices in order (not contiguous), and
+        ``_local_start``/``_local_stop`` span them (code reading a contiguous range must use
+        ``_local_layers``)."""
+        p = self.num_stages
+        self._local_layers, self._chunk_ranges = [], []
+        for chunk in range(self.virtual_stages):
+            vstage = chunk * p + self.stage_id
+            lo = len(self._local_layers)
+            self._local_layers += range(self.parts[vstage], self.parts[vstage + 1])
+            self._chunk_ranges.append((lo, len(self._local_layers)))
+        self._local_start = self.parts[self.stage_id]
+        self._local_stop = self.parts[(self.virtual_stages - 1) * p + self.stage_id + 1]
+
+    def owns_layer(self, layer_idx: int) -> bool:
+        """Whether global layer ``layer_idx`` is one of this rank's (any chunk)."""
+        return layer_idx in self._local_layers
+
+    def local_to_global(self, local_layer_idx: int) -> int:
+        """The global index of ``forward_funcs[local_layer_idx]``."""
+        return self._local_layers[local_layer_idx]
 
     def partitions(self) -> list[int]:
         return self.parts
 
     def stage_owner(self, layer_idx: int) -> int:
-        """The stage holding global layer ``layer_idx``."""
+        """The stage (pipe rank) holding global layer ``layer_idx``."""
+        return self.virtual_stage_owner(layer_idx) % self.num_stages
+
+    def virtual_stage_owner(self, layer_idx: int) -> int:
+        """The virtual stage holding global layer ``layer_idx`` (the stage when V = 1)."""
         if not 0 <= layer_idx < self._num_layers:
             raise IndexError(f"stage_owner: layer {layer_idx} is outside 0..{self._num_layers - 1}")
-        for stage in range(self.num_stages):
+        for stage in range(len(self.parts) - 1):
             if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
                 return stage
         raise RuntimeError(f"Layer {layer_idx} not owned? parts={self.parts}")
@@ -242,8 +286,8 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         (self.seed_fn or set_random_seed)(seed)
 
     def _build(self) -> None:
-        for local_idx, layer in enumerate(self._layer_specs[self._local_start:self._local_stop]):
-            layer_idx = local_idx + self._local_start
+        for layer_idx in self._local_layers:
+            layer = self._layer_specs[layer_idx]
             if self.seed_layers:
                 self._seed(self.base_seed + layer_idx)
             if isinstance(layer, nn.Module):
@@ -281,13 +325,15 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
             return all(f.__class__.__name__ in self.checkpointable_layers for f in funcs)
         return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
 
-    def _checkpointable_blocks(self) -> list[bool]:
+    def _checkpointable_blocks(self, lo: int = 0, hi: int | None = None) -> list[bool]:
+        """Per block of ``interval`` layers of ``forward_funcs[lo:hi]`` (one chunk's)."""
         interval = self.activation_checkpoint_interval
-        if self._checkpointable_cache[0] != interval:
-            n = len(self.forward_funcs)
-            blocks = [self._is_checkpointable(self.forward_funcs[s:min(s + interval, n)])
-                      for s in range(0, n, interval)]
-            self._checkpointable_cache = (interval, blocks)
+        hi = len(self.forward_funcs) if hi is None else hi
+        key = (interval, lo, hi)
+        if self._checkpointable_cache[0] != key:
+            blocks = [self._is_checkpointable(self.forward_funcs[s:min(s + interval, hi)])
+                      for s in range(lo, hi, interval)]
+            self._checkpointable_cache = (key, blocks)
         return self._checkpointable_cache[1]
 
     def _range_func(self, start: int, end: int, micro_offset: int):
@@ -297,7 +343,7 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         def run(*inputs):
             x = inputs[0] if len(inputs) == 1 else inputs
             for idx, layer in enumerate(self.forward_funcs[start:end]):
-                self.curr_layer = start + idx + self._local_start
+                self.curr_layer = self._local_layers[start + idx]
                 if self.seed_layers:
                     self._seed(self.base_seed * micro_offset + self.curr_layer)
                 x = layer(x)
@@ -305,21 +351,45 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
 
         return run
 
-    def forward(self, forward_input):
-        # The micro-batch's seed offset, captured now so a checkpoint's recomputation reseeds alike.
-        self.micro_offset += 1
+    def forward(self, forward_input, chunk: int | None = None):
+        """Run the local layers (with virtual stages: chunk ``chunk``'s, see ``chunk()``)."""
+        if chunk is None:
+            if self.virtual_stages > 1:
+                raise ValueError(f"PipelineModule(virtual_stages={self.virtual_stages}).forward: this rank holds "
+                                 f"{self.virtual_stages} chunks; run one with forward(x, chunk=c) or chunk(c)(x)")
+            chunk = 0
+        lo, n = self._chunk_ranges[chunk]
+        # The micro-batch's seed offset, captured now so a checkpoint's recomputation reseeds alike;
+        # each chunk runs once per micro-batch, so chunk 0 counts them.
+        if chunk == 0:
+            self.micro_offset += 1
         offset = self.micro_offset + 1
-        n = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0:
-            return self._range_func(0, n, offset)(forward_input)
+            return self._range_func(lo, n, offset)(forward_input)
         x = forward_input
-        for start, checkpointable in zip(range(0, n, interval), self._checkpointable_blocks()):
+        for start, checkpointable in zip(range(lo, n, interval), self._checkpointable_blocks(lo, n)):
             end = min(start + interval, n)
             args = x if isinstance(x, tuple) else (x,)
             run = self._range_func(start, end, offset)
             x = self.activation_checkpoint_func(run, *args) if checkpointable else run(*args)
         return x
+
+    def chunk(self, index: int) -> nn.Module:
+        """Chunk ``index`` of this rank's virtual stages (virtual stage ``index * P + rank``) as a
+        module: its ``parameters()`` are the chunk's (a tied module in several chunks is in each),
+        its forward runs the chunk's layers. Not registered under the PipelineModule."""
+        if not 0 <= index < self.virtual_stages:
+            raise IndexError(f"PipelineModule.chunk({index}): this rank holds chunks 0..{self.virtual_stages - 1}")
+        lo, hi = self._chunk_ranges[index]
+        modules = []
+        for local in range(lo, hi):
+            spec = self._layer_specs[self._local_layers[local]]
+            if isinstance(spec, TiedLayerSpec):  # also the occurrences run through forward_fn
+                modules.append(self.tied_modules[spec.key])
+            elif isinstance(self.forward_funcs[local], nn.Module):
+                modules.append(self.forward_funcs[local])
+        return _Chunk(self, index, modules)
 
     def set_checkpoint_interval(self, interval: int) -> None:
         if not isinstance(interval, int) or interval < 0:
@@ -348,3 +418,20 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
                 layer.compile(*args, **kwargs)
             else:
                 self.forward_funcs[idx] = torch.compile(layer, *args, **kwargs)
+
+
+class _Chunk(nn.Module):
+    """One chunk of a ``PipelineModule`` with virtual stages (``PipelineModule.chunk``)."""
+
+    def __init__(self, parent: PipelineModule, index: int, modules: list):
+        super().__init__()
+        self.layers = nn.ModuleList(modules)  # a tied module used by several layers appears once
+        self.index = index
+        self.__dict__["_parent"] = parent  # not a submodule: its parameters are the whole rank's
+
+    @property
+    def loss_fn(self):
+        return self._parent.loss_fn
+
+    def forward(self, forward_input):
+        return self._parent(forward_input, chunk=self.index)

@@ -15,6 +15,12 @@ last stage, the module's ``loss_fn`` and the gradient scale.
   ``scale_grads=False`` so torch scales nothing again.
 - One schedule per (kind, number of micro-batches), built on first use and reused; torch infers
   the shapes of what crosses stages at its first step, once.
+- Virtual stages (``PipelineModule(virtual_stages=V)``, V >= 2): one ``PipelineStage`` per local
+  chunk ``c`` (virtual stage ``c * P + rank`` of ``P * V``, torch's looped layout), all handed to
+  torch's multi-stage schedule (``"interleaved_1f1b"``: ``ScheduleInterleaved1F1B``,
+  ``"looped_bfs"``: ``ScheduleLoopedBFS``). Both run full backwards, so the gradient hooks fire
+  as with one stage. torch's zero-bubble schedules are not offered: their weight steps assign
+  ``.grad`` by hand, past the hooks that defer the gradient reduction.
 - Shapes (``ShapeAgreement``): before every batch the first stage broadcasts, over the pipe
   group, a key of its micro-batches' input shapes and dtypes. When it changes, every stage
   rebuilds its ``PipelineStage`` and schedules (torch infers again) if the module has
@@ -33,14 +39,31 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 # The schedules offered (tested against single-process training; docs/pipeline.md).
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # V >= 2 model chunks per rank
 DEFAULT_SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is synchronous 1F1B
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
-    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
+    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
+            "looped_bfs": ScheduleLoopedBFS}[name]
+
+
+def check_schedule(schedule: str, virtual_stages: int) -> None:
+    """One line when the schedule and the module's chunks per rank do not go together."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
+    if schedule in MULTI_STAGE_SCHEDULES and virtual_stages < 2:
+        raise ValueError(f"pipeline.schedule={schedule!r} runs several model chunks per rank: build the "
+                         "PipelineModule with virtual_stages=2 or more (and set pipeline.virtual_stages), "
+                         "or use \"1f1b\"/\"gpipe\"")
+    if schedule not in MULTI_STAGE_SCHEDULES and virtual_stages > 1:
+        raise ValueError(f"pipeline.schedule={schedule!r} runs one stage per rank but the PipelineModule has "
+                         f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\" or \"looped_bfs\", or "
+                         "build the PipelineModule with virtual_stages=1")
 
 
 def check_torch_supports_pipelining() -> None:
@@ -54,13 +77,14 @@ def check_torch_supports_pipelining() -> None:
 class _StageModule(nn.Module):
     """What torch's ``PipelineStage`` runs: the stage's layers, called DeepSpeed's way."""
 
-    def __init__(self, module: nn.Module, runner: "StageRunner"):
+    def __init__(self, module: nn.Module, runner: "StageRunner", first: bool):
         super().__init__()
         self.module = module
         self._runner = runner  # not an nn.Module: a plain attribute
+        self._first = first  # the pipeline's first (virtual) stage: looks its micro-batch up
 
     def forward(self, *args):
-        if self._runner.is_first:
+        if self._first:
             inputs = self._runner.micro_input(args[0])
         else:
             inputs = args[0] if len(args) == 1 else tuple(args)
@@ -72,22 +96,27 @@ class StageRunner:
 
     ``module``: the ``PipelineModule`` (this stage's layers); ``stage_id``/``num_stages``;
     ``group``: the pipe group (its rank i is stage i); ``cast_inputs``: applied to the first
-    stage's micro-batch inputs (the engine's auto-cast)."""
+    stage's micro-batch inputs (the engine's auto-cast); ``virtual_stages``: the module's chunks
+    on this rank (``module.chunk(c)`` is virtual stage ``c * num_stages + stage_id``)."""
 
     def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
                  group, schedule: str = DEFAULT_SCHEDULE,
                  cast_inputs: Callable[[Any], Any] | None = None, first_rank: int = 0,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, virtual_stages: int = 1):
         check_torch_supports_pipelining()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
+        check_schedule(schedule, virtual_stages)
+        self.virtual_stages = virtual_stages
         self.module = module
         self.stage_id, self.num_stages = stage_id, num_stages
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.device = device
         self.schedule_name = schedule
         self._cast = cast_inputs
-        self._wrapper = _StageModule(module, self)
+        if virtual_stages == 1:
+            self._wrappers = [_StageModule(module, self, first=self.is_first)]
+        else:
+            self._wrappers = [_StageModule(module.chunk(c), self, first=self.is_first and c == 0)
+                              for c in range(virtual_stages)]
         self._group = group
         self._schedules: dict[int, Any] = {}
         self._build_stage()
@@ -99,12 +128,15 @@ class StageRunner:
         self._compute_loss = True
 
     def _build_stage(self) -> None:
-        """A new ``PipelineStage`` (torch infers what crosses stages at its first step) and no
-        schedule yet."""
+        """A new ``PipelineStage`` per local chunk (torch infers what crosses stages at its first
+        step) and no schedule yet. ``stage``: the last chunk's (the pipeline's last stage's
+        outputs are there on the last rank)."""
         from torch.distributed.pipelining import PipelineStage
 
-        self.stage = PipelineStage(self._wrapper, self.stage_id, self.num_stages, self.device,
-                                   group=self._group)
+        total = self.num_stages * self.virtual_stages
+        self.stages = [PipelineStage(wrapper, c * self.num_stages + self.stage_id, total, self.device,
+                                     group=self._group) for c, wrapper in enumerate(self._wrappers)]
+        self.stage = self.stages[-1]
         self._schedules = {}
 
     def reset_activation_shape(self) -> None:
@@ -134,9 +166,17 @@ class StageRunner:
     def _schedule(self, n: int):
         if n not in self._schedules:
             cls = _schedule_class(self.schedule_name)
+            multi = self.schedule_name in MULTI_STAGE_SCHEDULES
             try:
-                self._schedules[n] = cls(self.stage, n, loss_fn=self._loss, scale_grads=False)
-            except ValueError as error:  # 1F1B: fewer micro-batches than stages
+                self._schedules[n] = cls(self.stages if multi else self.stage, n, loss_fn=self._loss,
+                                         scale_grads=False)
+            except ValueError as error:
+                if multi:  # interleaved: n a multiple of max(1, n // P)
+                    raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
+                                     f"{self.num_stages} ranks x {self.virtual_stages} virtual stages: "
+                                     f"{error} Set gradient_accumulation_steps (the number of micro-batches) "
+                                     f"to a multiple of {self.num_stages} (the pipeline ranks)") from None
+                # 1F1B: fewer micro-batches than stages
                 raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
                                  f"{self.num_stages} stages: {error} Raise gradient_accumulation_steps "
                                  "(the number of micro-batches) or use \"pipeline\": {\"schedule\": "

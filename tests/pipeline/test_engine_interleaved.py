@@ -1,0 +1,309 @@
+"""Virtual stages: ``PipelineModule(virtual_stages=V)`` with torch's ``ScheduleInterleaved1F1B``
+(``"pipeline": {"schedule": "interleaved_1f1b"}``) and ``ScheduleLoopedBFS`` (``"looped_bfs"``),
+against a single-process fp32 reference (the same initial weights, micro-batches and optimizer).
+
+- P=2 x V=2 (2 ranks) and P=2 x D=2 x V=2 (4 ranks), 4 micro-batches, 8 layers in 4 virtual
+  stages (rank 0 holds layers 0-1 and 4-5, rank 1 layers 2-3 and 6-7), SGD with momentum and
+  AdamW, ZeRO 0/1/2, gradient clipping active at every step: every weight after ``STEPS`` steps
+  within 1e-6 relative of the reference, the returned loss the reference's on every rank;
+  ``eval_batch`` through the interleaved schedule.
+- A tied embedding used by three layers in three virtual stages (twice on rank 0, in two of its
+  chunks, once on rank 1 as the output head): weights on the reference, copies equal.
+- Bad combinations give one line each: an interleaved schedule with one chunk per rank, a
+  single-stage schedule with chunks, gradient_accumulation_steps torch's interleaving cannot
+  split, ``pipeline.virtual_stages`` other than the module's, ``virtual_stages=0``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.testing import run_on_ranks
+
+D_IN, HIDDEN, LAYERS, MICRO, M, STEPS, CLIP, V = 6, 8, 8, 2, 4, 3, 0.05, 2
+LR = {"sgd": 0.1, "adamw": 0.01}
+
+
+def _layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(D_IN if i == 0 else HIDDEN, HIDDEN) for i in range(LAYERS)]
+
+
+def _batches(dp: int, steps: int = STEPS) -> list:
+    """``[step][data rank][micro-batch] -> (inputs, labels)``."""
+    g = torch.Generator().manual_seed(7)
+    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
+              for _ in range(M)] for _ in range(dp)] for _ in range(steps)]
+
+
+def _optimizer(params, name: str):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR[name], momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR[name], weight_decay=0.1)
+
+
+def _config(dp: int, stage: int, schedule: str, m: int = M, **pipeline) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
+            "train_batch_size": MICRO * m * dp, "zero_optimization": {"stage": stage},
+            "gradient_clipping": CLIP, "pipeline": {"schedule": schedule, **pipeline}}
+
+
+def _reference(dp: int, optimizer: str) -> dict:
+    model = nn.Sequential(*_layers())
+    opt = _optimizer(model.parameters(), optimizer)
+    losses, norms = [], []
+    for step in _batches(dp):
+        total = 0.0
+        for rank in step:
+            for x, y in rank:
+                loss = nn.functional.mse_loss(model(x), y)
+                (loss / (M * dp)).backward()
+                total += float(loss.detach())
+        losses.append(total / (M * dp))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "model": model,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _train(combos: list) -> dict:
+    """On every rank: for each (stage, optimizer, schedule) train STEPS batches; this rank's
+    weights (by global layer name), the returned losses, then an eval_batch loss."""
+    import zerotrain
+    from zerotrain.pipeline import PipelineModule
+
+    zerotrain.init_distributed()
+    out = {}
+    for stage, optimizer, schedule in combos:
+        model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
+                               partition_method="uniform", virtual_stages=V)
+        dp = model.mpu().get_data_parallel_world_size()
+        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
+                                          config=_config(dp, stage, schedule, virtual_stages=V))
+        rank = engine.topology.data_rank
+        losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
+        eval_batches = _batches(dp, steps=STEPS + 1)[STEPS][rank]
+        out[(stage, optimizer, schedule)] = {
+            "losses": losses, "layers": list(model._local_layers), "skipped": engine.skipped_steps,
+            "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "eval": float(engine.eval_batch(iter(eval_batches)))}
+        engine.destroy()
+    return out
+
+
+def _check(results: list, dp: int) -> list[str]:
+    failures = []
+    for combo in results[0]:
+        stage, optimizer, schedule = combo
+        ref = _reference(dp, optimizer)
+        assert min(ref["norms"]) > CLIP, "clipping must be active at every step"
+        what = f"D={dp} V={V} stage {stage} {optimizer} {schedule}"
+        whole = {}
+        for rank, res in enumerate(results):
+            got = res[combo]
+            pipe_rank = rank // dp  # the topology's pipe axis is outermost
+            assert got["layers"] == [pipe_rank * 2, pipe_rank * 2 + 1, 4 + pipe_rank * 2, 5 + pipe_rank * 2]
+            assert got["skipped"] == 0
+            whole.update(got["weights"])
+            for name, value in got["weights"].items():
+                want = ref["weights"][name]
+                err = float((value - want).norm() / want.norm())
+                if not err <= 1e-6:
+                    failures.append(f"{what} rank {rank}: {name} relative error {err:.2e}")
+            for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+                if not abs(a - b) <= 1e-6 * abs(b):
+                    failures.append(f"{what} rank {rank}: step {step} loss {a} != reference {b}")
+            if got["losses"] != results[0][combo]["losses"] or got["eval"] != results[0][combo]["eval"]:
+                failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
+        assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
+        with torch.no_grad():
+            batches = _batches(dp, steps=STEPS + 1)[STEPS]
+            want = float(torch.stack([nn.functional.mse_loss(ref["model"](x), y)
+                                      for rank in batches for x, y in rank]).mean())
+        if not abs(results[0][combo]["eval"] - want) <= 1e-6 * want:
+            failures.append(f"{what}: eval loss {results[0][combo]['eval']} != reference {want}")
+    return failures
+
+
+TWO_RANKS = [(stage, opt, "interleaved_1f1b") for stage in (0, 1, 2) for opt in ("sgd", "adamw")]
+TWO_RANKS += [(0, "sgd", "looped_bfs"), (2, "adamw", "looped_bfs")]
+
+
+def test_interleaved_two_ranks_match_single_process():
+    results = run_on_ranks(_train, world_size=2, args=(TWO_RANKS,), timeout=900)
+    failures = _check(results, dp=1)
+    assert not failures, "\n".join(failures)
+
+
+FOUR_RANKS = [(0, "adamw", "interleaved_1f1b"), (1, "sgd", "interleaved_1f1b"), (2, "adamw", "interleaved_1f1b"),
+              (2, "sgd", "interleaved_1f1b"), (1, "adamw", "looped_bfs")]
+
+
+def test_interleaved_two_replicas_match_single_process():
+    results = run_on_ranks(_train, world_size=4, args=(FOUR_RANKS,), timeout=900)
+    failures = _check(results, dp=2)
+    assert not failures, "\n".join(failures)
+
+
+# -- a tied embedding in three virtual stages -----------------------------------------------
+VOCAB, WIDTH, SEQ, TIED_LR = 11, 8, 5, 0.2
+
+
+def _head(embedding, x):
+    return x @ embedding.weight.t()
+
+
+def _mix(embedding, x):
+    return torch.tanh(x @ embedding.weight.t()) @ embedding.weight
+
+
+def _lm_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _tied_specs():
+    """8 layers, 4 virtual stages of 2: the embedding runs at layer 0 (rank 0, chunk 0), 4 (rank
+    0, chunk 1, through ``_mix``) and 7 (rank 1, chunk 1, the head)."""
+    from zerotrain.pipeline import LayerSpec, TiedLayerSpec
+
+    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), LayerSpec(nn.Linear, WIDTH, WIDTH), nn.Tanh(),
+            LayerSpec(nn.Linear, WIDTH, WIDTH), TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_mix),
+            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.LayerNorm, WIDTH),
+            TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head)]
+
+
+def _tied_batches(dp: int) -> list:
+    g = torch.Generator().manual_seed(3)
+    return [[[(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
+              for _ in range(M)] for _ in range(dp)] for _ in range(STEPS)]
+
+
+def _tied_reference(dp: int) -> dict:
+    """The layers as PipelineModule(seed_layers=True) builds them (seed 1234 + index; the tied
+    module is the one built at its first index), trained in one process."""
+    from zerotrain.pipeline import LayerSpec
+    from zerotrain.seeding import set_random_seed
+
+    specs, layers = _tied_specs(), {}
+    for idx, spec in enumerate(specs):
+        if isinstance(spec, LayerSpec) and idx not in (4, 7):
+            set_random_seed(1234 + idx)
+            layers[idx] = spec.build()
+    embed = layers[0]
+    named = {f"tied_modules.embed.{n}": p for n, p in embed.named_parameters()}
+    named.update({f"{i}.{n}": p for i, layer in layers.items() if i != 0 for n, p in layer.named_parameters()})
+    opt = torch.optim.SGD(list(named.values()), lr=TIED_LR, momentum=0.9)
+    norms = []
+    for step in _tied_batches(dp):
+        for rank in step:
+            for ids, labels in rank:
+                x = embed(ids)
+                x = layers[3](torch.tanh(layers[1](x)))
+                x = layers[6](layers[5](_mix(embed, x)))
+                (_lm_loss(_head(embed, x), labels) / (M * dp)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(named.values()), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > CLIP, f"clipping must be active at every step: {norms}"
+    return {n: p.detach().clone() for n, p in named.items()}
+
+
+def _train_tied(stages: list) -> dict:
+    import zerotrain
+    from zerotrain.pipeline import PipelineModule
+
+    zerotrain.init_distributed()
+    out = {}
+    for stage in stages:
+        model = PipelineModule(_tied_specs(), num_stages=2, loss_fn=_lm_loss, partition_method="uniform",
+                               seed_layers=True, base_seed=1234, virtual_stages=V)
+        dp = model.mpu().get_data_parallel_world_size()
+        engine, *_ = zerotrain.initialize(
+            model=model, optimizer=lambda p: torch.optim.SGD(p, lr=TIED_LR, momentum=0.9),
+            config=_config(dp, stage, "interleaved_1f1b"))
+        rank = engine.topology.data_rank
+        tied = []
+        for step in _tied_batches(dp):
+            engine.train_batch(iter(step[rank]))
+            tied.append(engine.module.tied_modules["embed"].weight.detach().clone())
+        out[stage] = {"tied": tied, "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        engine.destroy()
+    return out
+
+
+def test_tied_embedding_across_chunks_matches_single_process():
+    results = run_on_ranks(_train_tied, world_size=2, args=([0, 1, 2],), timeout=900)
+    ref = _tied_reference(dp=1)
+    failures = []
+    for stage in (0, 1, 2):
+        for step in range(STEPS):
+            if not torch.equal(results[0][stage]["tied"][step], results[1][stage]["tied"][step]):
+                failures.append(f"stage {stage} step {step}: the embedding's copies differ")
+        for rank, res in enumerate(results):
+            for name, value in res[stage]["weights"].items():
+                err = float((value - ref[name]).norm() / ref[name].norm())
+                if not err <= 1e-6:
+                    failures.append(f"stage {stage} rank {rank}: {name} relative error {err:.2e}")
+        assert sorted(set(results[0][stage]["weights"]) | set(results[1][stage]["weights"])) == sorted(ref)
+    assert not failures, "\n".join(failures)
+
+
+# -- one-line errors -------------------------------------------------------------------------
+def _errors() -> dict:
+    import zerotrain
+    from zerotrain.pipeline import PipelineModule
+
+    zerotrain.init_distributed()
+    out = {}
+
+    def attempt(name, virtual, config):
+        try:
+            model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
+                                   partition_method="uniform", virtual_stages=virtual)
+            engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "sgd"), config=config)
+            out[name] = None
+            engine.destroy()
+        except (ValueError, TypeError) as error:
+            out[name] = str(error)
+
+    attempt("one_chunk", 1, _config(1, 0, "interleaved_1f1b"))
+    attempt("bfs_one_chunk", 1, _config(1, 0, "looped_bfs"))
+    attempt("single_stage_schedule", V, _config(1, 0, "1f1b"))
+    attempt("micro_batches", V, _config(1, 1, "interleaved_1f1b", m=5))
+    attempt("config_disagrees", V, _config(1, 0, "interleaved_1f1b", virtual_stages=3))
+    attempt("zero", 0, _config(1, 0, "interleaved_1f1b"))
+    attempt("three_ok", V, _config(1, 0, "interleaved_1f1b", m=3))  # torch splits 3 in one round
+    return out
+
+
+def test_bad_virtual_stage_combinations_give_one_line():
+    results = run_on_ranks(_errors, world_size=2, timeout=600)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert errors["three_ok"] is None
+    for name, text in errors.items():
+        if name != "three_ok":
+            assert text is not None and "\n" not in text and "Traceback" not in text, (name, text)
+    assert errors["one_chunk"].startswith("pipeline.schedule='interleaved_1f1b' runs several model chunks")
+    assert "virtual_stages=2" in errors["one_chunk"]
+    assert errors["bfs_one_chunk"].startswith("pipeline.schedule='looped_bfs' runs several model chunks")
+    assert errors["single_stage_schedule"].startswith("pipeline.schedule='1f1b' runs one stage per rank")
+    assert "gradient_accumulation_steps" in errors["micro_batches"]
+    assert "multiple of 2" in errors["micro_batches"]
+    assert errors["config_disagrees"].startswith("pipeline.virtual_stages=3 but the PipelineModule was built "
+                                                 "with virtual_stages=2")
+    assert errors["zero"].startswith("PipelineModule: virtual_stages must be a positive int")
+
+
+def test_config_keys():
+    from zerotrain.config import ConfigError, ZeroTrainConfig
+
+    cfg = ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": "Interleaved_1F1B", "virtual_stages": 4}})
+    assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved_1f1b", 4)
+    assert ZeroTrainConfig(train_batch_size=8).pipeline.virtual_stages == "auto"
+    for bad in ({"virtual_stages": 0}, {"schedule": "zero_bubble"}):
+        with pytest.raises((ConfigError, ValueError)):
+            ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": bad})
