@@ -24,6 +24,9 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     use_reentrant: bool = True
-    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs"], BeforeValidator(lower)] = "1f1b"
+    # zerotrain: time each stage's forward/backward per batch (busy/idle per stage; off: no cost).
+    timeline: bool = False
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs",
+                                "zero_bubble"], BeforeValidator(lower)] = "1f1b"
     # zerotrain: model chunks per pipeline rank; "auto" takes PipelineModule(virtual_stages=).
     virtual_stages: Union[Literal["auto"], PosInt] = "auto"

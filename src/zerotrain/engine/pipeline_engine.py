@@ -23,6 +23,7 @@ One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps``
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -30,8 +31,10 @@ from zerotrain.comm import collectives
 from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
 from zerotrain.engine.timers import STEP
+from zerotrain.log import log_rank0
 from zerotrain.pipeline.schedule import StageRunner
 from zerotrain.pipeline.specs import PipelineError, TiedLayerSpec
+from zerotrain.pipeline import timeline as _timeline
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 
@@ -82,6 +85,15 @@ class PipelineEngine(ZeroTrainEngine):
         self.total_loss = None
         self.agg_train_loss = None
         self.dp_group_loss = None
+        # Seed 001's idle time ("pipeline": {"timeline": true}): per-stage events of the last batch.
+        self._clock = None
+        self._last_timeline: list = []
+        self._last_bubble: dict | None = None
+        if pipe.timeline:
+            sync = self.accelerator.synchronize if self.device.type != "cpu" else None
+            self._clock = _timeline.StageClock(self.stage_id, sync)
+            self._runner.clock = self._clock  # the last stage's loss counts as its forward
+        self._print_window = [0.0, 0]  # DeepSpeed's "iter time": seconds and batches since the last print
         if training_dataloader is not None:
             self.training_dataloader = training_dataloader
             self.set_dataiterator(iter(RepeatingLoader(training_dataloader)))
@@ -151,17 +163,24 @@ class PipelineEngine(ZeroTrainEngine):
             raise _pipeline_error("train_batch() requires gradients enabled. Use eval_batch() instead.")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        started = time.perf_counter()
         self.module.train()
         m = self.micro_batches
         inputs, labels = self._pull(m, self.data_iterator)
         factor = self.loss_scaler.loss_scale / m
         self._zero.begin_backward(False, True)  # accumulate locally for the whole schedule
         try:
+            self._begin_timeline()
             losses, _ = self._runner.run(inputs, labels, m, train=True, factor=factor)
+            self._finish_timeline()
         except BaseException:
+            if self._clock is not None:
+                self._clock.active = False
             self._zero.abort_backward()
             raise
         self._zero.end_backward()
+        if self._runner.assigns_grads:  # zero-bubble weight steps wrote .grad past the hooks
+            self._fold_assigned_grads()
         # Summed where the stage accumulates them (not .grad with fp32 accumulation of 16-bit weights).
         self.module.allreduce_tied_weight_gradients(self._zero.accumulated_grad)
         self._reduce_gradients()
@@ -173,7 +192,82 @@ class PipelineEngine(ZeroTrainEngine):
         self.total_loss = self.agg_train_loss = loss
         self._window_losses.append(loss)
         self._log_step()
+        self._log_pipeline_step(time.perf_counter() - started)
         return loss
+
+    # -- seed 001's idle time ---------------------------------------------------------------
+    def _begin_timeline(self) -> None:
+        """Every stage starts its clock at one moment: right after a barrier over the pipe group."""
+        if self._clock is None:
+            return
+        self._clock.attach(self._runner)  # torch's stages are rebuilt when the shapes change
+        if self.num_stages > 1:
+            collectives.barrier(group=self.topology.group("pipe"))
+        self._clock.begin()
+
+    def _finish_timeline(self) -> None:
+        """Closing barrier, then every stage's events on every stage of the pipe group."""
+        if self._clock is None:
+            return
+        if self.num_stages > 1:
+            collectives.barrier(group=self.topology.group("pipe"))
+        span = self._clock.finish()
+        events, spans = _timeline.gather_timeline(self._clock.events, span, self.stage_id, self.num_stages,
+                                                  self.topology.group("pipe"), self.device)
+        self._last_timeline = events
+        self._last_bubble = _timeline.summarize(events, self.num_stages, self.micro_batches, max(spans))
+
+    def pipeline_timeline(self) -> list:
+        """The last ``train_batch``'s events of every stage of this replica's pipeline, on every
+        stage: ``PipelineEvent(stage, kind, start, end)`` tuples (kind ``"forward"`` or
+        ``"backward"``, seconds from the batch's start). Needs ``"pipeline": {"timeline": true}``."""
+        self._need_timeline("pipeline_timeline()")
+        return list(self._last_timeline)
+
+    def pipeline_bubble(self) -> dict | None:
+        """The last batch's busy/idle seconds and idle share per stage beside the ideal bubble
+        (P-1)/(M+P-1) (``zerotrain.pipeline.timeline.summarize``); None before the first batch."""
+        self._need_timeline("pipeline_bubble()")
+        return self._last_bubble
+
+    def save_pipeline_timeline(self, path) -> None:
+        """Write the last batch's timeline as JSON for ``python -m zerotrain.pipeline.timeline``
+        (call it on one rank, e.g. the first stage)."""
+        self._need_timeline("save_pipeline_timeline()")
+        if self._last_bubble is None:
+            raise ValueError("save_pipeline_timeline(): no batch timed yet; call train_batch() first")
+        _timeline.save_timeline(path, self._last_timeline, self.num_stages, self.micro_batches,
+                                self._last_bubble["duration"], schedule=self._runner.schedule_name)
+
+    def _need_timeline(self, what: str) -> None:
+        if self._clock is None:
+            raise ValueError(f"{what}: the pipeline timeline is off; set \"pipeline\": {{\"timeline\": true}} "
+                             "in the config")
+
+    def _log_pipeline_step(self, elapsed: float) -> None:
+        """DeepSpeed's pipeline line every ``steps_per_print`` (global rank 0) and, with the
+        timeline on, zerotrain's busy/idle line; the monitors get the bubble every step."""
+        if self._last_bubble is not None and self.is_first_stage() and self.monitor.monitors:
+            self.monitor.write_events(_timeline.monitor_events(self._last_bubble, self.global_samples))
+        window = self._print_window
+        window[0] += elapsed
+        window[1] += 1
+        every = self._config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        iter_time = window[0] / max(window[1], 1)
+        self._print_window = [0.0, 0]
+        tput = self.train_batch_size() / max(iter_time, 1e-12)
+        log_rank0(f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} "
+                  f"iter time (s): {iter_time:0.3f} samples/sec: {tput:0.3f}")
+        if self._last_bubble is not None:
+            log_rank0(_timeline.describe(self._last_bubble))
+
+    def _fold_assigned_grads(self) -> None:
+        """Bring every ``.grad`` a schedule assigned by hand into the stage's gradient buffers
+        (``accumulated_grad`` adopts a replaced ``.grad``), before the batch's reduction."""
+        for param in self.module.parameters():
+            self._zero.accumulated_grad(param)
 
     def _reduce_gradients(self) -> None:
         """The batch's one reduction over the data group: a boundary pass that computes no

@@ -18,9 +18,10 @@ last stage, the module's ``loss_fn`` and the gradient scale.
 - Virtual stages (``PipelineModule(virtual_stages=V)``, V >= 2): one ``PipelineStage`` per local
   chunk ``c`` (virtual stage ``c * P + rank`` of ``P * V``, torch's looped layout), all handed to
   torch's multi-stage schedule (``"interleaved_1f1b"``: ``ScheduleInterleaved1F1B``,
-  ``"looped_bfs"``: ``ScheduleLoopedBFS``). Both run full backwards, so the gradient hooks fire
-  as with one stage. torch's zero-bubble schedules are not offered: their weight steps assign
-  ``.grad`` by hand, past the hooks that defer the gradient reduction.
+  ``"looped_bfs"``: ``ScheduleLoopedBFS``, ``"zero_bubble"``: ``ScheduleInterleavedZeroBubble``).
+  The first two run full backwards, so the gradient hooks fire as with one stage; zero-bubble's
+  weight steps assign ``.grad`` by hand, past the hooks (``assigns_grads``): the engine folds
+  every ``.grad`` into its gradient buffers before the batch's one reduction.
 - Shapes (``ShapeAgreement``): before every batch the first stage broadcasts, over the pipe
   group, a key of its micro-batches' input shapes and dtypes. When it changes, every stage
   rebuilds its ``PipelineStage`` and schedules (torch infers again) if the module has
@@ -39,17 +40,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 # The schedules offered (tested against single-process training; docs/pipeline.md).
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs")  # V >= 2 model chunks per rank
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zero_bubble")  # V >= 2 model chunks per rank
+WEIGHT_STEP_SCHEDULES = ("zero_bubble",)  # weight gradients assigned to .grad outside autograd's hooks
 DEFAULT_SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is synchronous 1F1B
 
 
 def _schedule_class(name: str):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+                                              ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 
     return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
-            "looped_bfs": ScheduleLoopedBFS}[name]
+            "looped_bfs": ScheduleLoopedBFS, "zero_bubble": ScheduleInterleavedZeroBubble}[name]
 
 
 def check_schedule(schedule: str, virtual_stages: int) -> None:
@@ -62,7 +64,8 @@ def check_schedule(schedule: str, virtual_stages: int) -> None:
                          "or use \"1f1b\"/\"gpipe\"")
     if schedule not in MULTI_STAGE_SCHEDULES and virtual_stages > 1:
         raise ValueError(f"pipeline.schedule={schedule!r} runs one stage per rank but the PipelineModule has "
-                         f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\" or \"looped_bfs\", or "
+                         f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\", \"looped_bfs\" or "
+                         "\"zero_bubble\", or "
                          "build the PipelineModule with virtual_stages=1")
 
 
@@ -106,6 +109,8 @@ class StageRunner:
         check_torch_supports_pipelining()
         check_schedule(schedule, virtual_stages)
         self.virtual_stages = virtual_stages
+        # The schedule's weight steps write .grad by hand: the caller folds .grad in after run().
+        self.assigns_grads = schedule in WEIGHT_STEP_SCHEDULES
         self.module = module
         self.stage_id, self.num_stages = stage_id, num_stages
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
@@ -161,6 +166,9 @@ class StageRunner:
                              f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
         # Metadata inference calls this once before the micro-batches: by index, the real call wins.
         self._losses[i] = loss.detach()
+        clock = getattr(self, "clock", None)  # the engine's timeline (StageClock): the loss is forward work
+        if clock is not None:
+            clock.extend_last("forward")
         return loss if self._factor == 1.0 else loss.float() * self._factor
 
     def _schedule(self, n: int):

@@ -1,0 +1,328 @@
+"""Seed 001's view of idle time for the pipeline engine: per stage, when it computed (forward,
+backward) during one ``train_batch`` and when it waited, beside the ideal bubble (P-1)/(M+P-1).
+
+- ``StageClock`` records one stage's events (``PipelineEvent(stage, kind, start, end)``, seconds
+  from the batch's start) by wrapping torch's ``PipelineStage.forward_one_chunk`` and
+  ``backward_one_chunk`` (the stage module's forward, and the autograd backward of its outputs);
+  on the last stage the loss computed on a micro-batch's outputs counts as part of its forward.
+  The batch starts and ends at a barrier over the pipe group, so every stage's clock starts at
+  the same moment (to within the barrier's exit skew). With a ``sync`` (the accelerator's
+  synchronize, CUDA only) every reading waits for the device.
+- ``gather_timeline`` puts every stage's events on every stage of the pipe group (two small
+  collectives); ``summarize`` gives busy, idle and idle share per stage: idle = duration - busy,
+  share = 1 - busy / duration, duration = the longest stage's span of the batch.
+- ``save_timeline``/``load_timeline``: a JSON file; ``write_svg`` (no dependency) and
+  ``write_png`` (matplotlib, optional) draw stages x time, forward/backward/idle.
+
+Command line: ``python -m zerotrain.pipeline.timeline FILE.json --out timeline.png`` (or
+``.svg``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable, NamedTuple, Sequence
+
+KINDS = ("forward", "backward")
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "idle": "#d9d9d9"}
+
+
+class PipelineEvent(NamedTuple):
+    stage: int
+    kind: str  # "forward" or "backward"
+    start: float  # seconds from the batch's start
+    end: float
+
+
+def ideal_bubble(num_stages: int, micro_batches: int) -> float:
+    """The idle share of every stage with equal stages and free communication: (P-1)/(M+P-1)."""
+    return (num_stages - 1) / (micro_batches + num_stages - 1)
+
+
+class StageClock:
+    """One stage's recorder; ``active`` only between ``begin()`` and ``finish()``."""
+
+    def __init__(self, stage_id: int, sync: Callable[[], None] | None = None):
+        self.stage_id = stage_id
+        self.sync = sync
+        self.active = False
+        self.events: list[PipelineEvent] = []
+        self._t0 = 0.0
+
+    def now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter() - self._t0
+
+    def begin(self) -> None:
+        """Start the batch's clock (call right after the pipe group's barrier)."""
+        self.events = []
+        if self.sync is not None:
+            self.sync()
+        self._t0 = time.perf_counter()
+        self.active = True
+
+    def finish(self) -> float:
+        """Stop recording; the batch's span on this stage (call right after the closing barrier)."""
+        self.active = False
+        return self.now()
+
+    def record(self, kind: str, start: float) -> None:
+        self.events.append(PipelineEvent(self.stage_id, kind, start, self.now()))
+
+    def extend_last(self, kind: str) -> None:
+        """Stretch the latest ``kind`` event to now (the last stage's loss after its forward)."""
+        if self.active and self.events and self.events[-1].kind == kind:
+            self.events[-1] = self.events[-1]._replace(end=self.now())
+
+    def attach(self, runner) -> None:
+        """Time every torch stage of a ``StageRunner`` not timed yet (they are rebuilt when the
+        input shapes change: call it before every batch)."""
+        for stage in getattr(runner, "stages", None) or [runner.stage]:
+            if not getattr(stage, "_zerotrain_clock", None) is self:
+                self.wrap(stage)
+                stage._zerotrain_clock = self
+
+    def wrap(self, stage) -> None:
+        """Time torch's ``stage.forward_one_chunk``/``backward_one_chunk`` (instance attributes:
+        the class is untouched). Costs one attribute test per call when inactive."""
+        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+            setattr(stage, name, self._timed(getattr(stage, name), kind))
+
+    def _timed(self, fn, kind: str):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            start = self.now()
+            out = fn(*args, **kwargs)
+            self.record(kind, start)
+            return out
+
+        timed.__wrapped__ = fn
+        return timed
+
+
+def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int, num_stages: int,
+                    group, device) -> tuple[list[PipelineEvent], list[float]]:
+    """Every stage's events and spans on every stage of the pipe ``group`` (its rank i is stage i).
+    Collective over the group."""
+    if num_stages == 1:
+        return list(events), [span]
+    import torch
+
+    from zerotrain.comm import collectives
+
+    count = torch.tensor([len(events)], dtype=torch.int64, device=device)
+    collectives.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+    rows = int(count.item())
+    width = 1 + 3 * rows  # span, then (kind, start, end) per event; kind -1: padding
+    shard = torch.full((width,), -1.0, dtype=torch.float64)
+    shard[0] = span
+    for i, event in enumerate(events):
+        shard[1 + 3 * i:4 + 3 * i] = torch.tensor([KINDS.index(event.kind), event.start, event.end],
+                                                 dtype=torch.float64)
+    out = torch.empty(width * num_stages, dtype=torch.float64, device=device)
+    collectives.all_gather_into(out, shard.to(device), group=group)
+    table = out.cpu().view(num_stages, width)
+    gathered, spans = [], []
+    for stage in range(num_stages):
+        spans.append(float(table[stage, 0]))
+        for i in range(rows):
+            kind, start, end = table[stage, 1 + 3 * i:4 + 3 * i].tolist()
+            if kind >= 0:
+                gathered.append(PipelineEvent(stage, KINDS[int(kind)], start, end))
+    return gathered, spans
+
+
+def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
+              duration: float) -> dict:
+    """Busy (forward + backward) and idle seconds per stage over ``duration``, the idle share
+    (``1 - busy / duration``) and the ideal bubble (P-1)/(M+P-1)."""
+    stages = []
+    for s in range(num_stages):
+        mine = [e for e in events if e.stage == s]
+        forward = sum(e.end - e.start for e in mine if e.kind == "forward")
+        backward = sum(e.end - e.start for e in mine if e.kind == "backward")
+        busy = forward + backward
+        stages.append({"stage": s, "forward": forward, "backward": backward, "busy": busy,
+                       "idle": max(duration - busy, 0.0),
+                       "idle_share": 1.0 - busy / duration if duration > 0 else 0.0})
+    return {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
+            "ideal_bubble": ideal_bubble(num_stages, micro_batches), "stages": stages}
+
+
+def describe(summary: dict) -> str:
+    """The step log's zerotrain line: busy/idle per stage beside the ideal bubble."""
+    parts = [f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} idle {s['idle'] * 1e3:.1f} "
+             f"({s['idle_share']:.1%})" for s in summary["stages"]]
+    return (f"pipeline batch {summary['duration'] * 1e3:.1f} ms (P={summary['num_stages']}, "
+            f"M={summary['micro_batches']}, ideal bubble {summary['ideal_bubble']:.1%}) | "
+            + " | ".join(parts))
+
+
+def monitor_events(summary: dict, step: int) -> list[tuple[str, float, int]]:
+    events = [("Train/Pipeline/ideal_bubble", summary["ideal_bubble"], step),
+              ("Train/Pipeline/batch_ms", summary["duration"] * 1e3, step)]
+    for s in summary["stages"]:
+        i = s["stage"]
+        events += [(f"Train/Pipeline/stage{i}_busy_ms", s["busy"] * 1e3, step),
+                   (f"Train/Pipeline/stage{i}_idle_ms", s["idle"] * 1e3, step),
+                   (f"Train/Pipeline/stage{i}_idle_share", s["idle_share"], step)]
+    return events
+
+
+# -- files and pictures ---------------------------------------------------------------------
+def save_timeline(path, events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
+                  duration: float, schedule: str = "") -> None:
+    doc = {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
+           "schedule": schedule, "events": [list(e) for e in events]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def load_timeline(path) -> dict:
+    """A file ``save_timeline`` wrote (plain JSON; its ``events`` become ``PipelineEvent``s).
+    Raises ``ValueError`` naming what is wrong."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        events = [PipelineEvent(int(s), str(k), float(a), float(b)) for s, k, a, b in doc["events"]]
+        doc["num_stages"], doc["micro_batches"] = int(doc["num_stages"]), int(doc["micro_batches"])
+        doc["duration"] = float(doc["duration"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a pipeline timeline written by engine.save_pipeline_timeline "
+                         f"({type(error).__name__}: {error})") from None
+    bad = [e for e in events if e.kind not in KINDS or not 0 <= e.stage < doc["num_stages"]]
+    if bad:
+        raise ValueError(f"{path}: event {list(bad[0])} has an unknown kind or stage")
+    doc["events"] = events
+    return doc
+
+
+def _title(doc: dict) -> str:
+    summary = summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"])
+    shares = ", ".join(f"{s['idle_share']:.0%}" for s in summary["stages"])
+    name = f"{doc.get('schedule') or 'pipeline'}: "
+    return (f"{name}P={doc['num_stages']} M={doc['micro_batches']}, idle per stage {shares} "
+            f"(ideal {summary['ideal_bubble']:.0%})")
+
+
+def _labels(events: Sequence[PipelineEvent]) -> list[str]:
+    """Micro-batch numbers: each stage runs its forwards, and its backwards, in micro-batch order."""
+    seen: dict[tuple[int, str], int] = {}
+    labels = []
+    for e in events:
+        i = seen.get((e.stage, e.kind), 0)
+        seen[(e.stage, e.kind)] = i + 1
+        labels.append(f"{'F' if e.kind == 'forward' else 'B'}{i}")
+    return labels
+
+
+def write_svg(doc: dict, path, width: int = 960, row: int = 40) -> None:
+    """Stages x time as SVG (no dependency): a grey idle bar per stage under its forward (blue)
+    and backward (orange) boxes, labelled F<i>/B<i> by micro-batch."""
+    from xml.sax.saxutils import escape
+
+    p, duration = doc["num_stages"], max(doc["duration"], 1e-12)
+    left, top = 80, 40
+    plot = width - left - 20
+    height = top + p * row + 50
+    x = lambda t: left + plot * min(max(t, 0.0), duration) / duration  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<text x="{left}" y="20">{escape(_title(doc))}</text>']
+    for s in range(p):
+        y = top + s * row
+        out.append(f'<text x="10" y="{y + row * 0.6:.1f}">stage {s}</text>')
+        out.append(f'<rect x="{left}" y="{y + 4}" width="{plot}" height="{row - 8}" '
+                   f'fill="{COLOURS["idle"]}"/>')
+    for e, label in zip(doc["events"], _labels(doc["events"])):
+        y = top + e.stage * row
+        x0, x1 = x(e.start), x(e.end)
+        out.append(f'<rect x="{x0:.2f}" y="{y + 4}" width="{max(x1 - x0, 0.5):.2f}" height="{row - 8}" '
+                   f'fill="{COLOURS[e.kind]}" stroke="white" stroke-width="0.5"/>')
+        if x1 - x0 > 18:
+            out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row * 0.6:.1f}" text-anchor="middle" '
+                       f'fill="white">{label}</text>')
+    axis = top + p * row + 15
+    out.append(f'<text x="{left}" y="{axis}">0 ms</text>')
+    out.append(f'<text x="{left + plot}" y="{axis}" text-anchor="end">{duration * 1e3:.1f} ms</text>')
+    for i, (kind, colour) in enumerate(COLOURS.items()):
+        lx = left + i * 110
+        out.append(f'<rect x="{lx}" y="{axis + 10}" width="12" height="12" fill="{colour}"/>')
+        out.append(f'<text x="{lx + 16}" y="{axis + 21}">{kind}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def write_png(doc: dict, path, dpi: int = 100) -> None:
+    """The same picture through matplotlib (an optional extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise ImportError("the PNG timeline needs matplotlib: pip install matplotlib "
+                          "(or write an .svg, which needs nothing)") from None
+    p, duration = doc["num_stages"], doc["duration"] * 1e3
+    fig, ax = plt.subplots(figsize=(10, 0.7 * p + 1.4), dpi=dpi)
+    try:
+        for s in range(p):
+            ax.barh(s, duration, left=0, height=0.8, color=COLOURS["idle"])
+        for e, label in zip(doc["events"], _labels(doc["events"])):
+            w = (e.end - e.start) * 1e3
+            ax.barh(e.stage, w, left=e.start * 1e3, height=0.8, color=COLOURS[e.kind],
+                    edgecolor="white", linewidth=0.5)
+            if w > duration / 40:
+                ax.text(e.start * 1e3 + w / 2, e.stage, label, ha="center", va="center",
+                        color="white", fontsize=8)
+        ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, duration)
+        ax.set_xlabel("time in the batch (ms)")
+        ax.set_title(_title(doc), fontsize=10)
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
+                  bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2), ncol=3, frameon=False)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def write_picture(doc: dict, path) -> None:
+    """SVG for ``.svg`` paths, otherwise matplotlib (PNG, PDF, ... by the suffix)."""
+    if str(path).lower().endswith(".svg"):
+        write_svg(doc, path)
+    else:
+        write_png(doc, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zerotrain.pipeline.timeline",
+        description="Draw a pipeline timeline (stages x time, forward/backward/idle) from the JSON "
+                    "file engine.save_pipeline_timeline() wrote.")
+    parser.add_argument("timeline", help="the timeline JSON file")
+    parser.add_argument("--out", default="timeline.png",
+                        help="picture to write: .svg (no dependency) or .png/.pdf (needs matplotlib)")
+    args = parser.parse_args(argv)
+    try:
+        doc = load_timeline(args.timeline)
+        write_picture(doc, args.out)
+    except (ValueError, ImportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summary = summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"])
+    print(describe(summary))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
