@@ -63,11 +63,23 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _run(schedule: str, m: int, timeline: bool, out_dir: str, steps: int = 2) -> dict:
+LOSS_SLEEP = 0.01
+
+
+def _slow_loss(outputs, labels):
+    """The loss counts as the last stage's forward: each forward lasts at least this sleep."""
+    import time
+
+    time.sleep(LOSS_SLEEP)
+    return nn.functional.mse_loss(outputs, labels)
+
+
+def _run(schedule: str, m: int, timeline: bool, out_dir: str, steps: int = 2, slow_loss: bool = False) -> dict:
     import zerotrain
     from zerotrain.pipeline import PipelineModule
 
-    model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    loss_fn = _slow_loss if slow_loss else nn.functional.mse_loss
+    model = PipelineModule(_layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     rank = model.mpu().get_pipe_parallel_rank()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
               "train_batch_size": MICRO * m, "steps_per_print": 1,
@@ -110,7 +122,8 @@ def _ranks(out_dir: str) -> dict:
     zerotrain.init_distributed()
     results = {}
     for schedule, m in (("1f1b", 4), ("gpipe", 4), ("gpipe", 1)):
-        results[(schedule, m)] = _run(schedule, m, True, out_dir, steps=3 if m == 1 else 2)
+        results[(schedule, m)] = _run(schedule, m, True, out_dir, steps=3 if m == 1 else 2,
+                                      slow_loss=schedule == "gpipe" and m == 4)
     results["off"] = _run("1f1b", 4, False, out_dir)
     return results
 
@@ -196,6 +209,9 @@ def test_timeline_p2(tmp_path):
                 assert rows[s]["idle_share"] >= others / duration - 1e-9, (s, rows)
             mean = sum(r["idle_share"] for r in rows) / 2
             assert mean >= tl.ideal_bubble(2, 1) - 1e-9, rows
+    # The last stage's loss is part of its forward (a lower bound: the loss sleeps).
+    forwards = [tl.PipelineEvent(*e) for e in results[0][("gpipe", 4)]["events"]]
+    assert all(e.end - e.start >= LOSS_SLEEP for e in forwards if e.stage == 1 and e.kind == "forward")
     # Timing changes nothing: the same weights as the run with the timeline off.
     for res in results:
         for name, value in res["off"]["weights"].items():
