@@ -158,6 +158,7 @@ def _check_timeline(schedule: str, m: int, results: list) -> dict:
         row = bubble["stages"][s]
         busy = sum(e.end - e.start for e in mine)
         assert row["busy"] == pytest.approx(busy, rel=1e-12, abs=1e-12)
+        assert row["weight"] == 0.0  # no weight steps: full backwards
         assert row["forward"] + row["backward"] == pytest.approx(busy, rel=1e-12)
         assert row["idle_share"] == pytest.approx(1.0 - row["busy"] / duration, rel=1e-12)
         assert row["idle"] == pytest.approx(duration - row["busy"], rel=1e-12)
@@ -248,7 +249,7 @@ def test_svg_picture(tmp_path):
     svg = out.read_text()
     assert svg.startswith("<svg") and 'width="960"' in svg
     fills = re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"', svg)
-    # one idle bar per stage + 8 forward and 8 backward boxes + the three legend swatches
+    # one idle bar per stage + 8 forward and 8 backward boxes + one legend swatch each
     assert fills.count(tl.COLOURS["forward"]) == 8 + 1
     assert fills.count(tl.COLOURS["backward"]) == 8 + 1
     assert fills.count(tl.COLOURS["idle"]) == 2 + 1

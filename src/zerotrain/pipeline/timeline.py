@@ -26,13 +26,14 @@ import sys
 import time
 from typing import Callable, NamedTuple, Sequence
 
-KINDS = ("forward", "backward")
-COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "idle": "#d9d9d9"}
+# "weight": the separate weight-gradient step of zero-bubble schedules (backward_weight_one_chunk).
+KINDS = ("forward", "backward", "weight")
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#55a868", "idle": "#d9d9d9"}
 
 
 class PipelineEvent(NamedTuple):
     stage: int
-    kind: str  # "forward" or "backward"
+    kind: str  # "forward", "backward" or "weight"
     start: float  # seconds from the batch's start
     end: float
 
@@ -89,8 +90,10 @@ class StageClock:
     def wrap(self, stage) -> None:
         """Time torch's ``stage.forward_one_chunk``/``backward_one_chunk`` (instance attributes:
         the class is untouched). Costs one attribute test per call when inactive."""
-        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
-            setattr(stage, name, self._timed(getattr(stage, name), kind))
+        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                           ("backward_weight_one_chunk", "weight")):
+            if hasattr(stage, name):
+                setattr(stage, name, self._timed(getattr(stage, name), kind))
 
     def _timed(self, fn, kind: str):
         def timed(*args, **kwargs):
@@ -139,15 +142,16 @@ def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int,
 
 def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
               duration: float) -> dict:
-    """Busy (forward + backward) and idle seconds per stage over ``duration``, the idle share
+    """Busy (forward + backward + weight steps) and idle seconds per stage over ``duration``, the idle share
     (``1 - busy / duration``) and the ideal bubble (P-1)/(M+P-1)."""
     stages = []
     for s in range(num_stages):
         mine = [e for e in events if e.stage == s]
         forward = sum(e.end - e.start for e in mine if e.kind == "forward")
         backward = sum(e.end - e.start for e in mine if e.kind == "backward")
-        busy = forward + backward
-        stages.append({"stage": s, "forward": forward, "backward": backward, "busy": busy,
+        weight = sum(e.end - e.start for e in mine if e.kind == "weight")
+        busy = forward + backward + weight
+        stages.append({"stage": s, "forward": forward, "backward": backward, "weight": weight, "busy": busy,
                        "idle": max(duration - busy, 0.0),
                        "idle_share": 1.0 - busy / duration if duration > 0 else 0.0})
     return {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
@@ -217,13 +221,13 @@ def _labels(events: Sequence[PipelineEvent]) -> list[str]:
     for e in events:
         i = seen.get((e.stage, e.kind), 0)
         seen[(e.stage, e.kind)] = i + 1
-        labels.append(f"{'F' if e.kind == 'forward' else 'B'}{i}")
+        labels.append(f"{e.kind[0].upper()}{i}")
     return labels
 
 
 def write_svg(doc: dict, path, width: int = 960, row: int = 40) -> None:
-    """Stages x time as SVG (no dependency): a grey idle bar per stage under its forward (blue)
-    and backward (orange) boxes, labelled F<i>/B<i> by micro-batch."""
+    """Stages x time as SVG (no dependency): a grey idle bar per stage under its forward (blue),
+    backward (orange) and weight-step (green) boxes, labelled F<i>/B<i>/W<i> by micro-batch."""
     from xml.sax.saxutils import escape
 
     p, duration = doc["num_stages"], max(doc["duration"], 1e-12)
