@@ -80,6 +80,7 @@ class PipelineEngine(ZeroTrainEngine):
                                    dynamic_shape=bool(getattr(module, "dynamic_shape", False)),
                                    virtual_stages=virtual)
         self._runner._schedule(self.micro_batches)  # torch's limits on M, one line on every rank now
+        self._runner.on_weight_grads = self._fold_assigned_grads
         self.data_iterator = None
         self.batch_fn = None
         self.total_loss = None
@@ -180,7 +181,7 @@ class PipelineEngine(ZeroTrainEngine):
             raise
         self._zero.end_backward()
         if self._runner.assigns_grads:  # zero-bubble weight steps wrote .grad past the hooks
-            self._fold_assigned_grads()
+            self._fold_assigned_grads(self.module.parameters())
         # Summed where the stage accumulates them (not .grad with fp32 accumulation of 16-bit weights).
         self.module.allreduce_tied_weight_gradients(self._zero.accumulated_grad)
         self._reduce_gradients()
@@ -263,10 +264,11 @@ class PipelineEngine(ZeroTrainEngine):
         if self._last_bubble is not None:
             log_rank0(_timeline.describe(self._last_bubble))
 
-    def _fold_assigned_grads(self) -> None:
-        """Bring every ``.grad`` a schedule assigned by hand into the stage's gradient buffers
-        (``accumulated_grad`` adopts a replaced ``.grad``), before the batch's reduction."""
-        for param in self.module.parameters():
+    def _fold_assigned_grads(self, params) -> None:
+        """Bring the ``.grad`` a schedule's weight step assigned by hand into the stage's gradient
+        buffers, as the gradient hooks would (``accumulated_grad`` adopts a replaced ``.grad``:
+        into the fp32 buffer of 16-bit weights after every micro-batch's weight step)."""
+        for param in params:
             self._zero.accumulated_grad(param)
 
     def _reduce_gradients(self) -> None:

@@ -109,8 +109,11 @@ class StageRunner:
         check_torch_supports_pipelining()
         check_schedule(schedule, virtual_stages)
         self.virtual_stages = virtual_stages
-        # The schedule's weight steps write .grad by hand: the caller folds .grad in after run().
+        # The schedule's weight steps write .grad by hand, past the gradient hooks: after each one
+        # ``on_weight_grads(params)`` (set by the engine) folds the chunk's .grad in, as the hooks
+        # would have, and the engine folds every .grad again after run().
         self.assigns_grads = schedule in WEIGHT_STEP_SCHEDULES
+        self.on_weight_grads: Callable[[Any], None] | None = None
         self.module = module
         self.stage_id, self.num_stages = stage_id, num_stages
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
@@ -142,7 +145,20 @@ class StageRunner:
         self.stages = [PipelineStage(wrapper, c * self.num_stages + self.stage_id, total, self.device,
                                      group=self._group) for c, wrapper in enumerate(self._wrappers)]
         self.stage = self.stages[-1]
+        if self.assigns_grads:
+            for stage, wrapper in zip(self.stages, self._wrappers):
+                stage.backward_weight_one_chunk = self._after_weight_step(stage.backward_weight_one_chunk,
+                                                                          wrapper)
         self._schedules = {}
+
+    def _after_weight_step(self, weight_step, wrapper: nn.Module):
+        def run(*args, **kwargs):
+            result = weight_step(*args, **kwargs)
+            if self.on_weight_grads is not None:
+                self.on_weight_grads(wrapper.parameters())
+            return result
+
+        return run
 
     def reset_activation_shape(self) -> None:
         """Infer the shapes of what crosses stages again at the next batch (DeepSpeed's name;
