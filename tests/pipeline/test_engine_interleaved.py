@@ -80,19 +80,23 @@ def _train(combos: list) -> dict:
 
     zerotrain.init_distributed()
     out = {}
-    for stage, optimizer, schedule in combos:
+    for combo in combos:
+        stage, optimizer, schedule, *interval = combo  # interval: activation checkpoints per chunk
         model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
                                partition_method="uniform", virtual_stages=V)
         dp = model.mpu().get_data_parallel_world_size()
+        extra = {"activation_checkpoint_interval": interval[0], "use_reentrant": False} if interval else {}
         engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
-                                          config=_config(dp, stage, schedule, virtual_stages=V))
+                                          config=_config(dp, stage, schedule, virtual_stages=V, **extra))
         rank = engine.topology.data_rank
         losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
         eval_batches = _batches(dp, steps=STEPS + 1)[STEPS][rank]
-        out[(stage, optimizer, schedule)] = {
+        out[combo] = {
             "losses": losses, "layers": list(model._local_layers), "skipped": engine.skipped_steps,
             "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-            "eval": float(engine.eval_batch(iter(eval_batches)))}
+            "eval": float(engine.eval_batch(iter(eval_batches))),
+            "checkpointed": [model._checkpointable_blocks(*model._chunk_ranges[c]) for c in range(V)]
+            if interval else None}
         engine.destroy()
     return out
 
@@ -100,16 +104,18 @@ def _train(combos: list) -> dict:
 def _check(results: list, dp: int) -> list[str]:
     failures = []
     for combo in results[0]:
-        stage, optimizer, schedule = combo
+        stage, optimizer, schedule, *interval = combo
         ref = _reference(dp, optimizer)
         assert min(ref["norms"]) > CLIP, "clipping must be active at every step"
-        what = f"D={dp} V={V} stage {stage} {optimizer} {schedule}"
+        what = f"D={dp} V={V} stage {stage} {optimizer} {schedule} checkpoint interval {interval}"
         whole = {}
         for rank, res in enumerate(results):
             got = res[combo]
             pipe_rank = rank // dp  # the topology's pipe axis is outermost
             assert got["layers"] == [pipe_rank * 2, pipe_rank * 2 + 1, 4 + pipe_rank * 2, 5 + pipe_rank * 2]
             assert got["skipped"] == 0
+            # with an interval of 1 every layer of each chunk (2 Linear) is its own checkpoint
+            assert got["checkpointed"] == ([[True, True]] * V if interval else None)
             whole.update(got["weights"])
             for name, value in got["weights"].items():
                 want = ref["weights"][name]
@@ -134,6 +140,7 @@ def _check(results: list, dp: int) -> list[str]:
 TWO_RANKS = [(stage, opt, "interleaved_1f1b") for stage in (0, 1, 2) for opt in ("sgd", "adamw")]
 TWO_RANKS += [(0, "sgd", "looped_bfs"), (2, "adamw", "looped_bfs")]
 TWO_RANKS += [(stage, opt, "zero_bubble") for stage in (0, 1, 2) for opt in ("sgd", "adamw")]
+TWO_RANKS += [(1, "sgd", "interleaved_1f1b", 1), (2, "adamw", "zero_bubble", 1)]  # activation checkpoints
 
 
 def test_interleaved_two_ranks_match_single_process():
