@@ -1,0 +1,83 @@
+"""Runs DeepSpeedExamples' pipeline ``train.py`` on CPU, unchanged, and records what it trained.
+
+    <launcher> cpu_harness.py train.py --deepspeed_config ds_config.json -p 2 --steps 4 --backend gloo
+
+(zerotrain's launcher, or torchrun for the DeepSpeed run). What the CPU needs, around the script
+(reference/pipeline.md 1.8):
+
+- ``torch.cuda.set_device`` (called unconditionally by the script) does nothing without CUDA;
+- ``cpu_shim/`` first on sys.path: its ``torchvision`` gives torchvision's AlexNet and a synthetic
+  CIFAR-10 (no download; see cpu_shim/torchvision/__init__.py);
+- ``EXAMPLE_RECORD_DIR``: each rank writes ``rank<R>.json`` (the losses ``train_batch`` returned,
+  a fingerprint of the CPU random generator's state after each, its stage) and ``rank<R>.pt``
+  (its stage's state dict) there when the script ends;
+  ``EXAMPLE_ENGINE`` (``zerotrain`` or ``deepspeed``) says whose ``PipelineEngine`` to watch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    torch.cuda.set_device = lambda device: None
+
+_RECORD = {"losses": [], "rng": [], "engine": None}
+
+
+def _watch(engine_cls) -> None:
+    train_batch = engine_cls.train_batch
+
+    def recorded(self, *args, **kwargs):
+        loss = train_batch(self, *args, **kwargs)
+        _RECORD["losses"].append(float(loss))
+        # Where the CPU generator stands after the step (dropout masks come from it).
+        _RECORD["rng"].append(int(torch.get_rng_state().to(torch.int64).sum()))
+        _RECORD["engine"] = self
+        return loss
+
+    engine_cls.train_batch = recorded
+
+
+def _engine_class(name: str):
+    if name == "deepspeed":
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    else:
+        from zerotrain.engine.pipeline_engine import PipelineEngine
+    return PipelineEngine
+
+
+def _write(record_dir: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    engine = _RECORD["engine"]
+    stage = engine.stage_id if engine is not None else None
+    with open(os.path.join(record_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": _RECORD["losses"], "rng": _RECORD["rng"], "stage": stage}, f)
+    if engine is not None:
+        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        torch.save(state, os.path.join(record_dir, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
+    script = sys.argv[1]
+    record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
+    if record_dir:
+        _watch(_engine_class(os.environ.get("EXAMPLE_ENGINE", "zerotrain")))
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+    if record_dir:
+        _write(record_dir)
+
+
+if __name__ == "__main__":
+    main()
