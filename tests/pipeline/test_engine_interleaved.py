@@ -456,3 +456,61 @@ def test_checkpoint_loads_across_virtual_stages(tmp_path):
         assert torch.equal(reloaded[name], after[name]), name
         err = float((after[name] - ref[name]).norm() / ref[name].norm())
         assert err <= 1e-6, (name, err)  # the optimizer state followed the layers
+
+
+# -- shapes that change between batches (dynamic_shape=True): every chunk's stage is rebuilt ---
+SHAPE_T = [3, 5, 5, 2]
+
+
+def _shape_layers() -> list:
+    torch.manual_seed(0)
+    return [m for _ in range(4) for m in (nn.Linear(HIDDEN, HIDDEN), nn.Tanh())]
+
+
+def _shape_batch(seed: int, t: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(MICRO, t, HIDDEN, generator=g), torch.randn(MICRO, t, HIDDEN, generator=g))
+            for _ in range(M)]
+
+
+def _dynamic(schedules: list) -> dict:
+    import zerotrain
+    from zerotrain.pipeline import PipelineModule
+
+    zerotrain.init_distributed()
+    out = {}
+    for schedule in schedules:
+        model = PipelineModule(_shape_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
+                               partition_method="uniform", virtual_stages=V, dynamic_shape=True)
+        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "sgd"),
+                                          config={**_config(1, 1, schedule), "gradient_clipping": 0.0})
+        losses = [float(engine.train_batch(iter(_shape_batch(step, t)))) for step, t in enumerate(SHAPE_T)]
+        out[schedule] = {"losses": losses, "rebuilds": engine._runner.shapes.rebuilds,
+                         "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        engine.destroy()
+    return out
+
+
+def test_dynamic_shapes_with_virtual_stages():
+    results = run_on_ranks(_dynamic, world_size=2, args=(["interleaved_1f1b", "zero_bubble"],), timeout=600)
+    model = nn.Sequential(*_shape_layers())
+    opt = _optimizer(model.parameters(), "sgd")
+    losses = []
+    for step, t in enumerate(SHAPE_T):
+        total = 0.0
+        for x, y in _shape_batch(step, t):
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss / M).backward()
+            total += float(loss.detach())
+        losses.append(total / M)
+        opt.step()
+        opt.zero_grad()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    for schedule in ("interleaved_1f1b", "zero_bubble"):
+        for res in results:
+            got = res[schedule]
+            assert got["rebuilds"] == 2, (schedule, got["rebuilds"])
+            assert got["losses"] == pytest.approx(losses, rel=1e-6), schedule
+            for name, value in got["weights"].items():
+                err = float((value - ref[name]).norm() / ref[name].norm())
+                assert err <= 1e-6, (schedule, name, err)
