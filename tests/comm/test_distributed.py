@@ -189,7 +189,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _teardown_while_the_engine_lives():
+def _teardown_while_the_engine_lives(folder: str):
     import torch
 
     import zerotrain
@@ -205,17 +205,19 @@ def _teardown_while_the_engine_lives():
     engine.backward(engine(ids, labels=ids).loss)
     engine.step()
     torch.optim.SGD(model.parameters(), lr=0.1)  # user code building torch optimizers after init
+    engine.save_checkpoint(folder, tag="t")  # a save creates the checkpoint agreement's group
+    zerotrain.utils.groups._get_data_parallel_group()  # the process-wide current topology
     during = _threads()
     destroy_distributed()  # what the atexit hook runs; the engine is still referenced here
     return before, during, _threads()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_teardown_joins_the_gloo_worker_threads_before_interpreter_exit():
+def test_teardown_joins_the_gloo_worker_threads_before_interpreter_exit(tmp_path):
     """A group that outlives destroy_process_group() keeps gloo's worker threads until the
     interpreter finalizes; one still finishing a collective then needs the GIL and the rank
     aborts ("terminate called without an active exception"). torch.distributed.nn.functional,
     which torch.optim imports lazily, pinned the group in its default arguments."""
-    for before, during, after in run_on_ranks(_teardown_while_the_engine_lives, world_size=2):
+    for before, during, after in run_on_ranks(_teardown_while_the_engine_lives, world_size=2, args=(str(tmp_path),)):
         assert during > before  # gloo's transport loop and worker threads
         assert after == before

@@ -33,6 +33,7 @@ import collections
 import os
 import struct
 import time
+import weakref
 import zlib
 from typing import Callable, Sequence
 
@@ -43,13 +44,17 @@ from zerotrain.comm.hang import diagnose
 
 ReduceOp = dist.ReduceOp
 
-# Last sequence number issued per process group (None = the default group).
-_seq: dict = {}
+# Last sequence number issued per process group: the default group's in ``_world_seq``, other
+# groups' keyed weakly, so a group used here is not kept (with gloo's worker threads) past
+# destroy_process_group(): threads still running at the interpreter's teardown abort the rank.
+_world_seq = [0]
+_seq: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _next_seq(group) -> int:
-    if group is not None and group is dist.GroupMember.WORLD:
-        group = None
+    if group is None or group is dist.GroupMember.WORLD:
+        _world_seq[0] += 1
+        return _world_seq[0]
     n = _seq.get(group, 0) + 1
     _seq[group] = n
     return n
@@ -57,8 +62,8 @@ def _next_seq(group) -> int:
 
 def last_seq(group=None) -> int:
     """The sequence number of the last collective issued on ``group`` by this rank."""
-    if group is not None and group is dist.GroupMember.WORLD:
-        group = None
+    if group is None or group is dist.GroupMember.WORLD:
+        return _world_seq[0]
     return _seq.get(group, 0)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch.distributed as dist
 
@@ -19,7 +20,7 @@ from zerotrain.comm.objects import new_group
 # One gloo group per set of ranks and default group, shared by the engines on those ranks: torch
 # names a locally synchronized group after its ranks, so a second one over the same ranks could
 # not be created. A process-wide cache of torch's own process-wide objects (docs/checkpoint.md).
-_AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[object, object]] = {}
+_AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref]] = {}
 
 
 class EngineCheckpointing:
@@ -159,12 +160,15 @@ def agreement_group(ranks: list[int], data_group):
     (``ZEROTRAIN_COMM_TIMEOUT``; torch's default for a new group is 30 minutes) and a
     ``CollectiveError`` naming a rank of the group that never gets here."""
     key = tuple(sorted(ranks))
-    world = dist.group.WORLD
     cached = _AGREEMENT_GROUPS.get(key)
-    if cached is not None and cached[0] is world:  # not from an earlier, destroyed default group
-        return cached[1]
+    if cached is not None and cached[0]() is dist.group.WORLD:  # not from a destroyed default group
+        group = cached[1]()
+        if group is not None:
+            return group
     group = new_group(list(key), backend="gloo", op="new_group (save_checkpoint)", within=data_group)
-    _AGREEMENT_GROUPS[key] = (world, group)
+    # Weakly: torch's registry keeps both until destroy_process_group(); a strong reference here
+    # would keep gloo's threads alive into the interpreter's teardown (an abort at exit).
+    _AGREEMENT_GROUPS[key] = (weakref.ref(dist.group.WORLD), weakref.ref(group))
     return group
 
 

@@ -49,7 +49,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         # Every rank and group this engine uses comes from its topology (zerotrain.topology).
         self.topology = topology if topology is not None else Topology.from_group(data_parallel_group)
         self.global_rank = self.topology.global_rank
-        self.data_parallel_group = self.topology.data_group
+        # None for the whole world (torch's default group): the engine holds no reference to it.
+        self.data_parallel_group = self.topology.collective_group("data")
         self.dp_world_size = self.topology.data_size
         self.device = self.accelerator.device(self.local_rank)
         self.global_steps = 0

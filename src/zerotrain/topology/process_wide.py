@@ -10,29 +10,39 @@ world as one data-parallel group, built on first use. It is one of the few proce
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
 from zerotrain.topology.topology import ExpertGroups, Topology
 
-_current: list[tuple[Topology, object]] = []  # (topology, the default group it was built under)
+# (topology, the default group it was built under, held weakly: nothing here may keep torch's
+# groups, and gloo's threads, alive past destroy_process_group()).
+_current: list[tuple[Topology, weakref.ref | None]] = []
 
 
-def _world():
-    return dist.group.WORLD if dist.is_initialized() else None
+def _world_ref():
+    return weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+
+
+def _same_world(ref) -> bool:
+    if ref is None:
+        return not dist.is_initialized()
+    return dist.is_initialized() and ref() is dist.group.WORLD
 
 
 def set_current(topology: Topology) -> None:
     """Make ``topology`` the one DeepSpeed's global getters answer from."""
-    _current[:] = [(topology, _world())]
+    _current[:] = [(topology, _world_ref())]
 
 
 def current() -> Topology:
     """The current topology (the world as data parallelism when none was set). One built under a
     default process group that has since been destroyed is forgotten: its groups are gone."""
-    if _current and _current[0][1] is not _world():
+    if _current and not _same_world(_current[0][1]):
         _current.clear()
     if not _current:
-        _current.append((Topology.build(), _world()))
+        _current.append((Topology.build(), _world_ref()))
     return _current[0][0]
 
 

@@ -22,6 +22,7 @@ build the same topologies in the same order, as with ``torch.distributed.new_gro
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,27 @@ from zerotrain.topology.grid import ProcessTopology
 AXES = ("pipe", "data", "model")
 
 
+class _GroupRef:
+    """A process group held weakly: torch's registry keeps it alive until
+    ``destroy_process_group()``; a topology (or an engine holding one) must not keep it, and
+    with it gloo's worker threads, alive past that (they would outlive the interpreter's
+    teardown: "terminate called without an active exception")."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, group):
+        self._ref = weakref.ref(group) if group is not None else None
+
+    def get(self):
+        if self._ref is None:
+            return None
+        group = self._ref()
+        if group is None:
+            raise RuntimeError("the topology's process group was destroyed (destroy_process_group()); "
+                               "build a new engine after initializing torch.distributed again")
+        return group
+
+
 @dataclass(frozen=True)
 class ExpertGroups:
     """The groups of one expert-parallel size (DeepSpeed's ``ep_size_N``): ``expert`` holds the
@@ -40,12 +62,20 @@ class ExpertGroups:
     same experts (their gradients are averaged there)."""
 
     name: str
-    expert_group: object
-    expert_data_group: object
+    _expert: _GroupRef
+    _expert_data: _GroupRef
     expert_rank: int
     expert_size: int
     expert_data_rank: int
     expert_data_size: int
+
+    @property
+    def expert_group(self):
+        return self._expert.get()
+
+    @property
+    def expert_data_group(self):
+        return self._expert_data.get()
 
 
 def _device_type() -> str:
@@ -57,15 +87,17 @@ def _device_type() -> str:
 class Topology:
     """The ranks and groups of one engine. Build with ``build``, ``from_group`` or ``from_grid``."""
 
-    def __init__(self, grid: ProcessTopology, members: list[int], mesh: DeviceMesh | None,
+    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None,
                  distinct_group=None):
         self.grid = grid              # DeepSpeed's ProcessTopology over positions 0..n-1 of ``members``
         self.members = list(members)  # global ranks, in grid order
-        self.mesh = mesh              # None without torch.distributed (a single process)
-        self._distinct_group = distinct_group
+        self.distributed = groups is not None  # False: a single process without torch.distributed
+        # axis -> the group along it through this rank (weakly: see _GroupRef); axes of size 1
+        # without one get a group of this rank alone on first use.
+        self._groups = {axis: _GroupRef(g) for axis, g in (groups or {}).items()}
+        self._distinct = _GroupRef(distinct_group)
         self._expert: dict[int, ExpertGroups] = {}
-        self._singletons: dict[str, object] = {}
-        if mesh is None:
+        if not self.distributed:
             self.global_rank = 0
         else:
             self.global_rank = dist.get_rank()  # the process's own rank: the world is comm's, not ours
@@ -120,7 +152,9 @@ class Topology:
                  for coord in full.mapping]
         if dims[0] == dims[2] == 1 and order == list(range(world)):
             return cls.from_group(dist.group.WORLD)  # data parallelism alone: no new group
+        # The mesh creates one group per axis through each rank; torch's registry keeps them.
         mesh = DeviceMesh(_device_type(), torch.tensor(order).view(*dims), mesh_dim_names=AXES)
+        groups = {axis: mesh.get_group(axis) for axis in AXES}
         # Ranks with the same data coordinate hold distinct parameters (pipeline stages, model
         # slices): the gradient norm sums over them. Every rank creates every group, in order.
         distinct = None
@@ -129,7 +163,7 @@ class Topology:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if dist.get_rank() in ranks:
                 distinct = group
-        return cls(full, order, mesh, distinct)
+        return cls(full, order, groups, distinct)
 
     @classmethod
     def from_group(cls, group) -> "Topology":
@@ -142,7 +176,7 @@ class Topology:
         if dist.get_rank() not in ranks:
             raise ValueError("initialize(data_parallel_group=...): this rank is not a member of the group; "
                              "build the engine only on the group's ranks")
-        return cls(ProcessTopology(list(AXES), [1, len(ranks), 1]), ranks, _data_only_mesh(group, ranks))
+        return cls(ProcessTopology(list(AXES), [1, len(ranks), 1]), ranks, {"data": group})
 
     # -- the axes -------------------------------------------------------------------------
     def size(self, axis: str) -> int:
@@ -156,13 +190,29 @@ class Topology:
         """The process group along ``axis`` through this rank (torch's group; a group of this rank
         alone when the axis has size 1)."""
         axis = _axis(axis)
-        if self.mesh is None:
+        if not self.distributed:
             return None
-        if axis in (self.mesh.mesh_dim_names or ()):
-            return self.mesh.get_group(axis)
-        if axis not in self._singletons:  # an axis of size 1 the mesh does not have
-            self._singletons[axis] = dist.new_group([self.global_rank], use_local_synchronization=True)
-        return self._singletons[axis]
+        if axis not in self._groups:  # an axis of size 1 built without a group
+            self._groups[axis] = _GroupRef(dist.new_group([self.global_rank], use_local_synchronization=True))
+        return self._groups[axis].get()
+
+    def collective_group(self, axis: str):
+        """``group(axis)`` as the ``group=`` argument of long-lived state (the stage object,
+        units): None when it is torch's default group (the whole world), which torch's
+        collectives take as the world, so nothing holds the default group itself."""
+        group = self.group(axis)
+        return None if group is dist.group.WORLD else group
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The topology as a torch ``DeviceMesh`` (dims pipe, data, model) over its existing
+        groups, for DTensor and FSDP2 code; built on each access (keep it only while needed:
+        it holds the groups); None without torch.distributed."""
+        if not self.distributed:
+            return None
+        dims = [self.size(axis) for axis in AXES]
+        return DeviceMesh.from_group([self.group(axis) for axis in AXES], _device_type(),
+                                     mesh=torch.tensor(self.members).view(*dims), mesh_dim_names=AXES)
 
     def axis_ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's ``axis`` group, in axis order."""
@@ -205,12 +255,12 @@ class Topology:
         """The ranks with this rank's data coordinate (every pipeline stage and model slice of one
         replica): the group a gradient norm of replicated gradients sums over; None when it is
         this rank alone."""
-        return self._distinct_group
+        return self._distinct.get()
 
     @property
     def is_world(self) -> bool:
         """True when this topology spans every rank of the job."""
-        return self.mesh is None or len(self.members) == dist.get_world_size()
+        return not self.distributed or len(self.members) == dist.get_world_size()
 
     # -- experts --------------------------------------------------------------------------
     def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
@@ -243,7 +293,8 @@ class Topology:
                 if self.global_rank in ranks:
                     mine_edp = (group, ranks)
         (ep_group, ep_ranks), (edp_group, edp_ranks) = mine_ep, mine_edp
-        groups = ExpertGroups(f"ep_size_{ep_size}", ep_group, edp_group, ep_ranks.index(self.global_rank),
+        groups = ExpertGroups(f"ep_size_{ep_size}", _GroupRef(ep_group), _GroupRef(edp_group),
+                              ep_ranks.index(self.global_rank),
                               len(ep_ranks), edp_ranks.index(self.global_rank), len(edp_ranks))
         self._expert[ep_size] = groups
         return groups
@@ -267,8 +318,3 @@ def _axis(axis: str) -> str:
 
 def _group_of(ranks: list[int]):
     return dist.new_group(ranks)
-
-
-def _data_only_mesh(group, ranks: list[int]) -> DeviceMesh:
-    # A mesh over an existing group creates no new group: only the group's ranks take part.
-    return DeviceMesh.from_group(group, _device_type(), mesh=torch.tensor(ranks), mesh_dim_names=("data",))
