@@ -53,6 +53,10 @@ def _grid_checks():
     out["pipe2"] = (pipe2.size("pipe"), pipe2.size("data"), pipe2.size("model"), pipe2.rank("pipe"), pipe2.data_rank,
                     _ranks_of(pipe2.data_group), _ranks_of(pipe2.group("pipe")), _ranks_of(pipe2.group("model")),
                     _ranks_of(pipe2.distinct_group), pipe2.first_global_rank("data"), pipe2.axis_ranks("pipe"))
+    mesh = pipe2.mesh  # torch's DeviceMesh over the same groups
+    out["mesh"] = (mesh.mesh.tolist(), mesh.mesh_dim_names, _ranks_of(mesh.get_group("data")),
+                   _ranks_of(mesh.get_group("pipe")))
+    del mesh
     model2 = Topology.build(model=2)
     out["model2"] = (_ranks_of(model2.data_group), _ranks_of(model2.group("model")), model2.distinct_size,
                      _ranks_of(model2.distinct_group), model2.group("pipe") is not None)
@@ -103,6 +107,8 @@ def test_four_ranks_groups_follow_the_layout():
         assert out["grid"] == (pipe, data, pipe == 0, pipe == 1, 2, 2, [2 * pipe, 2 * pipe + 1], [data, data + 2],
                                2, [data, data + 2], 2 + data, 1, [[0, 2], [1, 3], [2, 0], [3, 1]])
         assert out["default"] == (2, 2)
+        assert out["mesh"] == ([[[0], [1]], [[2], [3]]], ("pipe", "data", "model"), [2 * pipe, 2 * pipe + 1],
+                               [data, data + 2])
         members = [0, 1] if rank < 2 else [2, 3]
         assert out["half"] == (members, rank % 2, 2, 2, False, members, members[0], rank % 2 == 0)
         # DeepSpeed's docstring layout: expert groups contiguous, expert-data groups strided
