@@ -22,30 +22,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.pipeline import mlp
+from tests.pipeline.mlp import D_IN, M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
 from zerotrain.testing import run_on_ranks
 
-D_IN, HIDDEN, LAYERS, MICRO, M, STEPS, CLIP = 6, 8, 6, 2, 4, 3, 0.05
-LR = {"sgd": 0.1, "adamw": 0.01, "sgd_noclip": 0.1}
+LAYERS, CLIP = 6, 0.05
 # "sgd_noclip": SGD with clipping off, where the gradients' size shows (clipping to a norm and
 # AdamW would hide a gradient scaled by the wrong factor).
-
-
-def _layers() -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Linear(D_IN if i == 0 else HIDDEN, HIDDEN) for i in range(LAYERS)]
-
-
-def _batches(dp: int, steps: int = STEPS) -> list:
-    """``[step][data rank][micro-batch] -> (inputs, labels)``."""
-    g = torch.Generator().manual_seed(7)
-    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(steps)]
-
-
-def _optimizer(params, name: str):
-    if name.startswith("sgd"):
-        return torch.optim.SGD(params, lr=LR[name], momentum=0.9)
-    return torch.optim.AdamW(params, lr=LR[name], weight_decay=0.1)
 
 
 def _clip(optimizer: str) -> float:
@@ -61,24 +44,12 @@ def _config(dp: int, stage: int, schedule: str, precision: str = "fp32", clip: f
     return cfg
 
 
+def _layers() -> list[nn.Module]:
+    return mlp.layers(LAYERS)
+
+
 def _reference(dp: int, optimizer: str) -> dict:
-    layers = _layers()
-    model = nn.Sequential(*layers)
-    opt = _optimizer(model.parameters(), optimizer)
-    losses, norms = [], []
-    for step in _batches(dp):
-        total = 0.0
-        for rank in step:
-            for x, y in rank:
-                loss = nn.functional.mse_loss(model(x), y)
-                (loss / (M * dp)).backward()
-                total += float(loss.detach())
-        losses.append(total / (M * dp))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), _clip(optimizer) or 1e9)))
-        opt.step()
-        opt.zero_grad()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "weights": weights, "model": model}
+    return mlp.reference(_layers(), dp, optimizer, _clip(optimizer))
 
 
 def _to_bf16(batch):

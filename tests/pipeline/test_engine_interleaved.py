@@ -23,28 +23,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.pipeline import mlp
+from tests.pipeline.mlp import HIDDEN, M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
 from zerotrain.testing import run_on_ranks
 
-D_IN, HIDDEN, LAYERS, MICRO, M, STEPS, CLIP, V = 6, 8, 8, 2, 4, 3, 0.05, 2
-LR = {"sgd": 0.1, "adamw": 0.01}
-
-
-def _layers() -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Linear(D_IN if i == 0 else HIDDEN, HIDDEN) for i in range(LAYERS)]
-
-
-def _batches(dp: int, steps: int = STEPS) -> list:
-    """``[step][data rank][micro-batch] -> (inputs, labels)``."""
-    g = torch.Generator().manual_seed(7)
-    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(steps)]
-
-
-def _optimizer(params, name: str):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=LR[name], momentum=0.9)
-    return torch.optim.AdamW(params, lr=LR[name], weight_decay=0.1)
+LAYERS, CLIP, V = 8, 0.05, 2
 
 
 def _config(dp: int, stage: int, schedule: str, m: int = M, **pipeline) -> dict:
@@ -53,23 +36,12 @@ def _config(dp: int, stage: int, schedule: str, m: int = M, **pipeline) -> dict:
             "gradient_clipping": CLIP, "pipeline": {"schedule": schedule, **pipeline}}
 
 
+def _layers() -> list[nn.Module]:
+    return mlp.layers(LAYERS)
+
+
 def _reference(dp: int, optimizer: str) -> dict:
-    model = nn.Sequential(*_layers())
-    opt = _optimizer(model.parameters(), optimizer)
-    losses, norms = [], []
-    for step in _batches(dp):
-        total = 0.0
-        for rank in step:
-            for x, y in rank:
-                loss = nn.functional.mse_loss(model(x), y)
-                (loss / (M * dp)).backward()
-                total += float(loss.detach())
-        losses.append(total / (M * dp))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "norms": norms, "model": model,
-            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return mlp.reference(_layers(), dp, optimizer, CLIP)
 
 
 def _train(combos: list) -> dict:

@@ -1,0 +1,49 @@
+"""The pipeline tests' small MLP workload: seeded Linear layers, every replica's micro-batches, and
+the single-process reference run they are compared with."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, HIDDEN, MICRO, M, STEPS = 6, 8, 2, 4, 3
+LR = {"sgd": 0.1, "adamw": 0.01, "sgd_noclip": 0.1}
+
+
+def layers(n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(D_IN if i == 0 else HIDDEN, HIDDEN) for i in range(n)]
+
+
+def batches(dp: int, steps: int = STEPS) -> list:
+    """``[step][data rank][micro-batch] -> (inputs, labels)``."""
+    g = torch.Generator().manual_seed(7)
+    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
+              for _ in range(M)] for _ in range(dp)] for _ in range(steps)]
+
+
+def optimizer(params, name: str):
+    if name.startswith("sgd"):
+        return torch.optim.SGD(params, lr=LR[name], momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR[name], weight_decay=0.1)
+
+
+def reference(model_layers: list[nn.Module], dp: int, optimizer_name: str, clip: float) -> dict:
+    """One process over every replica's micro-batches, the loss averaged over them; ``clip`` 0:
+    no clipping (the norm is still reported)."""
+    model = nn.Sequential(*model_layers)
+    opt = optimizer(model.parameters(), optimizer_name)
+    losses, norms = [], []
+    for step in batches(dp):
+        total = 0.0
+        for rank in step:
+            for x, y in rank:
+                loss = nn.functional.mse_loss(model(x), y)
+                (loss / (M * dp)).backward()
+                total += float(loss.detach())
+        losses.append(total / (M * dp))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "model": model,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
