@@ -19,3 +19,14 @@ def module_name(path: Path) -> str:
 def modules() -> dict[str, Path]:
     """Every module under src/zerotrain, by dotted name."""
     return {module_name(p): p for p in sorted(SRC.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def import_base(node, package: str) -> str:
+    """The absolute module a ``from ... import`` names (``node``: an ``ast.ImportFrom`` in a module
+    of ``package``; relative levels resolved)."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[:len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base

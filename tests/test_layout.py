@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import re
 
-from tests.source_tree import ROOT, SRC, module_name as _module_name, modules as _modules
+from tests.source_tree import ROOT, SRC, import_base, modules as _modules
 
 #: Packages (and everything under them) that exist only to give DeepSpeed's import paths
 #: (docs/compat.md): ``deepspeed.runtime.*``, ``deepspeed.utils.*``, ``deepspeed.ops.*``,
@@ -66,11 +66,7 @@ def imports_of(module: str) -> set[str]:
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = import_base(node, package)
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 add(full if full in MODULES else base)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.source_tree import ROOT, SRC, module_name as _module_name, modules as _modules
+from tests.source_tree import ROOT, import_base, modules as _modules
 
 #: Functions that answer for a group, the world when the group is missing or None.
 TORCH = {"torch.distributed.get_rank", "torch.distributed.get_world_size",
@@ -51,11 +51,7 @@ def _bindings(tree: ast.AST, module: str, is_package: bool) -> dict[str, str]:
                     top = alias.name.split(".")[0]
                     names[top] = top
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = import_base(node, package)
             for alias in node.names:
                 names[alias.asname or alias.name] = f"{base}.{alias.name}"
     return names
