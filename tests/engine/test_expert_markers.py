@@ -1,8 +1,14 @@
-"""Until expert parallelism lands, a parameter carrying DeepSpeed's expert markers
-(``allreduce = False`` and/or ``group_name``, as ``deepspeed.moe`` sets them) is refused at
-initialize, at every stage, with a one-line error naming it (issue 30 item 7)."""
+"""Parameters carrying DeepSpeed's expert markers at initialize (issue 32; issue 30 item 7 refused
+them all): ``allreduce = False`` with ``group_name = "ep_size_N"`` trains at stages 0-2 (here on
+one rank, ep_size 1: exactly like plain SGD; tests/engine/test_expert_params.py covers expert
+parallelism), ``group_name`` alone is a dense parameter (DeepSpeed's ``is_moe_param`` reads
+``allreduce`` only), and each case still refused gets a one-line error naming the parameter:
+stage 3, NVMe offload, a missing or malformed ``group_name``, an ep_size that does not divide the
+data-parallel size."""
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 from torch import nn
@@ -11,7 +17,9 @@ from zerotrain.testing import run_on_ranks
 
 STAGES = (0, 1, 2, 3)
 MARKINGS = {"both": {"allreduce": False, "group_name": "ep_size_1"},
-            "allreduce": {"allreduce": False}, "group_name": {"group_name": "ep_size_1"}}
+            "group_name": {"group_name": "ep_size_1"}, "dense": {"allreduce": True}}
+BAD = {"no_group_name": {"allreduce": False}, "malformed": {"allreduce": False, "group_name": "experts"},
+       "not_dividing": {"allreduce": False, "group_name": "ep_size_3"}}
 
 
 def _model(marking: dict | None) -> nn.Module:
@@ -22,51 +30,72 @@ def _model(marking: dict | None) -> nn.Module:
     return model
 
 
-def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+def _config(stage: int, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, **zero},
+            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def _error(model, config):
+    import zerotrain
+
+    try:
+        engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    except Exception as error:  # noqa: BLE001 - the test reads which one
+        return type(error).__name__, str(error)
+    engine.destroy()
+    return None
 
 
 def _try_stages():
-    """Per stage and marking: the error's type and text, or (unmarked) the first step's weights
-    against plain SGD."""
+    """Per stage and marking: the error's type and text, or the first step's weights against
+    plain SGD (True when equal)."""
     import zerotrain
 
     zerotrain.init_distributed()
     out = {}
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    reference = _model(None)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).square().sum().backward()
+    opt.step()
     for stage in STAGES:
         for label, marking in MARKINGS.items():
-            try:
-                zerotrain.initialize(model=_model(marking), config=_config(stage))
-            except Exception as error:  # noqa: BLE001 - the test reads which one
-                out[(stage, label)] = (type(error).__name__, str(error))
-            else:
-                out[(stage, label)] = None
-        # Unmarked (and allreduce=True, DeepSpeed's dense marking): trains, as plain SGD does.
-        model = _model({"allreduce": True})
-        engine, _, _, _ = zerotrain.initialize(model=model, config=_config(stage))
-        x = torch.arange(8.0).reshape(2, 4) / 8
-        engine.backward(engine(x).square().sum())
-        engine.step()
-        reference = _model(None)
-        opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        reference(x).square().sum().backward()
-        opt.step()
-        state = engine.module_state_dict()
-        out[(stage, "unmarked")] = all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
-        engine.destroy()
+            if stage == 3 and label == "both":
+                out[(stage, label)] = _error(_model(marking), _config(stage))
+                continue
+            engine, _, _, _ = zerotrain.initialize(model=_model(marking), config=_config(stage))
+            engine.backward(engine(x).square().sum())
+            engine.step()
+            state = engine.module_state_dict()
+            out[(stage, label)] = all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+            engine.destroy()
+        for label, marking in BAD.items():
+            out[(stage, label)] = _error(_model(marking), _config(stage))
+    with tempfile.TemporaryDirectory() as path:
+        out["nvme"] = _error(_model(MARKINGS["both"]),
+                             _config(2, offload_optimizer={"device": "nvme", "nvme_path": path}))
     return out
 
 
-def test_expert_markers_are_refused_naming_the_parameter():
+def test_expert_markers_train_or_are_refused_naming_the_parameter():
     (out,) = run_on_ranks(_try_stages, 1)
+    prefix = "parameter '2.weight'"
     for stage in STAGES:
-        for label, marking in MARKINGS.items():
+        for label in MARKINGS:
+            if stage == 3 and label == "both":
+                kind, message = out[(stage, label)]
+                assert kind == "NotImplementedError" and "\n" not in message, message
+                assert message.startswith(prefix + " carries DeepSpeed's expert markers (allreduce=False, "
+                                          "group_name='ep_size_1'): expert parameters with ZeRO stage 3 "
+                                          "are not supported yet"), message
+            else:
+                assert out[(stage, label)] is True, (stage, label)
+        for label, needle in (("no_group_name", "has allreduce=False but no group_name"),
+                              ("malformed", "group_name='experts' is not of the form 'ep_size_N'"),
+                              ("not_dividing", "needs ep_size 3 to divide the data-parallel size 1")):
             kind, message = out[(stage, label)]
-            assert kind == "NotImplementedError", (stage, label, kind, message)
-            assert "\n" not in message
-            assert message.startswith("parameter '2.weight' carries DeepSpeed's expert markers (")
-            for key, value in marking.items():
-                assert f"{key}={value!r}" in message, (stage, label, message)
-            assert "expert parallelism is not supported yet" in message
-        assert out[(stage, "unmarked")] is True, stage
+            assert kind == "ValueError" and "\n" not in message, (stage, label, message)
+            assert message.startswith(prefix) and needle in message, (stage, label, message)
+    kind, message = out["nvme"]
+    assert kind == "NotImplementedError" and "\n" not in message, message
+    assert message.startswith(prefix) and "with offload to NVMe are not supported yet" in message, message

@@ -64,7 +64,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         # distinct parameters beside it (pipeline stages, model slices).
         self._zero = build_zero_stage(config, module, optimizer, self.precision,
                                       group=self.data_parallel_group,
-                                      norm_group=self.topology.distinct_group)
+                                      norm_group=self.topology.distinct_group, topology=self.topology)
         self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
         # The data group's first rank writes; closed by destroy() or at exit.
         self.monitor = MonitorMaster(config, topology=self.topology)

@@ -15,7 +15,7 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
 from zerotrain.optim import build_lr_scheduler, build_optimizer
-from zerotrain.optim.expert_groups import refuse_expert_parameters
+from zerotrain.optim.expert_groups import expert_parameters, refuse_unsupported_experts
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
 from zerotrain.topology import PipelineParallelGrid, Topology, set_current
 from zerotrain.zero.flat import split_into_buckets
@@ -47,7 +47,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if mesh_param is not None:
         raise NotImplementedError("model parallelism (mesh_param=) is not supported: "
                                   "zerotrain is data-parallel only")
-    refuse_expert_parameters(model)  # until expert parallelism lands (docs/compat.md)
     if config is not None and config_params is not None and config is not config_params:
         raise ValueError("pass the config once: config= and config_params= are aliases")
     config = config if config is not None else config_params
@@ -67,6 +66,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
+    experts = _expert_groups(model, cfg, topology, pipeline)
     before_engine(model, cfg)  # issue 15: activation_checkpointing section, QLoRA at stage 3
     if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
         comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
@@ -77,7 +77,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # engine sets it too).
     get_accelerator().set_device(get_local_rank())
     model.to(device)
-    _broadcast_from_rank0(model, topology)
+    _broadcast_from_rank0(model, topology, experts)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, cfg, params)
@@ -185,13 +185,46 @@ def _build_scheduler(client, cfg, optimizer):
     return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
 
 
+def _expert_groups(model: nn.Module, cfg, topology: Topology, pipeline: bool) -> dict[str, int]:
+    """``{name: ep_size}`` of the model's expert parameters (DeepSpeed's markers), refused where
+    not supported yet; their ``ep_size_N`` groups are built here, on every rank in the same order."""
+    experts = expert_parameters(model, topology.data_size)
+    zero = cfg.zero_optimization
+    nvme = "nvme" in (zero.offload_optimizer_device, zero.offload_param_device)
+    refuse_unsupported_experts(experts, model, zero.stage, nvme, pipeline)
+    for ep_size in sorted(set(experts.values())):
+        try:
+            topology.expert_groups(ep_size)
+        except NotImplementedError as error:
+            name = next(n for n, s in experts.items() if s == ep_size)
+            raise NotImplementedError(f"parameter {name!r} (group_name='ep_size_{ep_size}'): {error}") from None
+    return experts
+
+
 @torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module, topology: Topology) -> None:
-    """Make every rank of the data group start from its first rank's parameters and buffers."""
+def _broadcast_from_rank0(model: nn.Module, topology: Topology, experts: dict[str, int] | None = None) -> None:
+    """Make every rank of the data group start from its first rank's parameters and buffers;
+    expert parameters (``experts``: name -> ep_size) from their expert-data group's first rank
+    (the ranks of the data group hold different experts)."""
     if topology.data_size == 1:
         return
     group, src = topology.data_group, topology.first_global_rank("data")
-    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
+    expert_ids = set()
+    if experts:
+        import torch.distributed as dist
+
+        named = dict(model.named_parameters())
+        for ep_size in sorted(set(experts.values())):
+            members = [named[n] for n, s in experts.items() if s == ep_size]
+            expert_ids.update(id(p) for p in members)
+            edp = topology.expert_groups(ep_size).expert_data_group
+            _broadcast(members, dist.get_process_group_ranks(edp)[0], edp)
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel() and id(t) not in expert_ids]
+    _broadcast(tensors, src, group)
+
+
+def _broadcast(tensors: list, src: int, group) -> None:
+    tensors = [t for t in tensors if t.numel()]
     unique = list({t.data_ptr(): t for t in tensors}.values())
     for chunk in split_into_buckets(unique, _BROADCAST_CHUNK):
         if len(chunk) == 1:

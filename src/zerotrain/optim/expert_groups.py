@@ -4,12 +4,15 @@ and give them their own optimizer groups.
 A parameter is an expert parameter when it carries ``allreduce = False`` (DeepSpeed's MoE layer
 marks its experts so, with ``group_name`` naming their expert-parallel group). zerotrain has no
 MoE layer yet, so a model built here has none and every function returns its input's groups
-unchanged; parameters marked by hand are split exactly as DeepSpeed splits them. Until expert
-parallelism lands, ``initialize`` refuses a model carrying the markers (``refuse_expert_parameters``).
+unchanged; parameters marked by hand are split exactly as DeepSpeed splits them. ``initialize`` trains
+expert parameters at ZeRO stages 0-2 (``expert_parameters`` checks their ``ep_size_N`` names;
+``zero.build_zero_stage`` reduces them over their expert-data-parallel group) and refuses them
+where that is not supported yet (``refuse_unsupported_experts``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -119,14 +122,46 @@ def expert_markers(param: torch.Tensor) -> str | None:
     return ", ".join(found) or None
 
 
-def refuse_expert_parameters(model: torch.nn.Module) -> None:
-    """Raise NotImplementedError naming the first parameter of ``model`` that carries DeepSpeed's
-    expert markers: zerotrain would average it over the whole data-parallel group, which is not
-    how an expert trains (there is no expert parallelism yet)."""
-    for name, param in model.named_parameters():
-        markers = expert_markers(param)
-        if markers is not None:
-            raise NotImplementedError(
-                f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): mixture-of-experts "
-                "/ expert parallelism is not supported yet; remove the MoE layers, or delete the "
-                "markers to train the parameter as an ordinary data-parallel one")
+_GROUP_NAME = re.compile(r"ep_size_([1-9][0-9]*)")
+
+
+def expert_ep_size(name: str, param: torch.Tensor, data_size: int) -> int:
+    """The expert-parallel size N of expert parameter ``name`` (its ``group_name``
+    ``"ep_size_N"``), or a one-line ValueError naming it when the name is missing, malformed or N
+    does not divide the data-parallel size."""
+    group_name = getattr(param, "group_name", None)
+    if group_name is None:
+        raise ValueError(f"parameter {name!r} has allreduce=False but no group_name: set "
+                         "param.group_name = 'ep_size_N' (N: the expert-parallel size)")
+    match = _GROUP_NAME.fullmatch(str(group_name))
+    if match is None:
+        raise ValueError(f"parameter {name!r}: group_name={group_name!r} is not of the form 'ep_size_N' "
+                         "(N: the expert-parallel size, as deepspeed.moe names its groups)")
+    ep_size = int(match.group(1))
+    if data_size % ep_size:
+        raise ValueError(f"parameter {name!r}: group_name={group_name!r} needs ep_size {ep_size} to divide "
+                         f"the data-parallel size {data_size}; pick an ep_size that divides it")
+    return ep_size
+
+
+def expert_parameters(model: torch.nn.Module, data_size: int) -> dict[str, int]:
+    """``{name: ep_size}`` for every trainable expert parameter of ``model`` (``allreduce`` False;
+    a ``group_name`` alone is DeepSpeed's dense parameter), checked by ``expert_ep_size``."""
+    return {name: expert_ep_size(name, p, data_size) for name, p in model.named_parameters()
+            if p.requires_grad and is_moe_param(p)}
+
+
+def refuse_unsupported_experts(experts: dict[str, int], model: torch.nn.Module, stage: int, nvme: bool,
+                               pipeline: bool) -> None:
+    """A one-line NotImplementedError naming the first expert parameter where experts are not
+    supported yet: ZeRO stage 3, NVMe offload, a ``PipelineModule``."""
+    if not experts:
+        return
+    name = next(iter(experts))
+    markers = expert_markers(dict(model.named_parameters())[name])
+    where = ("ZeRO stage 3" if stage == 3 else "offload to NVMe" if nvme
+             else "a PipelineModule" if pipeline else None)
+    if where is not None:
+        raise NotImplementedError(f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): expert "
+                                  f"parameters with {where} are not supported yet; use ZeRO stage 0, 1 or 2 "
+                                  "without NVMe offload and without pipelining")

@@ -4,6 +4,7 @@ the gradient buckets (``zero.gradient_buckets``); a stage differs only in what i
 from __future__ import annotations
 
 from zerotrain.config.optimizer_check import check_zero_optimizer
+from zerotrain.optim.expert_groups import expert_parameters
 from zerotrain.memory_release import ReleasePolicy, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.gathered import GatheredParameters
@@ -12,6 +13,7 @@ from zerotrain.zero.leaves import leaf_modules
 from zerotrain.zero.core import StageOptions, ZeroStage
 from zerotrain.zero.strategy import STRATEGIES
 from zerotrain.zero.stage0 import ReplicatedGradients
+from zerotrain.zero.reduce_groups import UnitReduction
 
 __all__ = ["Init", "GatheredParameters", "build_zero_stage"]
 
@@ -28,12 +30,34 @@ def bucket_numel(zero_config, element_size: int) -> int:
     return max(1, min(explicit)) if explicit else DEFAULT_BUCKET_BYTES // element_size
 
 
+def expert_reductions(module, topology):
+    """``reduce_group_of`` for ``module``'s expert parameters (DeepSpeed's ``allreduce = False``
+    with ``group_name = "ep_size_N"``): their gradients are summed over ``topology``'s
+    expert-data-parallel group of that size and divided by the data-parallel size, as DeepSpeed
+    divides them (each expert already received, through the all-to-all's backward, the gradients
+    of every token routed to it from its expert-parallel group); None without expert parameters.
+    """
+    if topology is None:
+        return None
+    experts = expert_parameters(module, topology.data_size)
+    if not experts:
+        return None
+    specs = {size: UnitReduction.over(topology.expert_groups(size).expert_data_group,
+                                      divide_factor=topology.data_size)
+             for size in sorted(set(experts.values()))}
+    named = dict(module.named_parameters())
+    by_param = {id(named[name]): specs[size] for name, size in experts.items()}
+    return lambda param: by_param.get(id(param))
+
+
 def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None,
-                     norm_group=None):
+                     norm_group=None, topology=None):
     """The stage object for ``config.zero_optimization.stage`` over ``module``'s parameters,
     sharded over the data-parallel ``group`` (None: the world). ``norm_group``: the ranks
     holding distinct parameters beside this replica (``Topology.distinct_group``), which the
-    gradient norm and the overflow decision also sum over.
+    gradient norm and the overflow decision also sum over. ``topology``: the engine's, whose
+    expert groups reduce expert parameters (``expert_reductions``; None: every parameter is
+    dense).
 
     With 16-bit precision the module's parameters and buffers end up in that dtype."""
     release = ReleasePolicy(config.memory_release, config.zero_optimization.stage)  # this engine's
@@ -45,6 +69,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
             if is_partitioned(p):
                 materialize(p, group)
     params = [p for p in module.parameters() if p.requires_grad]
+    reduce_group_of = expert_reductions(module, topology)
     numel = bucket_numel(zero, precision.param_dtype.itemsize)
     overlap = zero.effective_overlap_comm
     if (zero.stage == 0 and not precision.mixed) or (optimizer is None and zero.stage < 3):
@@ -52,7 +77,8 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
         # optimizer works, shape-dependent ones included). Without an optimizer there is no
         # state to partition (an engine for inference, a frozen reference model).
         module.to(precision.param_dtype)
-        return ReplicatedGradients(params, numel, overlap=overlap, group=group, norm_group=norm_group)
+        return ReplicatedGradients(params, numel, overlap=overlap, group=group, norm_group=norm_group,
+                                   reduce_group_of=reduce_group_of)
     # Without an explicit stage3_prefetch_bucket_size, prefetch one bucket ahead: DeepSpeed's
     # 5e7-element default gathers half of a 110M model ahead of use.
     prefetch = (int(zero.prefetch_bucket_size) if "prefetch_bucket_size" in zero.model_fields_set
@@ -70,7 +96,7 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
 
     stage = ZeroStage(strategy, module, optimizer, options, precision, group=group,
                       placement=build_placement(config), memory_release=release,
-                      norm_group=norm_group)
+                      norm_group=norm_group, reduce_group_of=reduce_group_of)
     for p in module.parameters():  # parameters outside every unit stay whole
         if is_partitioned(p):
             materialize(p, group)

@@ -30,7 +30,7 @@ class ReplicatedGradients(StageInterface):
     stage = 0
 
     def __init__(self, params, bucket_numel: int, overlap: bool = True, group=None,
-                 norm_group=None):
+                 norm_group=None, reduce_group_of=None):
         self.group = group
         # The ranks holding distinct parameters (pipeline stages, model slices) the gradient
         # norm also sums over (``Topology.distinct_group``); None: this replica's alone.
@@ -38,23 +38,35 @@ class ReplicatedGradients(StageInterface):
         spec = UnitReduction.over(group)
         self.world_size = spec.size
         self.params = [p for p in params if p.requires_grad]
-        # Reverse registration order approximates the order backward produces gradients. Tied
-        # copies another rank's norm counts (``ds_pipe_replicated``) go in buckets of their own.
-        counted = [p for p in self.params if counted_in_norm(p)]
-        tied = [p for p in self.params if not counted_in_norm(p)]
-        buckets = split_into_buckets(counted[::-1], bucket_numel)
-        self._counted = [True] * len(buckets)
-        if tied:
-            tied_buckets = split_into_buckets(tied[::-1], bucket_numel)
-            buckets = list(buckets) + list(tied_buckets)
-            self._counted += [False] * len(tied_buckets)
+        # Buckets never mix reductions (``reduce_group_of(param)``: a ``UnitReduction`` for a
+        # parameter reduced over another group, experts' expert-data group; None: the data
+        # group, averaged) nor tied copies another rank's norm counts (``ds_pipe_replicated``),
+        # which go in buckets of their own. Reverse registration order approximates the order
+        # backward produces gradients.
+        classes: dict[tuple, tuple] = {}
+        for p in self.params:
+            other = reduce_group_of(p) if reduce_group_of is not None else None
+            if other is not None and not isinstance(other, UnitReduction):
+                raise TypeError(f"reduce_group_of must return a UnitReduction or None, got {type(other).__name__}")
+            classes.setdefault((not counted_in_norm(p), id(other)), (other, []))[1].append(p)
+        buckets, self._counted, self.reductions = [], [], []
+        for (tied, _), (other, members) in sorted(classes.items(), key=lambda item: item[0][0]):
+            chunk = split_into_buckets(members[::-1], bucket_numel)
+            buckets += list(chunk)
+            self._counted += [not tied] * len(chunk)
+            # Each bucket's group and divide factor (zero/reduce_groups.py), a copy per bucket.
+            base = other if other is not None else spec
+            self.reductions += [UnitReduction(base.group, base.size, base.rank, base.divide_factor)
+                                for _ in chunk]
+        self._other_groups = any(other is not None for other, _ in classes.values())
         self.grads = BucketedGradients(buckets, self._all_reduce, overlap)
-        # Each bucket's group and divide factor (zero/reduce_groups.py): the data group, averaged.
-        self.reductions = [UnitReduction(spec.group, spec.size, spec.rank, spec.divide_factor)
-                           for _ in self.grads.buckets]
         self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
-        # GatheredParameters(modifier_rank=...) broadcasts these over this group, not the world.
-        registry.register_replicated(self.params, group)
+        # GatheredParameters(modifier_rank=...) broadcasts these over their group, not the world.
+        self._registered = []
+        for (_, _), (other, members) in classes.items():
+            reg_group = other.group if other is not None else group
+            registry.register_replicated(members, reg_group)
+            self._registered.append((members, reg_group))
 
     def _all_reduce(self, bucket: GradientBucket):
         spec = self.reductions[self._index[id(bucket)]]
@@ -132,6 +144,9 @@ class ReplicatedGradients(StageInterface):
     def sharded_state(self) -> ShardedState:
         """No units: the module's own parameters (and the optimizer's state keyed by them) are
         the training state."""
+        if self._other_groups:
+            raise NotImplementedError("checkpoints with expert parameters (gradients reduced over an "
+                                      "expert-data group) are not supported yet")
         return ShardedState()
 
     def offload_stats(self) -> dict:
@@ -147,4 +162,5 @@ class ReplicatedGradients(StageInterface):
 
     def close(self) -> None:
         self.grads.remove_hooks()
-        registry.unregister_replicated(self.params, self.group)
+        for members, reg_group in self._registered:
+            registry.unregister_replicated(members, reg_group)
