@@ -150,18 +150,30 @@ def _check_timeline(schedule: str, m: int, results: list) -> dict:
     assert bubble["num_stages"] == 2 and bubble["micro_batches"] == m
     assert bubble["ideal_bubble"] == pytest.approx(1 / (m + 1))
     for s in range(2):
-        mine = [e for e in events if e.stage == s]
+        everything = [e for e in events if e.stage == s]
+        mine = [e for e in everything if e.kind in tl.COMPUTE]
+        comm = [e for e in everything if e.kind == "comm"]
+        assert {e.kind for e in everything} <= set(tl.KINDS)
         assert [e.kind for e in mine] == _order(schedule, m, s), (schedule, m, s, [e.kind for e in mine])
-        for a, b in zip(mine, mine[1:]):
+        # comm events (the p2p waits past the neighbour's computation) and compute never overlap
+        for a, b in zip(everything, everything[1:]):
             assert a.start <= a.end <= b.start <= b.end, (schedule, m, s, a, b)
-        assert all(0.0 <= e.start <= e.end <= duration for e in mine), (schedule, m, s)
+        assert all(0.0 <= e.start <= e.end <= duration for e in everything), (schedule, m, s)
+        # between the stages: stage 1 receives every micro-batch's activations, stage 0 every gradient
+        assert len(comm) >= 1, (schedule, m, s, everything)
+        other = [e for e in events if e.stage != s and e.kind in tl.COMPUTE]
+        for c in comm:  # the other stage's computation had ended: no end of one falls inside
+            assert not [e for e in other if c.start < e.end < c.end], (c, other)
         row = bubble["stages"][s]
         busy = sum(e.end - e.start for e in mine)
         assert row["busy"] == pytest.approx(busy, rel=1e-12, abs=1e-12)
+        assert row["comm"] == pytest.approx(sum(e.end - e.start for e in comm), rel=1e-12, abs=1e-12)
+        assert row["comm"] > 0.0
         assert row["weight"] == 0.0  # no weight steps: full backwards
         assert row["forward"] + row["backward"] == pytest.approx(busy, rel=1e-12)
-        assert row["idle_share"] == pytest.approx(1.0 - row["busy"] / duration, rel=1e-12)
-        assert row["idle"] == pytest.approx(duration - row["busy"], rel=1e-12)
+        assert row["idle"] == pytest.approx(duration - row["busy"] - row["comm"], rel=1e-12, abs=1e-12)
+        assert row["idle_share"] == pytest.approx(row["idle"] / duration, rel=1e-12, abs=1e-12)
+        assert row["comm_share"] == pytest.approx(row["comm"] / duration, rel=1e-12, abs=1e-12)
         assert 0.0 < row["busy"] < duration
     return bubble
 
@@ -179,6 +191,7 @@ def _check_lines(lines: list[str], m: int, steps: int, first: bool) -> None:
     assert len(ours) == steps
     assert f"(P=2, M={m}, ideal bubble {1 / (m + 1):.1%})" in ours[-1]
     assert "stage 0: busy " in ours[-1] and "stage 1: busy " in ours[-1]
+    assert re.search(r"stage 1: busy \d+\.\d comm \d+\.\d idle \d+\.\d \(\d+\.\d%\)", ours[-1]), ours[-1]
 
 
 def _check_monitor(out_dir: str, schedule: str, m: int, bubble: dict, steps: int) -> None:
@@ -188,6 +201,8 @@ def _check_monitor(out_dir: str, schedule: str, m: int, bubble: dict, steps: int
     assert rows[0] == ["step", "stage1_idle_share"] and len(rows) == 1 + steps
     assert [int(r[0]) for r in rows[1:]] == [MICRO * m * (i + 1) for i in range(steps)]
     assert float(rows[-1][1]) == pytest.approx(bubble["stages"][1]["idle_share"], rel=1e-12)
+    with open(os.path.join(first, "Train_Pipeline_stage0_comm_ms.csv")) as f:
+        assert float(list(csv.reader(f))[-1][1]) == pytest.approx(bubble["stages"][0]["comm"] * 1e3, rel=1e-9)
     with open(os.path.join(first, "Train_Pipeline_ideal_bubble.csv")) as f:
         assert float(list(csv.reader(f))[-1][1]) == pytest.approx(1 / (m + 1))
     other = os.path.join(out_dir, f"{schedule}{m}_stage1")  # the first stage alone writes them
@@ -207,8 +222,9 @@ def test_timeline_p2(tmp_path):
             rows, duration = bubble["stages"], bubble["duration"]
             for s in range(2):
                 others = sum(r["busy"] for r in rows if r["stage"] != s)
-                assert rows[s]["idle_share"] >= others / duration - 1e-9, (s, rows)
-            mean = sum(r["idle_share"] for r in rows) / 2
+                not_busy = rows[s]["idle_share"] + rows[s]["comm_share"]
+                assert not_busy >= others / duration - 1e-9, (s, rows)
+            mean = sum(r["idle_share"] + r["comm_share"] for r in rows) / 2
             assert mean >= tl.ideal_bubble(2, 1) - 1e-9, rows
     # The last stage's loss is part of its forward (a lower bound: the loss sleeps).
     forwards = [tl.PipelineEvent(*e) for e in results[0][("gpipe", 4)]["events"]]
@@ -288,3 +304,32 @@ def test_picture_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "junk.json").write_text("{")
     assert tl.main([str(tmp_path / "junk.json"), "--out", str(tmp_path / "j.svg")]) == 2
     assert "not a pipeline timeline" in capsys.readouterr().err
+
+
+def test_split_waits():
+    """A raw wait is comm from the end of the neighbour's computation that ended nearest the wait's
+    end (of those started before it); before that the stage waited for the neighbour (idle). A wait
+    with no such computation is all comm; one whose computation seems to end after it (the
+    clocks' skew) has none."""
+    W = tl._WAIT
+    raw = [tl.PipelineEvent(0, "forward", 0.0, 1.0), tl.PipelineEvent(0, W, 1.0, 4.5),
+           tl.PipelineEvent(0, "backward", 4.5, 6.0),
+           tl.PipelineEvent(1, W, 0.0, 1.25), tl.PipelineEvent(1, "forward", 1.25, 2.25),
+           tl.PipelineEvent(1, "backward", 2.25, 4.0), tl.PipelineEvent(1, W, 4.0, 4.25),
+           tl.PipelineEvent(1, W, 6.0, 6.5)]
+    out = tl.split_waits(raw, 2)
+    comm = [e for e in out if e.kind == "comm"]
+    assert comm == [tl.PipelineEvent(0, "comm", 4.0, 4.5),  # after stage 1's backward
+                    tl.PipelineEvent(1, "comm", 1.0, 1.25),  # after stage 0's forward
+                    tl.PipelineEvent(1, "comm", 4.0, 4.25),  # its own send: stage 0 computed before 4.0
+                    tl.PipelineEvent(1, "comm", 6.0, 6.5)]  # wait after the neighbour's last computation
+    assert [e for e in out if e.kind != "comm"] == sorted([e for e in raw if e.kind != W],
+                                                          key=lambda e: (e.stage, e.start))
+    assert tl.split_waits([tl.PipelineEvent(0, W, 0.0, 1.0)], 2) == [tl.PipelineEvent(0, "comm", 0.0, 1.0)]
+    skewed = [tl.PipelineEvent(1, "forward", 0.0, 1.0), tl.PipelineEvent(1, "backward", 1.0, 2.0001),
+              tl.PipelineEvent(0, W, 0.5, 2.0)]
+    assert tl.split_waits(skewed, 2) == skewed[:2]  # waited for the backward: no comm
+    summary = tl.summarize(out, 2, 1, 6.5)
+    row = summary["stages"][0]
+    assert row["busy"] == 2.5 and row["comm"] == 0.5 and row["idle"] == 3.5
+    assert row["idle_share"] == 3.5 / 6.5 and row["comm_share"] == 0.5 / 6.5

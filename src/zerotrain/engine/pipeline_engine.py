@@ -220,13 +220,13 @@ class PipelineEngine(ZeroTrainEngine):
 
     def pipeline_timeline(self) -> list:
         """The last ``train_batch``'s events of every stage of this replica's pipeline, on every
-        stage: ``PipelineEvent(stage, kind, start, end)`` tuples (kind ``"forward"`` or
-        ``"backward"``, seconds from the batch's start). Needs ``"pipeline": {"timeline": true}``."""
+        stage: ``PipelineEvent(stage, kind, start, end)`` tuples (kind ``"forward"``, ``"backward"``,
+        ``"weight"`` or ``"comm"``, seconds from the batch's start). Needs ``"pipeline": {"timeline": true}``."""
         self._need_timeline("pipeline_timeline()")
         return list(self._last_timeline)
 
     def pipeline_bubble(self) -> dict | None:
-        """The last batch's busy/idle seconds and idle share per stage beside the ideal bubble
+        """The last batch's busy/comm/idle seconds and shares per stage beside the ideal bubble
         (P-1)/(M+P-1) (``zerotrain.pipeline.timeline.summarize``); None before the first batch."""
         self._need_timeline("pipeline_bubble()")
         return self._last_bubble

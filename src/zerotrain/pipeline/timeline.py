@@ -5,14 +5,27 @@ backward) during one ``train_batch`` and when it waited, beside the ideal bubble
   from the batch's start) by wrapping torch's ``PipelineStage.forward_one_chunk`` and
   ``backward_one_chunk`` (the stage module's forward, and the autograd backward of its outputs);
   on the last stage the loss computed on a micro-batch's outputs counts as part of its forward.
+  It also times every wait on torch's point-to-point transfers: torch's schedules post them with
+  ``schedules._batch_p2p`` and wait on them with the module function
+  ``schedules._wait_batch_p2p``, which is wrapped once per process (``install_wait_hook``; it
+  records only while a clock is active on this process, else it is the plain call).
+- A wait lasts until the neighbour has computed what it sends (or posted the receive of what
+  this stage sends) and then until the data has crossed. ``split_waits`` keeps the second part
+  as a ``"comm"`` event: the part of the wait after the last computation of a neighbouring stage
+  (rank s-1 or s+1, cyclically with virtual stages) that ended nearest the wait's end; the first
+  part is waiting for the neighbour, i.e. idle (the bubble). A wait no neighbour computation
+  precedes (the first batch's connection set-up) is comm entirely.
   The batch starts and ends at a barrier over the pipe group, so every stage's clock starts at
   the same moment (to within the barrier's exit skew). With a ``sync`` (the accelerator's
   synchronize, CUDA only) every reading waits for the device.
 - ``gather_timeline`` puts every stage's events on every stage of the pipe group (two small
-  collectives); ``summarize`` gives busy, idle and idle share per stage: idle = duration - busy,
-  share = 1 - busy / duration, duration = the longest stage's span of the batch.
+  collectives) and turns the waits into comm events; ``summarize`` gives busy, comm, idle and
+  their shares per stage: idle = duration - busy - comm, idle share = idle / duration, comm
+  share = comm / duration, duration = the longest stage's span of the batch. With equal stages
+  the idle share should be the ideal bubble (P-1)/(M+P-1): 1 - busy/duration is that plus the
+  comm share.
 - ``save_timeline``/``load_timeline``: a JSON file; ``write_svg`` (no dependency) and
-  ``write_png`` (matplotlib, optional) draw stages x time, forward/backward/idle.
+  ``write_png`` (matplotlib, optional) draw stages x time, forward/backward/weight/comm/idle.
 
 Command line: ``python -m zerotrain.pipeline.timeline FILE.json --out timeline.png`` (or
 ``.svg``).
@@ -26,14 +39,19 @@ import sys
 import time
 from typing import Callable, NamedTuple, Sequence
 
-# "weight": the separate weight-gradient step of zero-bubble schedules (backward_weight_one_chunk).
-KINDS = ("forward", "backward", "weight")
-COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#55a868", "idle": "#d9d9d9"}
+# "weight": the separate weight-gradient step of zero-bubble schedules (backward_weight_one_chunk);
+# "comm": the transfer part of a wait on torch's point-to-point sends/receives (split_waits).
+COMPUTE = ("forward", "backward", "weight")
+KINDS = COMPUTE + ("comm",)
+_WAIT = "wait"  # a raw wait as one stage recorded it, before split_waits
+_GATHERED = KINDS + (_WAIT,)
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#55a868", "comm": "#c44e52",
+           "idle": "#d9d9d9"}
 
 
 class PipelineEvent(NamedTuple):
     stage: int
-    kind: str  # "forward", "backward" or "weight"
+    kind: str  # "forward", "backward", "weight" or "comm"
     start: float  # seconds from the batch's start
     end: float
 
@@ -41,6 +59,33 @@ class PipelineEvent(NamedTuple):
 def ideal_bubble(num_stages: int, micro_batches: int) -> float:
     """The idle share of every stage with equal stages and free communication: (P-1)/(M+P-1)."""
     return (num_stages - 1) / (micro_batches + num_stages - 1)
+
+
+_CURRENT: list = [None]  # the StageClock recording on this process (one train_batch at a time)
+
+
+def install_wait_hook() -> None:
+    """Wrap torch's ``schedules._wait_batch_p2p`` (the function every schedule calls to wait on
+    the works its ``_batch_p2p`` posted) once per process: while a ``StageClock`` is active, a
+    wait on a non-empty list of works is recorded as a raw wait on it; otherwise the plain call."""
+    from torch.distributed.pipelining import schedules
+
+    wait = schedules._wait_batch_p2p
+    if getattr(wait, "_zerotrain_timed", False):
+        return
+
+    def timed_wait(work, *args, **kwargs):
+        clock = _CURRENT[0]
+        if clock is None or not clock.active or not work:
+            return wait(work, *args, **kwargs)
+        start = clock.now()
+        out = wait(work, *args, **kwargs)
+        clock.record(_WAIT, start)
+        return out
+
+    timed_wait.__wrapped__ = wait
+    timed_wait._zerotrain_timed = True
+    schedules._wait_batch_p2p = timed_wait
 
 
 class StageClock:
@@ -65,10 +110,13 @@ class StageClock:
             self.sync()
         self._t0 = time.perf_counter()
         self.active = True
+        _CURRENT[0] = self
 
     def finish(self) -> float:
         """Stop recording; the batch's span on this stage (call right after the closing barrier)."""
         self.active = False
+        if _CURRENT[0] is self:
+            _CURRENT[0] = None
         return self.now()
 
     def record(self, kind: str, start: float) -> None:
@@ -89,7 +137,9 @@ class StageClock:
 
     def wrap(self, stage) -> None:
         """Time torch's ``stage.forward_one_chunk``/``backward_one_chunk`` (instance attributes:
-        the class is untouched). Costs one attribute test per call when inactive."""
+        the class is untouched) and the schedules' p2p waits. Costs one attribute test per call
+        when inactive."""
+        install_wait_hook()
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                            ("backward_weight_one_chunk", "weight")):
             if hasattr(stage, name):
@@ -110,10 +160,10 @@ class StageClock:
 
 def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int, num_stages: int,
                     group, device) -> tuple[list[PipelineEvent], list[float]]:
-    """Every stage's events and spans on every stage of the pipe ``group`` (its rank i is stage i).
-    Collective over the group."""
+    """Every stage's events and spans on every stage of the pipe ``group`` (its rank i is stage i),
+    the waits split into idle and comm events (``split_waits``). Collective over the group."""
     if num_stages == 1:
-        return list(events), [span]
+        return split_waits(events, 1), [span]
     import torch
 
     from zerotrain.comm import collectives
@@ -125,7 +175,7 @@ def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int,
     shard = torch.full((width,), -1.0, dtype=torch.float64)
     shard[0] = span
     for i, event in enumerate(events):
-        shard[1 + 3 * i:4 + 3 * i] = torch.tensor([KINDS.index(event.kind), event.start, event.end],
+        shard[1 + 3 * i:4 + 3 * i] = torch.tensor([_GATHERED.index(event.kind), event.start, event.end],
                                                  dtype=torch.float64)
     out = torch.empty(width * num_stages, dtype=torch.float64, device=device)
     collectives.all_gather_into(out, shard.to(device), group=group)
@@ -136,32 +186,58 @@ def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int,
         for i in range(rows):
             kind, start, end = table[stage, 1 + 3 * i:4 + 3 * i].tolist()
             if kind >= 0:
-                gathered.append(PipelineEvent(stage, KINDS[int(kind)], start, end))
-    return gathered, spans
+                gathered.append(PipelineEvent(stage, _GATHERED[int(kind)], start, end))
+    return split_waits(gathered, num_stages), spans
+
+
+def split_waits(events: Sequence[PipelineEvent], num_stages: int) -> list[PipelineEvent]:
+    """The raw waits of every stage turned into ``"comm"`` events: a wait ``[a, b]`` on stage s
+    waited for the computation of a neighbouring stage (s-1 or s+1 modulo P) that started before
+    ``b`` and ended nearest to ``b`` (nearest, not latest before ``b``: the stages' clocks agree
+    only to the barrier's exit skew, a fraction of a millisecond, so the computation a receive
+    waited for can seem to end just after it); it is comm from that end (clamped to ``[a, b]``;
+    from ``a`` with no such computation) to ``b``, and before that the stage was waiting for the
+    neighbour (idle). Compute events are kept; empty comm is dropped."""
+    compute = [e for e in events if e.kind != _WAIT]
+    out = list(compute)
+    for w in events:
+        if w.kind != _WAIT:
+            continue
+        neighbours = {(w.stage - 1) % num_stages, (w.stage + 1) % num_stages} - {w.stage}
+        ends = [e.end for e in compute if e.stage in neighbours and e.kind in COMPUTE and e.start < w.end]
+        ready = min(ends, key=lambda t: abs(t - w.end)) if ends else w.start
+        start = min(max(ready, w.start), w.end)
+        if w.end > start:
+            out.append(PipelineEvent(w.stage, "comm", start, w.end))
+    out.sort(key=lambda e: (e.stage, e.start, e.end))
+    return out
 
 
 def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
               duration: float) -> dict:
-    """Busy (forward + backward + weight steps) and idle seconds per stage over ``duration``, the idle share
-    (``1 - busy / duration``) and the ideal bubble (P-1)/(M+P-1)."""
+    """Busy (forward + backward + weight steps), comm (the transfer part of the p2p waits) and
+    idle seconds per stage over ``duration`` (idle = duration - busy - comm), their shares and the
+    ideal bubble (P-1)/(M+P-1)."""
     stages = []
     for s in range(num_stages):
         mine = [e for e in events if e.stage == s]
         forward = sum(e.end - e.start for e in mine if e.kind == "forward")
         backward = sum(e.end - e.start for e in mine if e.kind == "backward")
         weight = sum(e.end - e.start for e in mine if e.kind == "weight")
+        comm = sum(e.end - e.start for e in mine if e.kind == "comm")
         busy = forward + backward + weight
+        idle = max(duration - busy - comm, 0.0)
+        share = (lambda t: t / duration) if duration > 0 else (lambda t: 0.0)
         stages.append({"stage": s, "forward": forward, "backward": backward, "weight": weight, "busy": busy,
-                       "idle": max(duration - busy, 0.0),
-                       "idle_share": 1.0 - busy / duration if duration > 0 else 0.0})
+                       "comm": comm, "idle": idle, "idle_share": share(idle), "comm_share": share(comm)})
     return {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
             "ideal_bubble": ideal_bubble(num_stages, micro_batches), "stages": stages}
 
 
 def describe(summary: dict) -> str:
-    """The step log's zerotrain line: busy/idle per stage beside the ideal bubble."""
-    parts = [f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} idle {s['idle'] * 1e3:.1f} "
-             f"({s['idle_share']:.1%})" for s in summary["stages"]]
+    """The step log's zerotrain line: busy/comm/idle per stage beside the ideal bubble."""
+    parts = [f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} comm {s['comm'] * 1e3:.1f} "
+             f"idle {s['idle'] * 1e3:.1f} ({s['idle_share']:.1%})" for s in summary["stages"]]
     return (f"pipeline batch {summary['duration'] * 1e3:.1f} ms (P={summary['num_stages']}, "
             f"M={summary['micro_batches']}, ideal bubble {summary['ideal_bubble']:.1%}) | "
             + " | ".join(parts))
@@ -173,6 +249,7 @@ def monitor_events(summary: dict, step: int) -> list[tuple[str, float, int]]:
     for s in summary["stages"]:
         i = s["stage"]
         events += [(f"Train/Pipeline/stage{i}_busy_ms", s["busy"] * 1e3, step),
+                   (f"Train/Pipeline/stage{i}_comm_ms", s["comm"] * 1e3, step),
                    (f"Train/Pipeline/stage{i}_idle_ms", s["idle"] * 1e3, step),
                    (f"Train/Pipeline/stage{i}_idle_share", s["idle_share"], step)]
     return events
@@ -227,7 +304,8 @@ def _labels(events: Sequence[PipelineEvent]) -> list[str]:
 
 def write_svg(doc: dict, path, width: int = 960, row: int = 40) -> None:
     """Stages x time as SVG (no dependency): a grey idle bar per stage under its forward (blue),
-    backward (orange) and weight-step (green) boxes, labelled F<i>/B<i>/W<i> by micro-batch."""
+    backward (orange), weight-step (green) and comm (red) boxes, labelled F<i>/B<i>/W<i> by
+    micro-batch."""
     from xml.sax.saxutils import escape
 
     p, duration = doc["num_stages"], max(doc["duration"], 1e-12)
@@ -292,7 +370,7 @@ def write_png(doc: dict, path, dpi: int = 100) -> None:
         ax.set_xlabel("time in the batch (ms)")
         ax.set_title(_title(doc), fontsize=10)
         ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
-                  bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2), ncol=3, frameon=False)
+                  bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2), ncol=5, frameon=False)
         fig.tight_layout()
         fig.savefig(path)
     finally:
@@ -310,7 +388,7 @@ def write_picture(doc: dict, path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m zerotrain.pipeline.timeline",
-        description="Draw a pipeline timeline (stages x time, forward/backward/idle) from the JSON "
+        description="Draw a pipeline timeline (stages x time, forward/backward/comm/idle) from the JSON "
                     "file engine.save_pipeline_timeline() wrote.")
     parser.add_argument("timeline", help="the timeline JSON file")
     parser.add_argument("--out", default="timeline.png",
