@@ -65,7 +65,9 @@ def _dropless_capacity(exp_counts: Tensor, ep_group) -> int:
     ``drop_tokens=False`` capacity; no tensor parallelism here, so no rounding to it)."""
     new_capacity = torch.max(exp_counts).to(torch.int64)
     if ep_group is not None and dist.get_world_size(group=ep_group) > 1:
-        dist.all_reduce(new_capacity, op=dist.ReduceOp.MAX, group=ep_group)
+        from zerotrain import comm
+
+        comm.all_reduce(new_capacity, op=comm.ReduceOp.MAX, group=ep_group)
     return int(new_capacity)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zerotrain import comm
 from zerotrain.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
 
 
@@ -146,7 +147,7 @@ class MOELayer(nn.Module):
     def _agree_on_capacity(self, cap: int, num_tokens: int) -> None:
         mine = torch.tensor([cap, num_tokens], dtype=torch.int64)
         every = torch.empty(self.ep_size * 2, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=self.ep_group)
+        comm.all_gather_into(every, mine, group=self.ep_group)
         caps = every.view(-1, 2)
         if bool((caps[:, 0] != cap).any()):
             raise ValueError(f"MoE capacities differ across the expert-parallel group {self.ep_group_name} "
