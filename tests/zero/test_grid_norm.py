@@ -331,6 +331,12 @@ def _expert_stage_on_ranks():
     model = nn.ModuleDict({"shared": nn.Linear(D, D), "expert": nn.Linear(D, D)})
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     spec = UnitReduction.over(pairs[rank // 2])
+    # Units sharing one reduce_group_of answer still take their own divide factor.
+    zero = ZeroStage(STRATEGIES[1], model, optimizer, StageOptions(unit_numel=1), reduce_group_of=lambda p: spec)
+    zero.set_gradient_divide_factor(1.0, units=zero.trained[:1])
+    out["factors"] = [zero.reduction_of(u).divide_factor for u in zero.trained]
+    zero.close()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     try:
         ZeroStage(STRATEGIES[3], model, optimizer, StageOptions(unit_numel=10 ** 6),
                   reduce_group_of=lambda p: spec)
@@ -354,3 +360,4 @@ def test_one_stage_holds_units_over_different_groups():
                 assert torch.allclose(value, want[name].detach(), rtol=0, atol=1e-6), (rank, stage, name)
             assert "reduced over different groups" in got["refused"]
         assert "stage 3" in out["stage3"]
+        assert len(out["factors"]) == 4 and out["factors"] == [1.0, 2.0, 2.0, 2.0], out["factors"]

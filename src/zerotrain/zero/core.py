@@ -10,6 +10,7 @@ all-gathered (stages 1-2) or gathered when next used (stage 3's partitioned unit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -148,8 +149,10 @@ class ZeroStage(StageInterface):
         # Each trained unit's reduction group and divide factor (zero/reduce_groups.py): the data
         # group, averaged. ``norm_group``: the ranks holding distinct parameters beside this
         # replica (``Topology.distinct_group``), which the gradient norm also sums over.
-        self._reductions = {id(u): unit_specs[id(u)] or UnitReduction(group, self.world_size, self.rank,
-                                                                      float(self.world_size))
+        # A copy per unit: units sharing one ``reduce_group_of`` answer still take their own divide
+        # factor (``set_gradient_divide_factor(units=...)``).
+        self._reductions = {id(u): (dataclasses.replace(unit_specs[id(u)]) if unit_specs[id(u)] else
+                                    UnitReduction(group, self.world_size, self.rank, float(self.world_size)))
                             for u in self.trained}
         self.norm_group = norm_group
         # False for units of tied copies (``ds_pipe_replicated``) another rank's norm counts.
