@@ -100,7 +100,8 @@ def _run(args, pipe: int, m: int) -> dict:
         if step >= args.warmup:
             bubble = engine.pipeline_bubble()
             times.append(elapsed)
-            shares.append([s["idle_share"] for s in bubble["stages"]])
+            # not computing (seed 001's idle): the idle share plus the p2p transfers' share
+            shares.append([s["idle_share"] + s["comm_share"] for s in bubble["stages"]])
             busy.append([s["busy"] for s in bubble["stages"]])
     out = {"stage": engine.stage_id, "times": times, "shares": shares, "busy": busy}
     if args.timeline_dir and engine.is_first_stage():
