@@ -3,6 +3,8 @@ plus the CUDA class's device-independent answers."""
 
 from __future__ import annotations
 
+import mmap
+
 import time
 
 import psutil
@@ -102,10 +104,15 @@ def test_memory_is_the_process_rss(cpu):
     before = cpu.memory_allocated()
     assert abs(before - psutil.Process().memory_info().rss) < 16 * 2**20
     cpu.reset_peak_memory_stats()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh pages, touched: an anonymous mapping of its own, so neither the heap that
+    # earlier tests in this process left free nor the allocator's mmap threshold can serve it.
+    region = mmap.mmap(-1, 64 * 2**20)
+    block = torch.frombuffer(region, dtype=torch.float32)
+    block.fill_(1.0)
     held = cpu.memory_allocated()
     assert held - before > 48 * 2**20
     del block
+    region.close()
     cpu.empty_cache()
     assert cpu.memory_allocated() < held - 48 * 2**20  # freed and returned to the OS
     # The peak since the reset remembers the 64 MiB that is gone.

@@ -98,7 +98,9 @@ def test_layer_spec_forms():
     assert repr(spec) == "Linear(4, 8, bias=False)"
     built = spec.build()
     assert isinstance(built, torch.nn.Linear) and built.bias is None and built.weight.shape == (8, 4)
-    assert spec.global_rank == -1  # no process group
+    # The process's global rank; -1 without a process group (an earlier test in this process may
+    # have left one: then its rank).
+    assert spec.global_rank == (torch.distributed.get_rank() if torch.distributed.is_initialized() else -1)
     with pytest.raises(RuntimeError, match="torch.nn.Module"):
         LayerSpec(lambda x: x)
     # tied_weight_attr: a name, a list, a dotted path
