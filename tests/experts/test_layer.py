@@ -120,7 +120,17 @@ def test_layer_equals_dense_reference(k, drop_tokens, use_residual):
         torch.testing.assert_close(g1[name], g2[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_expert_markers_and_names():
+@pytest.fixture
+def without_process_group():
+    """This test checks the layer without torch.distributed: a group an earlier test left in this
+    process (zerotrain.init_distributed() makes a world of one) is destroyed first."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_expert_markers_and_names(without_process_group):
     from zerotrain.moe.experts import Experts
     from zerotrain.moe.layer import MoE
     from zerotrain.moe.utils import is_moe_param
