@@ -72,12 +72,17 @@ def _is_none(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
-def _asks_the_world(call: ast.Call) -> bool:
-    """No group argument, or the group given as None."""
+#: The default group named outright: the world all the same.
+WORLD_GROUPS = {"torch.distributed.group.WORLD", "torch.distributed.GroupMember.WORLD",
+                "torch.distributed.distributed_c10d.group.WORLD", "torch.distributed.distributed_c10d.GroupMember.WORLD"}
+
+
+def _asks_the_world(call: ast.Call, names: dict[str, str]) -> bool:
+    """No group argument, or the group given as None or as torch's default group by name."""
     group = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "group"), None)
     if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
         return False  # ``**kwargs``/``*args``: the group may be there
-    return group is None or _is_none(group)
+    return group is None or _is_none(group) or _dotted(group, names) in WORLD_GROUPS
 
 
 def world_queries(source: str, module: str = "zerotrain.example", is_package: bool = False) -> list[str]:
@@ -97,7 +102,7 @@ def world_queries(source: str, module: str = "zerotrain.example", is_package: bo
         if isinstance(node, ast.Call):
             called.add(id(node.func))
             target = _dotted(node.func, names)
-            if target in forbidden and _asks_the_world(node):
+            if target in forbidden and _asks_the_world(node, names):
                 found.append(f"{node.lineno}: {ast.unparse(node)} ({target}, the world's)")
     for node in ast.walk(tree):
         if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and id(node) not in called:
@@ -158,10 +163,12 @@ def f(group):
     h = process_rank()
     i = get_world_size()
     pick = d.get_rank
+    j = d.get_world_size(group=d.group.WORLD)
+    k = torch.distributed.get_rank(torch.distributed.GroupMember.WORLD)
     ok = (d.get_rank(group), size(group=group), get_world_size(group), torch.distributed.get_rank(group=group))
 """
     found = world_queries(src, "zerotrain.engine.example")
-    assert [int(line.split(":")[0]) for line in found] == [11, 12, 13, 14, 15, 16, 17, 18], found
+    assert [int(line.split(":")[0]) for line in found] == [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], found
     assert "zerotrain.comm.get_world_size" in found[6]  # the relative import resolved
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerotrain.topology.process_rank import process_rank
+
 
 def _first_rank_group(coordinator, group):
     """The group whose first rank keeps the gathered weights (see the module's docstring)."""
@@ -26,8 +28,8 @@ def _first_rank_group(coordinator, group):
 def _is_first(group) -> bool:
     if not dist.is_initialized():
         return True
-    if group is None:  # no engine group given: the world's rank 0
-        group = dist.group.WORLD
+    if group is None:  # no engine group given: the job's rank 0 (-1: no process group)
+        return process_rank() <= 0
     return dist.get_rank(group) == 0
 
 

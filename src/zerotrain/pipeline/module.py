@@ -17,7 +17,6 @@ import re
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerotrain.checkpointing import checkpoint as _default_checkpoint
@@ -28,6 +27,7 @@ from zerotrain.pipeline.specs import LayerSpec, TiedLayerSpec
 from zerotrain.pipeline.tied import TiedLayers
 from zerotrain.seeding import set_random_seed
 from zerotrain.topology import PipeDataParallelTopology, PipelineParallelGrid
+from zerotrain.topology.process_rank import process_world_size
 
 __all__ = ["PipelineModule", "PARTITION_METHODS"]
 
@@ -35,10 +35,6 @@ PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
 
 # Megatron-DeepSpeed's model classes whose transformer layers DeepSpeed always checkpoints.
 _GPT_PIPES = ("GPTModelPipe", "GPT2ModelPipe")
-
-
-def _world_size() -> int:
-    return dist.get_world_size(group=dist.group.WORLD) if dist.is_initialized() else 1
 
 
 def layer_name(layer) -> str:
@@ -104,7 +100,7 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
 
         # Ranks and groups: the grid's topology over the whole world.
         if topology is None:
-            world = _world_size()
+            world = process_world_size()
             if world % num_stages:
                 raise RuntimeError(f"PipelineModule: num_stages={num_stages} does not divide the world size "
                                    f"{world}; choose num_stages among the divisors of {world}")
@@ -147,9 +143,9 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
             if "pipe" not in topology.get_axis_names():
                 raise ValueError(f"PipelineModule: the topology's axes {topology.get_axis_names()} have no "
                                  "'pipe' axis; use PipeDataParallelTopology(num_pp, num_dp)")
-            if topology.world_size() != _world_size():
+            if topology.world_size() != process_world_size():
                 raise ValueError(f"PipelineModule: the topology has {topology.world_size()} ranks but the world "
-                                 f"has {_world_size()}; make the product of its dims the world size (call "
+                                 f"has {process_world_size()}; make the product of its dims the world size (call "
                                  "zerotrain.init_distributed() first on every rank)")
             if num_stages is not None and num_stages != topology.get_dim("pipe"):
                 raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology has "

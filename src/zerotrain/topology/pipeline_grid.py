@@ -3,9 +3,9 @@ from a ``Topology``. Pass it as ``initialize(mpu=grid)``; the engine then uses t
 
 from __future__ import annotations
 
-import torch.distributed as dist
 
 from zerotrain.topology.grid import PipeDataParallelTopology, ProcessTopology
+from zerotrain.topology.process_rank import process_world_size
 from zerotrain.topology.topology import Topology
 
 
@@ -35,8 +35,7 @@ class PipelineParallelGrid:
             raise NotImplementedError("PipelineParallelGrid(process_group=...) is not supported; "
                                       "the grid spans the world")
         if topology is None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            topology = PipeDataParallelTopology(*_split_world(world))
+            topology = PipeDataParallelTopology(*_split_world(process_world_size()))
         self._topo = topology
         self.topology_ = Topology.from_grid(topology)
         t = self.topology_

@@ -18,3 +18,13 @@ def process_rank() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return -1
     return dist.get_rank()
+
+
+def process_world_size() -> int:
+    """How many processes the job's default group holds (1 before torch.distributed is
+    initialized): what a ``PipelineModule`` divides into stages before any topology exists."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
