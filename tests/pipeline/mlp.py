@@ -47,3 +47,18 @@ def reference(model_layers: list[nn.Module], dp: int, optimizer_name: str, clip:
         opt.zero_grad()
     return {"losses": losses, "norms": norms, "model": model,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def compare(what: str, weights: dict, losses: list, ref: dict, rtol: float = 1e-6) -> list[str]:
+    """Mismatches of one rank's weights (relative norm of the difference) and returned losses
+    against ``reference(...)``'s."""
+    failures = []
+    for name, value in weights.items():
+        want = ref["weights"][name]
+        err = float((value - want).norm() / want.norm())
+        if not err <= rtol:
+            failures.append(f"{what}: {name} relative error {err:.2e}")
+    for step, (a, b) in enumerate(zip(losses, ref["losses"])):
+        if not abs(a - b) <= rtol * abs(b):
+            failures.append(f"{what}: step {step} loss {a} != reference {b}")
+    return failures

@@ -121,14 +121,7 @@ def _check(results: list, pipe: int, dp: int) -> list[str]:
             assert got["global_steps"] == STEPS and got["skipped"] == 0, (what, got["skipped"])
             whole.update(got["weights"])
             if precision == "fp32":
-                for name, value in got["weights"].items():
-                    want = ref["weights"][name]
-                    err = float((value - want).norm() / want.norm())
-                    if not err <= 1e-6:
-                        failures.append(f"{what} rank {rank}: {name} relative error {err:.2e}")
-                for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-                    if not abs(a - b) <= 1e-6 * abs(b):
-                        failures.append(f"{what} rank {rank}: step {step} loss {a} != reference {b}")
+                failures += mlp.compare(f"{what} rank {rank}", got["weights"], got["losses"], ref)
                 assert got["total_loss"] == got["losses"][-1]
             else:  # every stage returns the same loss, close to the reference's
                 if got["losses"] != results[0][combo]["losses"]:

@@ -89,14 +89,7 @@ def _check(results: list, dp: int) -> list[str]:
             # with an interval of 1 every layer of each chunk (2 Linear) is its own checkpoint
             assert got["checkpointed"] == ([[True, True]] * V if interval else None)
             whole.update(got["weights"])
-            for name, value in got["weights"].items():
-                want = ref["weights"][name]
-                err = float((value - want).norm() / want.norm())
-                if not err <= 1e-6:
-                    failures.append(f"{what} rank {rank}: {name} relative error {err:.2e}")
-            for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-                if not abs(a - b) <= 1e-6 * abs(b):
-                    failures.append(f"{what} rank {rank}: step {step} loss {a} != reference {b}")
+            failures += mlp.compare(f"{what} rank {rank}", got["weights"], got["losses"], ref)
             if got["losses"] != results[0][combo]["losses"] or got["eval"] != results[0][combo]["eval"]:
                 failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
         assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
