@@ -112,7 +112,11 @@ def _run(schedule: str, m: int, timeline: bool, out_dir: str, steps: int = 2, sl
             except ValueError as error:
                 errors.append(str(error))
         out["errors"] = errors
+    from torch.distributed.pipelining import schedules
+
+    out["wait_wrapped"] = getattr(schedules._wait_batch_p2p, "_zerotrain_timed", False)
     engine.destroy()
+    out["wait_wrapped_after_destroy"] = getattr(schedules._wait_batch_p2p, "_zerotrain_timed", False)
     return out
 
 
@@ -212,6 +216,9 @@ def _check_monitor(out_dir: str, schedule: str, m: int, bubble: dict, steps: int
 def test_timeline_p2(tmp_path):
     results = run_on_ranks(_ranks, world_size=2, args=(str(tmp_path),), timeout=600)
     assert [r["off"]["stage"] for r in results] == [0, 1]
+    for res in results:  # the timeline wraps torch's p2p wait while on; destroy() gives it back
+        assert res[("1f1b", 4)]["wait_wrapped"] and not res[("1f1b", 4)]["wait_wrapped_after_destroy"]
+        assert not res["off"]["wait_wrapped"]
     for schedule, m in (("1f1b", 4), ("gpipe", 4), ("gpipe", 1)):
         bubble = _check_timeline(schedule, m, results)
         steps = 3 if m == 1 else 2

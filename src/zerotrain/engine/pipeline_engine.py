@@ -350,6 +350,13 @@ class PipelineEngine(ZeroTrainEngine):
                 isinstance(spec, TiedLayerSpec) and spec.key == key for spec in module._layer_specs)
         return False
 
+    def destroy(self) -> None:
+        """The engine's ``destroy()``, and the timeline's wrapper of torch's p2p wait removed
+        (with the last clock that installed it)."""
+        if self._clock is not None:
+            self._clock.close()
+        super().destroy()
+
     # -- disabled ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         raise _pipeline_error(_ONLY_TRAIN_BATCH)

@@ -64,10 +64,14 @@ def ideal_bubble(num_stages: int, micro_batches: int) -> float:
 _CURRENT: list = [None]  # the StageClock recording on this process (one train_batch at a time)
 
 
+_HOOK_USERS: set = set()  # ids of the StageClocks that installed the wait hook and are not closed
+
+
 def install_wait_hook() -> None:
     """Wrap torch's ``schedules._wait_batch_p2p`` (the function every schedule calls to wait on
     the works its ``_batch_p2p`` posted) once per process: while a ``StageClock`` is active, a
-    wait on a non-empty list of works is recorded as a raw wait on it; otherwise the plain call."""
+    wait on a non-empty list of works is recorded as a raw wait on it; otherwise the plain call.
+    ``remove_wait_hook`` puts torch's function back."""
     from torch.distributed.pipelining import schedules
 
     wait = schedules._wait_batch_p2p
@@ -86,6 +90,15 @@ def install_wait_hook() -> None:
     timed_wait.__wrapped__ = wait
     timed_wait._zerotrain_timed = True
     schedules._wait_batch_p2p = timed_wait
+
+
+def remove_wait_hook() -> None:
+    """Give torch's ``schedules._wait_batch_p2p`` back (no-op when it is not wrapped)."""
+    from torch.distributed.pipelining import schedules
+
+    wait = schedules._wait_batch_p2p
+    if getattr(wait, "_zerotrain_timed", False):
+        schedules._wait_batch_p2p = wait.__wrapped__
 
 
 class StageClock:
@@ -127,6 +140,15 @@ class StageClock:
         if self.active and self.events and self.events[-1].kind == kind:
             self.events[-1] = self.events[-1]._replace(end=self.now())
 
+    def close(self) -> None:
+        """Stop recording for good; the last clock closed gives torch's wait function back (the
+        engine's ``destroy()``)."""
+        if self.active:
+            self.finish()
+        _HOOK_USERS.discard(id(self))
+        if not _HOOK_USERS:
+            remove_wait_hook()
+
     def attach(self, runner) -> None:
         """Time every torch stage of a ``StageRunner`` not timed yet (they are rebuilt when the
         input shapes change: call it before every batch)."""
@@ -140,6 +162,7 @@ class StageClock:
         the class is untouched) and the schedules' p2p waits. Costs one attribute test per call
         when inactive."""
         install_wait_hook()
+        _HOOK_USERS.add(id(self))
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                            ("backward_weight_one_chunk", "weight")):
             if hasattr(stage, name):
