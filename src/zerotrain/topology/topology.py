@@ -285,11 +285,11 @@ class Topology:
             strides = [data[i::ep_size] for i in range(ep_size)]
             ep_lists, edp_lists = (strides, blocks) if data_before_expert else (blocks, strides)
             for ranks in ep_lists:
-                group = _group_of(ranks)
+                group = dist.new_group(ranks)
                 if self.global_rank in ranks:
                     mine_ep = (group, ranks)
             for ranks in edp_lists:
-                group = _group_of(ranks)
+                group = dist.new_group(ranks)
                 if self.global_rank in ranks:
                     mine_edp = (group, ranks)
         (ep_group, ep_ranks), (edp_group, edp_ranks) = mine_ep, mine_edp
@@ -314,7 +314,3 @@ def _axis(axis: str) -> str:
     if axis not in AXES:
         raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
     return axis
-
-
-def _group_of(ranks: list[int]):
-    return dist.new_group(ranks)
