@@ -1,13 +1,14 @@
 """The reference GPT-2 workloads: torch DDP vs zerotrain ZeRO 0-3 vs FSDP2 (vs DeepSpeed), one run.
 
-    python bench/gpt2_110m.py [--model 110m|17m] [--systems ddp,zt1,zt2,zt3,zt3_bf16,fsdp2]
+    python bench/gpt2_110m.py [--model 110m|17m|host] [--systems ddp,zt1,zt2,zt3,zt3_bf16,fsdp2]
                               [--steps 6] [--repeats 1] [--json out.json]
                               [--deepspeed-python /path/to/venv/bin/python]   # adds ds0..ds3
                               [--device cuda --nproc 1]   # on GPUs, NCCL
 
 `--model 110m` (default): `transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12,
 vocab_size=32768, n_positions=256, dropouts 0)`, micro-batch 2 x seq 128 per rank;
-`--model 17m`: n_layer 4, n_embd 512, n_head 8, vocab 8192, n_positions 256, micro-batch 4 x 128.
+`--model 17m`: n_layer 4, n_embd 512, n_head 8, vocab 8192, n_positions 256, micro-batch 4 x 128;
+`--model host` (host-bound): n_layer 24, n_embd 64, n_head 2, vocab 512, micro-batch 4 x 128.
 Random init (torch.manual_seed(0)), 2 gloo ranks, OMP_NUM_THREADS=1, the config's optimizer
 `{"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": true}}`,
 gradient_clipping 0.0, DeepSpeed's defaults for everything else; fp32 (and bf16 at stage 3).
@@ -63,6 +64,8 @@ SYSTEMS = {  # key: (label, mode, stage, dtype)
 MODELS = {  # GPT2Config fields, micro-batch
     "110m": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256), 2),
     "17m": (dict(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256), 4),
+    # issue 33's host-bound model: 24 small blocks, where per-unit host cost dominates the step.
+    "host": (dict(n_layer=24, n_embd=64, n_head=2, vocab_size=512, n_positions=256), 4),
 }
 
 
