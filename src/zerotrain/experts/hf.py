@@ -1,0 +1,202 @@
+"""Expert parallelism for Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, ...).
+
+transformers 5 keeps a sparse-MoE block's experts in one fused module (``MixtralExperts``,
+``Qwen2MoeExperts``, ``DeepseekV3Experts``: 3-D parameters ``gate_up_proj[E, 2I, H]``,
+``down_proj[E, H, I]``), called by the block as ``experts(hidden, top_k_index, top_k_weights)``
+after HF's own router. ``expert_parallel`` leaves the block and its router alone (so the router
+logits that ``output_router_logits=True`` records, and the load-balancing loss built from them,
+are HF's) and turns each experts module into its expert-parallel form:
+
+- the module keeps rows ``[r * E/ep, (r + 1) * E/ep)`` of each expert parameter (``r``: the rank's
+  place in its expert-parallel group), sliced from the full init so every rank agrees, under the
+  same parameter names; the slices carry DeepSpeed's markers (``allreduce = False``,
+  ``group_name = "ep_size_<ep>"``), so the engine sums their gradients over the expert-data group;
+- its forward sends every (token, chosen expert) pair, with its routing weight, to the rank owning
+  the expert (uneven ``all_to_all_single`` over the expert-parallel group: dropless, as HF's block),
+  runs HF's own experts forward there on the local experts, and sends the weighted outputs back,
+  where each token sums its routes.
+
+``gather_expert_state_dict`` puts the full expert tensors back together (a state dict the
+unsharded model loads); ``shard_expert_state_dict`` slices a full one for the sharded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerotrain.experts.layer import _AllToAll
+
+
+@dataclass
+class _ExpertShard:
+    """Where one experts module's slice sits: its expert-parallel group and the global experts it holds."""
+
+    groups: Any             # the topology's ExpertGroups (holds its process groups weakly); None: ep_size 1
+    ep_size: int
+    ep_rank: int
+    num_experts: int        # experts in the whole model's block
+    num_local_experts: int
+    param_names: tuple
+
+    @property
+    def group(self):
+        return self.groups.expert_group
+
+    @property
+    def first(self) -> int:
+        return self.ep_rank * self.num_local_experts
+
+
+_EP_CLASSES: Dict[type, type] = {}
+
+
+def _is_hf_experts(module: nn.Module) -> bool:
+    """transformers' fused experts: a class wrapped by ``use_experts_implementation`` (it sets
+    ``_is_expert_parallel``), ``num_experts`` experts stacked on dim 0 of each own parameter."""
+    if not hasattr(module, "_is_expert_parallel") or not isinstance(getattr(module, "num_experts", None), int):
+        return False
+    own = list(module.named_parameters(recurse=False))
+    return bool(own) and all(p.dim() >= 1 and p.shape[0] == module.num_experts for _, p in own)
+
+
+def _shard_of(module: nn.Module) -> Optional[_ExpertShard]:
+    return module.__dict__.get("_zerotrain_expert_shard")
+
+
+def expert_modules(model: nn.Module) -> List[tuple]:
+    """``(name, module)`` of every Hugging Face fused experts module in ``model``, sharded or not."""
+    return [(name, m) for name, m in model.named_modules() if _shard_of(m) is not None or _is_hf_experts(m)]
+
+
+def expert_parallel(model: nn.Module, ep_size: int, topology=None) -> List[str]:
+    """Spread the experts of every sparse-MoE block of the Hugging Face ``model`` over
+    ``ep_size`` ranks (in place; returns the experts modules' names).
+
+    The groups are ``topology.expert_groups(ep_size)`` (default: ``zerotrain.topology.current()``,
+    the world as data parallelism before ``initialize``), DeepSpeed's ``ep_size_N`` layout, the
+    one the engine reduces expert gradients with. Every rank must call this on the same model
+    (same seed: the slices are cut from each rank's full init), in the same order."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"expert_parallel: ep_size={ep_size!r} must be a positive integer")
+    found = [(name, m) for name, m in model.named_modules() if _is_hf_experts(m)]
+    done = [name for name, m in model.named_modules() if _shard_of(m) is not None]
+    if done:
+        raise ValueError(f"expert_parallel: {type(model).__name__} is already expert-parallel ({done[0]}); "
+                         "call expert_parallel once per model")
+    if not found:
+        raise ValueError(f"expert_parallel: no Hugging Face fused experts module (e.g. MixtralExperts) in "
+                         f"{type(model).__name__}; it needs a transformers>=5 MoE model (Mixtral, Qwen-MoE, DeepSeek)")
+    for name, m in found:
+        if m.num_experts % ep_size:
+            raise ValueError(f"expert_parallel: ep_size={ep_size} must divide the {m.num_experts} experts of "
+                             f"{name} ({type(m).__name__}); choose a divisor of the expert count")
+    if topology is None:
+        from zerotrain.topology import current
+
+        topology = current()
+    if ep_size > 1 and not topology.distributed:
+        raise RuntimeError(f"expert_parallel(ep_size={ep_size}) needs torch.distributed initialized "
+                           "(zerotrain.init_distributed() or zerotrain launch)")
+    groups = topology.expert_groups(ep_size) if topology.distributed else None
+    ep_rank = groups.expert_rank if groups is not None else 0
+    for name, m in found:
+        local = m.num_experts // ep_size
+        names = tuple(n for n, _ in m.named_parameters(recurse=False))
+        for pname in names:
+            full = getattr(m, pname)
+            piece = nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
+                                 requires_grad=full.requires_grad)
+            piece.allreduce = False
+            piece.group_name = f"ep_size_{ep_size}"
+            setattr(m, pname, piece)
+        m.__dict__["_zerotrain_expert_shard"] = _ExpertShard(
+            groups, ep_size, ep_rank, m.num_experts, local, names)
+        m.num_experts = local  # HF's forward (run on the local experts) sizes its one-hot by it
+        m.__class__ = _expert_parallel_class(type(m))
+    return [name for name, _ in found]
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """``cls`` with the dispatching forward (one subclass per HF class, FSDP2's pattern): the
+    module stays an instance of HF's class, so HF's weight init and output capture still match."""
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallelForward, cls), {})
+    return _EP_CLASSES[cls]
+
+
+class _ExpertParallelForward:
+    """The forward of an expert-parallel HF experts module (mixed in before HF's class)."""
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        shard: _ExpertShard = self.__dict__["_zerotrain_expert_shard"]
+        num_tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.sort(flat, stable=True)[1]       # routes grouped by global expert
+        experts = flat.index_select(0, order)
+        tokens = torch.div(order, k, rounding_mode="floor")
+        send = hidden_states.index_select(0, tokens)
+        send_weights = top_k_weights.reshape(-1).index_select(0, order)
+        counts = torch.bincount(experts, minlength=shard.num_experts).view(shard.ep_size, shard.num_local_experts)
+        if shard.ep_size > 1:
+            received_counts = torch.empty_like(counts)
+            dist.all_to_all_single(received_counts, counts, group=shard.group)
+            input_splits, output_splits = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+            received = _AllToAll.apply(shard.group, send, output_splits, input_splits)
+            received_weights = _AllToAll.apply(shard.group, send_weights, output_splits, input_splits)
+        else:
+            received_counts, received, received_weights = counts, send, send_weights
+        # received rows: [source rank][local expert][routes]; each row is one route (k = 1).
+        local_ids = torch.arange(shard.num_local_experts, device=flat.device).repeat(shard.ep_size)
+        local_ids = torch.repeat_interleave(local_ids, received_counts.reshape(-1))
+        out = super().forward(received, local_ids.unsqueeze(1), received_weights.unsqueeze(1))
+        if shard.ep_size > 1:
+            out = _AllToAll.apply(shard.group, out, input_splits, output_splits)
+        return out.new_zeros(num_tokens, out.shape[-1]).index_add(0, tokens, out)
+
+
+def _gather_rows(tensor: Tensor, shard: _ExpertShard) -> Tensor:
+    if shard.ep_size == 1:
+        return tensor.detach().clone()
+    pieces = [torch.empty_like(tensor) for _ in range(shard.ep_size)]
+    dist.all_gather(pieces, tensor.detach().contiguous(), group=shard.group)
+    return torch.cat(pieces, dim=0)
+
+
+def gather_expert_state_dict(model: nn.Module) -> Dict[str, Tensor]:
+    """``model.state_dict()`` with every expert tensor gathered whole over its expert-parallel
+    group (all experts, HF's names and shapes): what the unsharded model loads, or
+    ``save_pretrained(state_dict=...)`` writes. A collective: every rank of the group calls it."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        shard = _shard_of(module)
+        if shard is None:
+            continue
+        for pname in shard.param_names:
+            key = f"{name}.{pname}" if name else pname
+            state[key] = _gather_rows(getattr(module, pname), shard)
+    return state
+
+
+def shard_expert_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """A full (unsharded) state dict cut to this rank's experts: ``model.load_state_dict`` of an
+    expert-parallel ``model`` takes the result."""
+    state = dict(full_state)
+    for name, module in model.named_modules():
+        shard = _shard_of(module)
+        if shard is None:
+            continue
+        for pname in shard.param_names:
+            key = f"{name}.{pname}" if name else pname
+            if key not in state:
+                continue
+            rows = state[key]
+            if rows.shape[0] != shard.num_experts:
+                raise ValueError(f"shard_expert_state_dict: {key} has {rows.shape[0]} experts, the model "
+                                 f"{shard.num_experts}; pass the full (unsharded) state dict")
+            state[key] = rows[shard.first:shard.first + shard.num_local_experts]
+    return state
