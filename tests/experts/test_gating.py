@@ -181,3 +181,51 @@ def test_gate_gradient_flows_through_combine_weights():
     _, combine, _, _ = top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False)
     (combine * torch.randn_like(combine)).sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+# --- Against DeepSpeed 0.19.8 itself -------------------------------------------------------------
+# The cases (logits, gate, arguments, torch seed before the call) are in deepspeed_gating_cases.py;
+# the values in deepspeed_gating_expected.py are what DeepSpeed 0.19.8 (torch 2.13.0 CPU) returned, written by
+#     DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python tests/experts/deepspeed_gating_cases.py \
+#         > tests/experts/deepspeed_gating_expected.py
+# Random token selection, RSample and top-2's second-expert sampling draw from torch's generator in
+# the same order in both libraries, so the seeded cases are reproducible.
+from tests.experts.deepspeed_gating_expected import DEEPSPEED_CASES  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_CASES))
+def test_gating_equals_deepspeed(name):
+    from tests.experts.deepspeed_gating_cases import CASES, logits_of
+
+    gate, S, E, kwargs, seed = CASES[name]
+    kwargs = dict(kwargs)
+    if "used_token" in kwargs:
+        kwargs["used_token"] = torch.tensor(kwargs["used_token"])
+    if seed is not None:
+        torch.manual_seed(seed)
+    fn = {"top1": top1gating, "top2": top2gating, "topk": topkgating}[gate]
+    l_aux, combine, dispatch, counts = fn(torch.tensor(logits_of(name, S, E)), **kwargs)
+    want = DEEPSPEED_CASES[name]
+    assert combine.shape == (S, E, want["capacity"])
+    assert counts.tolist() == want["exp_counts"]
+    assert float(l_aux) == pytest.approx(want["l_aux"], rel=1e-6)
+    assert dispatch.nonzero().tolist() == want["dispatch"]
+    expected = torch.zeros(S, E, want["capacity"])
+    for s, e, c, w in want["combine"]:
+        expected[s, e, c] = w
+    torch.testing.assert_close(combine, expected, atol=1e-6, rtol=0)
+
+
+def test_deepspeed_cases_drop_tokens():
+    # the capacity cases really drop routes (dispatch has fewer entries than k * S) and the
+    # dropless ones keep them all
+    from tests.experts.deepspeed_gating_cases import CASES
+
+    for name, (gate, S, E, kwargs, _) in CASES.items():
+        k = {"top1": 1, "top2": 2}.get(gate, kwargs.get("k"))
+        routes = k * (sum(kwargs["used_token"]) if "used_token" in kwargs else S)
+        kept = len(DEEPSPEED_CASES[name]["dispatch"])
+        if kwargs.get("drop_tokens", True) is False:
+            assert kept == routes, name
+        elif "drops" in name or "rsample" in name:
+            assert kept < routes, name
