@@ -1,0 +1,183 @@
+"""Runs DeepSpeedExamples' ``training/cifar/cifar10_deepspeed.py`` on CPU and records what it trained.
+
+    <launcher> cpu_harness.py SCRIPT --moe --ep-world-size 2 --num-experts 2 --dtype fp32 -e 1
+
+``SCRIPT`` is DeepSpeedExamples' file itself (not stored in this repository: see
+find_script()). With ``EXAMPLE_ENGINE=zerotrain`` (the default) the harness runs it with only
+its deepspeed imports changed (import_changed()); with ``EXAMPLE_ENGINE=deepspeed`` it runs it
+unchanged (DeepSpeed's torchrun, ``DS_ACCELERATOR=cpu``). What the CPU needs, around the script:
+
+- ``cpu_shim/`` first on sys.path: its ``torchvision`` gives a synthetic CIFAR-10 of CIFAR's
+  shape (no download; cpu_shim/torchvision/datasets.py);
+- ``torch.manual_seed(EXAMPLE_SEED)`` before the script (which seeds nothing), so every rank and
+  both libraries start from the same weights and draw the same gate noise;
+- ``EXAMPLE_RECORD_DIR``: each rank writes ``rank<R>.json`` (the loss of each ``backward``, the
+  module's weights fingerprint before the first one, the gradient norm each step clipped by) and
+  ``rank<R>.pt`` (its module's state dict after training) there when the script ends;
+- ``EXAMPLE_GRADIENT_CLIPPING`` (diagnostics only): another ``gradient_clipping`` than the
+  script's 1.0, put into the config the script hands to ``initialize``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT_NAME = "cifar10_deepspeed.py"
+# DeepSpeedExamples' training/cifar/cifar10_deepspeed.py as of commit b965b9cd827f (2025-01-20, still
+# the file at 45b4b7156c87, 2026-03-29): its git blob id, so a run knows it has the unchanged file.
+SCRIPT_BLOB = "e92c439375e1fa4ddb13c573084de8246dfabf55"
+
+
+def find_script() -> str | None:
+    """The unchanged script: ``$CIFAR10_DEEPSPEED_SCRIPT``, ``$DEEPSPEED_EXAMPLES/training/cifar/...``
+    or a copy next to this file; None when there is none. It is not committed here (it is
+    DeepSpeedExamples' code, under its BSD license)."""
+    candidates = [os.environ.get("CIFAR10_DEEPSPEED_SCRIPT")]
+    if os.environ.get("DEEPSPEED_EXAMPLES"):
+        candidates.append(os.path.join(os.environ["DEEPSPEED_EXAMPLES"], "training", "cifar", SCRIPT_NAME))
+    candidates.append(os.path.join(HERE, SCRIPT_NAME))
+    return next((path for path in candidates if path and os.path.isfile(path)), None)
+
+
+def git_blob_id(path: str) -> str:
+    """git's id of the file's bytes (the script has CRLF line ends; Python reads it either way)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+_IMPORT = re.compile(r"^import deepspeed$")
+_FROM = re.compile(r"^from deepspeed((?:\.\w+)*) import (.+)$")
+
+
+def import_changed(text: str) -> str:
+    """The script with only its deepspeed imports changed: ``import zerotrain as deepspeed``, and
+    ``from deepspeed.X import Y`` -> ``from zerotrain.X import Y`` (a from-import names the module,
+    not the alias). Every other line is left as it is."""
+    lines = []
+    for line in text.split("\n"):
+        if _IMPORT.match(line):
+            line = "import zerotrain as deepspeed"
+        else:
+            found = _FROM.match(line)
+            if found:
+                line = f"from zerotrain{found.group(1)} import {found.group(2)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+_RECORD = {"losses": [], "norms": [], "initial": None, "engine": None}
+
+
+def _fingerprint(module) -> float:
+    return float(sum(p.detach().double().abs().sum() for p in module.state_dict().values()))
+
+
+def _watch(engine_cls) -> None:
+    backward = engine_cls.backward
+
+    def recorded(self, loss, *args, **kwargs):
+        if _RECORD["initial"] is None:
+            _RECORD["initial"] = _fingerprint(self.module)
+        _RECORD["losses"].append(float(loss.detach()))
+        _RECORD["engine"] = self
+        return backward(self, loss, *args, **kwargs)
+
+    engine_cls.backward = recorded
+    step = engine_cls.step
+
+    def stepped(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        norm = self.get_global_grad_norm()
+        if norm is not None:  # DeepSpeed keeps none at stage 0 in fp32: _watch_deepspeed_clipping has it
+            _RECORD["norms"].append(float(norm))
+        return out
+
+    engine_cls.step = stepped
+
+
+def _watch_deepspeed_clipping() -> None:
+    """DeepSpeed's stage-0 fp32 clipping (runtime.utils.clip_grad_norm_) returns the norm it clipped
+    by but the engine drops it: record it."""
+    import deepspeed.runtime.engine as ds_engine
+
+    clip = ds_engine.clip_grad_norm_
+
+    def recorded(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        _RECORD["norms"].append(float(norm))
+        return norm
+
+    ds_engine.clip_grad_norm_ = recorded
+
+
+def _override_clipping(library, value: float) -> None:
+    """``EXAMPLE_GRADIENT_CLIPPING``: a diagnostic run with another ``gradient_clipping`` than the
+    script's 1.0 (the config dict the script passes to ``initialize``)."""
+    initialize = library.initialize
+
+    def changed(*args, **kwargs):
+        kwargs["config"] = {**kwargs["config"], "gradient_clipping": value}
+        return initialize(*args, **kwargs)
+
+    library.initialize = changed
+
+
+def _engine_class(name: str):
+    if name == "deepspeed":
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        return DeepSpeedEngine
+    from zerotrain.engine.engine import ZeroTrainEngine
+    return ZeroTrainEngine
+
+
+def _write(record_dir: str) -> None:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    engine = _RECORD["engine"]
+    with open(os.path.join(record_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": _RECORD["losses"], "norms": _RECORD["norms"], "initial": _RECORD["initial"]}, f)
+    if engine is not None:
+        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        torch.save(state, os.path.join(record_dir, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
+    script = sys.argv[1]
+    engine = os.environ.get("EXAMPLE_ENGINE", "zerotrain")
+    if engine not in ("zerotrain", "deepspeed"):
+        sys.exit(f"EXAMPLE_ENGINE={engine!r}: use zerotrain or deepspeed")
+    sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
+    import torch
+
+    text = open(script).read()
+    if engine == "zerotrain":
+        text = import_changed(text)
+    record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
+    if record_dir:
+        _watch(_engine_class(engine))
+        if engine == "deepspeed":
+            _watch_deepspeed_clipping()
+    if os.environ.get("EXAMPLE_GRADIENT_CLIPPING"):
+        import importlib
+
+        _override_clipping(importlib.import_module(engine), float(os.environ["EXAMPLE_GRADIENT_CLIPPING"]))
+    torch.manual_seed(int(os.environ.get("EXAMPLE_SEED", "1234")))
+    sys.argv = sys.argv[1:]
+    code = compile(text, os.path.abspath(script), "exec")
+    exec(code, {"__name__": "__main__", "__file__": os.path.abspath(script)})
+    if record_dir:
+        _write(record_dir)
+
+
+if __name__ == "__main__":
+    main()
