@@ -332,7 +332,7 @@ def test_config_keys():
     assert ZeroTrainConfig(train_batch_size=8).pipeline.virtual_stages == "auto"
     assert ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": "zero_bubble"}}).pipeline.schedule \
         == "zero_bubble"
-    for bad in ({"virtual_stages": 0}, {"schedule": "zbv"}):
+    for bad in ({"virtual_stages": 0}, {"schedule": "zero-bubble"}):
         with pytest.raises((ConfigError, ValueError)):
             ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": bad})
 

@@ -27,6 +27,6 @@ class PipelineConfig(Section):
     # zerotrain: time each stage's forward/backward per batch (busy/idle per stage; off: no cost).
     timeline: bool = False
     schedule: Annotated[Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs",
-                                "zero_bubble"], BeforeValidator(lower)] = "1f1b"
+                                "zero_bubble", "zbv", "dualpipev"], BeforeValidator(lower)] = "1f1b"
     # zerotrain: model chunks per pipeline rank; "auto" takes PipelineModule(virtual_stages=).
     virtual_stages: Union[Literal["auto"], PosInt] = "auto"

@@ -7,7 +7,8 @@ DeepSpeed's path to it.
 
 One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps`` micro-batches:
 
-1. the first and last stage pull the micro-batches (``next(data_iter)`` that many times);
+1. the first and last stage pull the micro-batches (``next(data_iter)`` that many times; with
+   V-shaped virtual stages both are on pipe rank 0, which pulls each batch once);
 2. torch's schedule (``zerotrain.pipeline.schedule``) runs them; the last stage scales each loss
    once (1/M, times the fp16 loss scale). Gradients accumulate locally: the stage object's
    backward is open with reduction deferred (``no_sync``) for the whole schedule;
@@ -78,7 +79,11 @@ class PipelineEngine(ZeroTrainEngine):
                                    self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast,
                                    first_rank=self.grid.stage_to_global(0),
                                    dynamic_shape=bool(getattr(module, "dynamic_shape", False)),
-                                   virtual_stages=virtual)
+                                   virtual_stages=virtual,
+                                   virtual_layout=getattr(module, "virtual_layout", "looped"))
+        # The pipe rank computing the loss: the last one, or rank 0 when the stages form a V.
+        self._loss_rank = self.num_stages - 1 if virtual == 1 else module.rank_of_virtual_stage(
+            self.num_stages * virtual - 1)
         self._runner._schedule(self.micro_batches)  # torch's limits on M, one line on every rank now
         self._runner.on_weight_grads = self._fold_assigned_grads
         self.data_iterator = None
@@ -101,10 +106,13 @@ class PipelineEngine(ZeroTrainEngine):
 
     # -- who is who ----------------------------------------------------------------------
     def is_first_stage(self) -> bool:
-        return self.stage_id == 0
+        """This rank runs the pipeline's first (virtual) stage: it reads the inputs."""
+        return self._runner.is_first
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """This rank runs the pipeline's last (virtual) stage: it reads the labels and computes
+        the loss (pipe rank P - 1; rank 0 with V-shaped virtual stages, also the first)."""
+        return self._runner.is_last
 
     def get_pipeline_parallel_rank(self) -> int:
         return self.stage_id
@@ -288,7 +296,7 @@ class PipelineEngine(ZeroTrainEngine):
                 collectives.all_reduce(loss, group=self.data_parallel_group)
                 loss /= self.dp_world_size
         if self.num_stages > 1:
-            src = self.grid.stage_to_global(self.num_stages - 1)
+            src = self.grid.stage_to_global(self._loss_rank)
             collectives.broadcast(loss, src=src, group=self.topology.group("pipe"))
         return loss
 
@@ -324,7 +332,7 @@ class PipelineEngine(ZeroTrainEngine):
                     result /= self.dp_world_size
         if compute_loss and bcast_loss and reduce_output == "avg" and self.num_stages > 1:
             result = result if result is not None else torch.zeros((), device=self.device)
-            src = self.grid.stage_to_global(self.num_stages - 1)
+            src = self.grid.stage_to_global(self._loss_rank)
             collectives.broadcast(result, src=src, group=self.topology.group("pipe"))
         if return_logits:
             return result, (outputs[-1] if outputs else None)

@@ -22,7 +22,8 @@ from torch import nn
 from zerotrain.checkpointing import checkpoint as _default_checkpoint
 from zerotrain.checkpointing import non_reentrant_checkpoint
 from zerotrain.pipeline.layer_files import LayerFiles
-from zerotrain.pipeline.partition import partition_balanced, partition_uniform
+from zerotrain.pipeline.partition import (VIRTUAL_LAYOUTS, partition_balanced, partition_uniform,
+                                          rank_virtual_stages)
 from zerotrain.pipeline.specs import LayerSpec, TiedLayerSpec
 from zerotrain.pipeline.tied import TiedLayers
 from zerotrain.seeding import set_random_seed
@@ -71,14 +72,18 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
     - ``virtual_stages=V`` (zerotrain): the layers are split into ``num_stages * V`` parts
       (virtual stages, by ``partition_method``) and rank ``r`` holds parts ``r, r + P, r + 2P,
       ...`` (torch's looped layout), each run by ``chunk(c)``; for the interleaved schedules
-      (``"pipeline": {"schedule": "interleaved_1f1b" | "looped_bfs"}``). Layers keep their global
-      index (state-dict keys, layer files) whatever V is.
+      (``"pipeline": {"schedule": "interleaved_1f1b" | "looped_bfs" | "zero_bubble"}``). Layers
+      keep their global index (state-dict keys, layer files) whatever V is.
+    - ``virtual_layout="v"`` (zerotrain, with ``virtual_stages=2``): rank ``r`` holds parts
+      ``r`` and ``2P - 1 - r`` instead (a V: the first and last part both on rank 0), as torch's
+      V-shaped schedules need (``"pipeline": {"schedule": "zbv" | "dualpipev"}``).
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
                  seed_fn=None, base_seed=1234, partition_method="parameters",
                  activation_checkpoint_interval=0, activation_checkpoint_func=_default_checkpoint,
-                 checkpointable_layers=None, dynamic_shape=False, virtual_stages=1):
+                 checkpointable_layers=None, dynamic_shape=False, virtual_stages=1,
+                 virtual_layout="looped"):
         super().__init__()
         self._layer_specs = list(layers)
         self._validate(num_stages, topology, partition_method, activation_checkpoint_interval,
@@ -86,7 +91,14 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
             raise ValueError(f"PipelineModule: virtual_stages must be a positive int (model chunks per "
                              f"pipeline rank), got {virtual_stages!r}")
+        if virtual_layout not in VIRTUAL_LAYOUTS:
+            raise ValueError(f"PipelineModule: virtual_layout={virtual_layout!r} is not one of "
+                             f"{list(VIRTUAL_LAYOUTS)}")
+        if virtual_layout == "v" and virtual_stages != 2:
+            raise ValueError(f"PipelineModule: virtual_layout='v' places 2 virtual stages per rank (r and "
+                             f"2P-1-r); set virtual_stages=2 (got {virtual_stages})")
         self.virtual_stages = virtual_stages
+        self.virtual_layout = virtual_layout
         self.micro_offset = 0
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
@@ -221,7 +233,9 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
             start, stop = self.parts[stage], self.parts[stage + 1]
             lines = [f"stage={stage} layers={stop - start}"]
             if self.virtual_stages > 1:
-                lines[0] += f" (rank {stage % self.num_stages}, chunk {stage // self.num_stages})"
+                rank = self.rank_of_virtual_stage(stage)
+                chunk = self.virtual_stages_of_rank(rank).index(stage)
+                lines[0] += f" (rank {rank}, chunk {chunk})"
             lines += [f"    {idx:2d}: {layer_name(self._layer_specs[idx])}" for idx in range(start, stop)]
             self._log("\n".join(lines))
         if self.loss_fn is not None:
@@ -239,19 +253,30 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         self._chunk_ranges = [(0, stop - start)]
 
     def _set_chunks(self) -> None:
-        """With virtual stages: this rank's chunks ``c`` hold virtual stages ``c * P + rank``;
-        ``_local_layers`` lists their layers' global indices in order (not contiguous), and
-        ``_local_start``/``_local_stop`` span them (code reading a contiguous range must use
+        """With virtual stages: this rank's chunk ``c`` holds virtual stage
+        ``virtual_stages_of_rank(rank)[c]`` (``c * P + rank`` looped; ``rank``, ``2P - 1 - rank``
+        in a V); ``_local_layers`` lists their layers' global indices in order (not contiguous),
+        and ``_local_start``/``_local_stop`` span them (code reading a contiguous range must use
         ``_local_layers``)."""
-        p = self.num_stages
         self._local_layers, self._chunk_ranges = [], []
-        for chunk in range(self.virtual_stages):
-            vstage = chunk * p + self.stage_id
+        for vstage in self.virtual_stages_of_rank(self.stage_id):
             lo = len(self._local_layers)
             self._local_layers += range(self.parts[vstage], self.parts[vstage + 1])
             self._chunk_ranges.append((lo, len(self._local_layers)))
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[(self.virtual_stages - 1) * p + self.stage_id + 1]
+        held = self.virtual_stages_of_rank(self.stage_id)
+        self._local_start = self.parts[min(held)]
+        self._local_stop = self.parts[max(held) + 1]
+
+    def virtual_stages_of_rank(self, rank: int) -> list[int]:
+        """The virtual stages pipe rank ``rank`` holds, one per chunk (``[rank]`` when V = 1)."""
+        return rank_virtual_stages(rank, self.num_stages, self.virtual_stages, self.virtual_layout)
+
+    def rank_of_virtual_stage(self, vstage: int) -> int:
+        """The pipe rank holding virtual stage ``vstage`` (the layout's inverse)."""
+        p = self.num_stages
+        if self.virtual_layout == "v":
+            return vstage if vstage < p else 2 * p - 1 - vstage
+        return vstage % p
 
     def owns_layer(self, layer_idx: int) -> bool:
         """Whether global layer ``layer_idx`` is one of this rank's (any chunk)."""
@@ -266,7 +291,7 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage (pipe rank) holding global layer ``layer_idx``."""
-        return self.virtual_stage_owner(layer_idx) % self.num_stages
+        return self.rank_of_virtual_stage(self.virtual_stage_owner(layer_idx))
 
     def virtual_stage_owner(self, layer_idx: int) -> int:
         """The virtual stage holding global layer ``layer_idx`` (the stage when V = 1)."""
@@ -372,8 +397,8 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         return x
 
     def chunk(self, index: int) -> nn.Module:
-        """Chunk ``index`` of this rank's virtual stages (virtual stage ``index * P + rank``) as a
-        module: its ``parameters()`` are the chunk's (a tied module in several chunks is in each),
+        """Chunk ``index`` of this rank's virtual stages (``virtual_stages_of_rank(rank)[index]``)
+        as a module: its ``parameters()`` are the chunk's (a tied module in several chunks is in each),
         its forward runs the chunk's layers. Not registered under the PipelineModule."""
         if not 0 <= index < self.virtual_stages:
             raise IndexError(f"PipelineModule.chunk({index}): this rank holds chunks 0..{self.virtual_stages - 1}")

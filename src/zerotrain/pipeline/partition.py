@@ -4,13 +4,33 @@ stage boundaries.
 
 Both return ``parts``, a list of ``num_parts + 1`` layer indices: stage ``s`` owns layers
 ``parts[s] <= i < parts[s + 1]``.
+
+With virtual stages the parts are placed on the pipeline ranks by ``rank_virtual_stages``
+(zerotrain): ``"looped"`` (torch's interleaved schedules) or ``"v"`` (its V-shaped ones).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["partition_uniform", "partition_balanced"]
+__all__ = ["partition_uniform", "partition_balanced", "rank_virtual_stages", "VIRTUAL_LAYOUTS"]
+
+# How virtual stages sit on the pipeline ranks: torch's ``generate_rank_to_stage_mapping`` styles.
+VIRTUAL_LAYOUTS = ("looped", "v")
+
+
+def rank_virtual_stages(rank: int, num_stages: int, virtual_stages: int, layout: str = "looped") -> list[int]:
+    """The virtual stages pipeline rank ``rank`` of ``num_stages`` holds, one per local chunk, in
+    chunk order. ``"looped"``: ``rank, rank + P, rank + 2P, ...`` (torch's interleaved schedules);
+    ``"v"`` (two per rank): ``rank`` and ``2P - 1 - rank``, so the pipeline runs down the ranks
+    and back up, its first and last stage both on rank 0 (torch's ZBV and DualPipeV)."""
+    if layout == "looped":
+        return [chunk * num_stages + rank for chunk in range(virtual_stages)]
+    if layout == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"the 'v' virtual-stage layout places 2 virtual stages per rank, not {virtual_stages}")
+        return [rank, 2 * num_stages - 1 - rank]
+    raise ValueError(f"virtual-stage layout {layout!r} is not one of {list(VIRTUAL_LAYOUTS)}")
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:

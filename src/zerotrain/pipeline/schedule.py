@@ -22,6 +22,11 @@ last stage, the module's ``loss_fn`` and the gradient scale.
   The first two run full backwards, so the gradient hooks fire as with one stage; zero-bubble's
   weight steps assign ``.grad`` by hand, past the hooks (``assigns_grads``): the engine folds
   every ``.grad`` into its gradient buffers before the batch's one reduction.
+- V-shaped schedules (``PipelineModule(virtual_stages=2, virtual_layout="v")``): rank ``r`` runs
+  virtual stages ``r`` and ``2P - 1 - r`` (``partition.rank_virtual_stages``), so rank 0 holds
+  both the first and the last stage (it reads the inputs and the labels and computes the loss).
+  ``"zbv"``: ``ScheduleZBVZeroBubble``, ``"dualpipev"``: ``ScheduleDualPipeV``; both split some
+  backwards into input- and weight-gradient steps, folded in as for zero-bubble.
 - Shapes (``ShapeAgreement``): before every batch the first stage broadcasts, over the pipe
   group, a key of its micro-batches' input shapes and dtypes. When it changes, every stage
   rebuilds its ``PipelineStage`` and schedules (torch infers again) if the module has
@@ -39,25 +44,41 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zerotrain.pipeline.partition import rank_virtual_stages
+
 # The schedules offered (tested against single-process training; docs/pipeline.md).
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zero_bubble")  # V >= 2 model chunks per rank
-WEIGHT_STEP_SCHEDULES = ("zero_bubble",)  # weight gradients assigned to .grad outside autograd's hooks
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")  # V >= 2 chunks
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V (PipelineModule(virtual_layout="v"))
+# weight gradients assigned to .grad outside autograd's hooks
+WEIGHT_STEP_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 DEFAULT_SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is synchronous 1F1B
 
 
 def _schedule_class(name: str):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
     return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
-            "looped_bfs": ScheduleLoopedBFS, "zero_bubble": ScheduleInterleavedZeroBubble}[name]
+            "looped_bfs": ScheduleLoopedBFS, "zero_bubble": ScheduleInterleavedZeroBubble,
+            "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[name]
 
 
-def check_schedule(schedule: str, virtual_stages: int) -> None:
-    """One line when the schedule and the module's chunks per rank do not go together."""
+def check_schedule(schedule: str, virtual_stages: int, layout: str = "looped") -> None:
+    """One line when the schedule and the module's chunks per rank (and their layout) do not go
+    together."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
+    if schedule in V_SCHEDULES and (virtual_stages != 2 or layout != "v"):
+        raise ValueError(f"pipeline.schedule={schedule!r} runs 2 model chunks per rank placed in a V (rank r "
+                         "holds virtual stages r and 2P-1-r): build the PipelineModule with virtual_stages=2, "
+                         f"virtual_layout=\"v\" (it has virtual_stages={virtual_stages}, "
+                         f"virtual_layout={layout!r})")
+    if layout == "v" and schedule not in V_SCHEDULES:
+        raise ValueError(f"pipeline.schedule={schedule!r} needs the looped placement of virtual stages but the "
+                         "PipelineModule was built with virtual_layout=\"v\": use \"zbv\" or \"dualpipev\", "
+                         "or build it with virtual_layout=\"looped\"")
     if schedule in MULTI_STAGE_SCHEDULES and virtual_stages < 2:
         raise ValueError(f"pipeline.schedule={schedule!r} runs several model chunks per rank: build the "
                          "PipelineModule with virtual_stages=2 or more (and set pipeline.virtual_stages), "
@@ -91,7 +112,10 @@ class _StageModule(nn.Module):
             inputs = self._runner.micro_input(args[0])
         else:
             inputs = args[0] if len(args) == 1 else tuple(args)
-        return self.module(inputs)
+        outputs = self.module(inputs)
+        if self._runner.assigns_grads and torch.is_grad_enabled():
+            outputs = _no_views(outputs)
+        return outputs
 
 
 class StageRunner:
@@ -100,15 +124,19 @@ class StageRunner:
     ``module``: the ``PipelineModule`` (this stage's layers); ``stage_id``/``num_stages``;
     ``group``: the pipe group (its rank i is stage i); ``cast_inputs``: applied to the first
     stage's micro-batch inputs (the engine's auto-cast); ``virtual_stages``: the module's chunks
-    on this rank (``module.chunk(c)`` is virtual stage ``c * num_stages + stage_id``)."""
+    on this rank, placed by ``virtual_layout`` (``module.chunk(c)`` is virtual stage
+    ``rank_virtual_stages(stage_id, ...)[c]``). ``is_first``/``is_last``: this rank holds the
+    pipeline's first/last (virtual) stage (both on rank 0 in a V)."""
 
     def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
                  group, schedule: str = DEFAULT_SCHEDULE,
                  cast_inputs: Callable[[Any], Any] | None = None, first_rank: int = 0,
-                 dynamic_shape: bool = False, virtual_stages: int = 1):
+                 dynamic_shape: bool = False, virtual_stages: int = 1, virtual_layout: str = "looped"):
         check_torch_supports_pipelining()
-        check_schedule(schedule, virtual_stages)
+        check_schedule(schedule, virtual_stages, virtual_layout)
         self.virtual_stages = virtual_stages
+        # This rank's virtual stage per chunk, of num_stages * virtual_stages.
+        self.stage_indices = rank_virtual_stages(stage_id, num_stages, virtual_stages, virtual_layout)
         # The schedule's weight steps write .grad by hand, past the gradient hooks: after each one
         # ``on_weight_grads(params)`` (set by the engine) folds the chunk's .grad in, as the hooks
         # would have, and the engine folds every .grad again after run().
@@ -116,15 +144,16 @@ class StageRunner:
         self.on_weight_grads: Callable[[Any], None] | None = None
         self.module = module
         self.stage_id, self.num_stages = stage_id, num_stages
-        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
+        total = num_stages * virtual_stages
+        self.is_first, self.is_last = 0 in self.stage_indices, total - 1 in self.stage_indices
         self.device = device
         self.schedule_name = schedule
         self._cast = cast_inputs
         if virtual_stages == 1:
             self._wrappers = [_StageModule(module, self, first=self.is_first)]
         else:
-            self._wrappers = [_StageModule(module.chunk(c), self, first=self.is_first and c == 0)
-                              for c in range(virtual_stages)]
+            self._wrappers = [_StageModule(module.chunk(c), self, first=index == 0)
+                              for c, index in enumerate(self.stage_indices)]
         self._group = group
         self._schedules: dict[int, Any] = {}
         self._build_stage()
@@ -137,14 +166,17 @@ class StageRunner:
 
     def _build_stage(self) -> None:
         """A new ``PipelineStage`` per local chunk (torch infers what crosses stages at its first
-        step) and no schedule yet. ``stage``: the last chunk's (the pipeline's last stage's
-        outputs are there on the last rank)."""
+        step) and no schedule yet. ``stage``: the chunk holding the pipeline's last stage where
+        this rank has it (its outputs are there), else the last chunk's."""
         from torch.distributed.pipelining import PipelineStage
 
         total = self.num_stages * self.virtual_stages
-        self.stages = [PipelineStage(wrapper, c * self.num_stages + self.stage_id, total, self.device,
-                                     group=self._group) for c, wrapper in enumerate(self._wrappers)]
-        self.stage = self.stages[-1]
+        self.stages = [PipelineStage(wrapper, index, total, self.device, group=self._group)
+                       for index, wrapper in zip(self.stage_indices, self._wrappers)]
+        self.stage = next((s for s in self.stages if s.stage_index == total - 1), self.stages[-1])
+        if self.schedule_name in V_SCHEDULES:
+            for stage in self.stages:
+                _skip_local_grad_handoff_in_eval(stage)
         if self.assigns_grads:
             for stage, wrapper in zip(self.stages, self._wrappers):
                 stage.backward_weight_one_chunk = self._after_weight_step(stage.backward_weight_one_chunk,
@@ -185,7 +217,9 @@ class StageRunner:
         clock = getattr(self, "clock", None)  # the engine's timeline (StageClock): the loss is forward work
         if clock is not None:
             clock.extend_last("forward")
-        return loss if self._factor == 1.0 else loss.float() * self._factor
+        if self._factor != 1.0:
+            return loss.float() * self._factor
+        return _no_views(loss) if self.assigns_grads else loss
 
     def _schedule(self, n: int):
         if n not in self._schedules:
@@ -195,6 +229,11 @@ class StageRunner:
                 self._schedules[n] = cls(self.stages if multi else self.stage, n, loss_fn=self._loss,
                                          scale_grads=False)
             except ValueError as error:
+                if self.schedule_name == "dualpipev":  # at least one micro-batch per virtual stage
+                    total = self.num_stages * self.virtual_stages
+                    raise ValueError(f"pipeline schedule 'dualpipev' with {n} micro-batches on {self.num_stages} "
+                                     f"ranks x 2 virtual stages: {error} Set gradient_accumulation_steps (the "
+                                     f"number of micro-batches) to {total} or more") from None
                 if multi:  # interleaved: n a multiple of max(1, n // P)
                     raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
                                      f"{self.num_stages} ranks x {self.virtual_stages} virtual stages: "
@@ -235,6 +274,32 @@ class StageRunner:
         recorded = [self._losses[i] for i in range(n)] if self.is_last and compute_loss else []
         self._losses = {}
         return recorded, outputs
+
+
+def _no_views(tree):
+    """Outputs that are views (``nn.Linear`` on 3-d inputs returns one) copied into tensors of
+    their own: torch's input-gradient step (``stage_backward_input``) detaches the stage's outputs
+    in place, which views refuse; only schedules with weight steps take that path."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if torch.is_tensor(t) and t._is_view() else t, tree)
+
+
+def _skip_local_grad_handoff_in_eval(stage) -> None:
+    """torch's V schedules run their backward actions in ``eval()`` too, where each is a no-op
+    except the hand-off of input gradients between the two adjacent stages on one rank (the V's
+    turn, rank P-1), which asserts the stage has a backward. Without a backward there is nothing
+    to hand off: skip it, so ``eval_batch`` runs forward only."""
+    get_output, set_input = stage.get_local_bwd_output, stage.set_local_bwd_input
+
+    def get_local_bwd_output(mb_index):
+        return get_output(mb_index) if stage.has_backward else ()
+
+    def set_local_bwd_input(grads, mb_index):
+        if stage.has_backward:
+            set_input(grads, mb_index)
+
+    stage.get_local_bwd_output, stage.set_local_bwd_input = get_local_bwd_output, set_local_bwd_input
 
 
 def _shape_signature(inputs: Any) -> tuple:
