@@ -358,6 +358,7 @@ def test_one_stage_holds_units_over_different_groups():
                 assert abs(got["norms"][step] - norms[step]) <= 1e-5 * norms[step], (rank, stage, step)
             for name, value in got["weights"].items():
                 assert torch.allclose(value, want[name].detach(), rtol=0, atol=1e-6), (rank, stage, name)
-            assert "reduced over different groups" in got["refused"]
+            # checkpoints name expert units' shards themselves (zerotrain.checkpoint.experts)
+            assert got["refused"] == "", got["refused"]
         assert "stage 3" in out["stage3"]
         assert len(out["factors"]) == 4 and out["factors"] == [1.0, 2.0, 2.0, 2.0], out["factors"]

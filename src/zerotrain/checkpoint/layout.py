@@ -93,10 +93,11 @@ def first_of_group(engine) -> bool:
     return engine.topology.is_first("data")
 
 
-def shard_writer(engine) -> bool:
+def shard_writer(engine, experts=None) -> bool:
     """Whether this rank holds shards no lower rank of its data group holds (stage 0 replicates:
-    the group's first rank writes)."""
-    units = stage_units(engine)
+    the group's first rank writes). Expert units (``experts``: ``checkpoint.experts.ExpertNames``)
+    are written to their own files and do not count."""
+    units = [u for u in stage_units(engine) if not (experts and experts.expert_unit(u))]
     if not units:
         return False
     return data_rank(engine) < units[0].layout.world_size
@@ -143,14 +144,18 @@ def group_of_whole(engine) -> dict[int, int]:
     return {id(p): g for g, group in enumerate(engine.optimizer.param_groups) for p in group["params"]}
 
 
-def describe(engine, tag: str, exclude_frozen: bool) -> dict:
-    """The metadata of a checkpoint of ``engine`` (files and checksums are added at commit)."""
+def describe(engine, tag: str, exclude_frozen: bool, experts=None) -> dict:
+    """The metadata of a checkpoint of ``engine`` (files and checksums are added at commit).
+    Experts (``experts``: ``checkpoint.experts.ExpertNames``) are left out but for the key order,
+    which is the single-process model's: every rank describes its own (``describe_experts``)."""
     import zerotrain
 
     module, optimizer = engine.module, engine.optimizer
     first, aliases = parameter_names(module)
     units_meta, excluded = [], []
     for i, unit in enumerate(stage_units(engine)):
+        if experts and experts.expert_unit(unit):
+            continue
         if exclude_frozen and unit.group is None:
             excluded.extend(unit.names)
             continue
@@ -168,7 +173,9 @@ def describe(engine, tag: str, exclude_frozen: bool) -> dict:
     whole = {}
     for name, p in whole_parameters(engine):
         if exclude_frozen and not p.requires_grad:
-            excluded.append(name)
+            excluded.append(experts.checkpoint_name(name) if experts else name)
+            continue
+        if experts and experts.is_expert(name):
             continue
         saved = ["param"]
         if optimizer is not None and id(p) in groups:
@@ -178,10 +185,14 @@ def describe(engine, tag: str, exclude_frozen: bool) -> dict:
                        "requires_grad": p.requires_grad, "saved": saved}
     named_buffers, buffer_aliases = persistent_buffers(module)
     aliases.update(buffer_aliases)
-    buffers = {name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for name, b in named_buffers}
+    buffers = {name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for name, b in named_buffers
+               if not (experts and experts.is_expert(name))}
     excluded_set = set(excluded)
+    rename = experts.checkpoint_name if experts else (lambda n: n)
     keys = [k for k in module.state_dict(keep_vars=True).keys()
-            if aliases.get(k, k) not in excluded_set]
+            if rename(aliases.get(k, k)) not in excluded_set]
+    if experts:
+        keys = experts.global_keys(keys)
     frozen = [first[id(p)] for p in module.parameters() if not p.requires_grad]
     precision = engine.precision
     return {

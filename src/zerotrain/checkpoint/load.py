@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from zerotrain.checkpoint.experts import expert_names, expert_scalars
 from zerotrain.checkpoint.format import (CheckpointError, CheckpointReader, pipe_state_file, state_file,
                                          unit_key)
 from zerotrain.checkpoint.layout import (data_rank, group_of_whole, optimizer_key, parameter_names,
@@ -33,19 +34,23 @@ logger = logging.getLogger("zerotrain")
 class ModuleMatch:
     """Which of the model's parameters and buffers the checkpoint has, by name."""
 
-    def __init__(self, reader: CheckpointReader, engine, strict: bool):
+    def __init__(self, reader: CheckpointReader, engine, strict: bool, experts=None):
         module = engine.module
         self.reader = reader
+        # The checkpoint's name of each of the model's names (experts: by global expert id).
+        rename = experts.checkpoint_name if experts else (lambda name: name)
         first, self.aliases = parameter_names(module)
         saved = set(reader.sources) | set(reader.buffers)
         excluded = set(reader.meta.get("excluded_frozen", []))
-        model_names = list(first.values()) + [n for n, _ in persistent_buffers(module)[0]]
+        model_names = [rename(n) for n in list(first.values()) + [n for n, _ in persistent_buffers(module)[0]]]
         self.missing = [n for n in model_names if n not in saved and n not in excluded]
-        # A pipeline stage holds some layers: the others' names are expected elsewhere.
-        elsewhere = getattr(engine, "checkpoint_name_elsewhere", lambda name: False)
-        self.unexpected = sorted(n for n in saved - set(model_names) if not elsewhere(n))
-        shapes = {n: list(shape) for n, shape in _named_parameter_shapes(engine)}
-        shapes.update({n: list(b.shape) for n, b in persistent_buffers(module)[0]})
+        # A pipeline stage holds some layers, an expert-parallel rank some experts: the others'
+        # names are expected elsewhere.
+        stage_elsewhere = getattr(engine, "checkpoint_name_elsewhere", lambda name: False)
+        self.unexpected = sorted(n for n in saved - set(model_names)
+                                 if not stage_elsewhere(n) and not (experts and experts.elsewhere(n)))
+        shapes = {rename(n): list(shape) for n, shape in _named_parameter_shapes(engine)}
+        shapes.update({rename(n): list(b.shape) for n, b in persistent_buffers(module)[0]})
         self.mismatched = [(n, reader.shape(n), shapes[n]) for n in model_names
                            if n in saved and list(reader.shape(n)) != shapes[n]]
         if strict and (self.missing or self.unexpected or self.mismatched):
@@ -87,7 +92,9 @@ def _some(names) -> str:
 def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bool,
               load_scheduler: bool, module_only: bool, from_fp32: bool = True) -> dict:
     """Restore ``engine`` from ``reader``; returns the checkpoint's client state."""
-    match = ModuleMatch(reader, engine, strict)
+    experts = expert_names(engine)
+    rename = experts.checkpoint_name
+    match = ModuleMatch(reader, engine, strict, experts)
     optimizer = engine.optimizer
     load_optimizer = load_optimizer and not module_only and optimizer is not None
     saved_stages = reader.meta.get("pipeline", {}).get("stages", 1)
@@ -100,20 +107,24 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             f"checkpoint {reader.folder} has {reader.meta['param_groups']} optimizer param groups, "
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
             "groups, or pass load_optimizer_states=False")
+    if load_optimizer and experts:  # experts' scalar state is in their own files
+        scalars0.update(expert_scalars(reader, [rename(n) for n in experts.local]))
     shard_rank = shard_rank_of(engine)
     swapper = swapper_of(engine)
     for unit in stage_units(engine):
-        _load_unit(unit, shard_rank, reader, match,
+        _load_unit(unit, experts.unit_shard_rank(unit, shard_rank), reader, match,
                    optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32,
-                   swapper if unit.group is not None else None)
+                   swapper if unit.group is not None else None, rename)
     groups = group_of_whole(engine)
-    for name, p in whole_parameters(engine):
+    for local_name, p in whole_parameters(engine):
+        name = rename(local_name)
         if not match.loadable(name):
             continue
         p.copy_(_values(reader, name, p.dtype, 0, p.numel()).view(p.shape))
         if load_optimizer and id(p) in groups:
             _set_state(optimizer, p, reader, [(name, 0, 0, p.numel())], p.numel(), scalars0, p.shape)
-    for name, b in persistent_buffers(engine.module)[0]:
+    for local_name, b in persistent_buffers(engine.module)[0]:
+        name = rename(local_name)
         if name in reader.buffers and name not in match.skip:
             b.copy_(reader.buffer(name))
     if match.missing or match.unexpected or match.mismatched:
@@ -171,15 +182,18 @@ def _values(reader, name, dtype, start, numel) -> torch.Tensor:
     return reader.read(name, "master", start, numel).to(dtype)
 
 
-def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None) -> None:
+def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None,
+               rename=lambda name: name) -> None:
+    """``unit``'s shard ``rank`` (and the whole unit where the stage keeps it whole) by the
+    checkpoint names of its parameters (``rename``: the model's name -> the checkpoint's)."""
     layout = unit.layout
     dtype = unit.dtype
     if not unit.resharded:  # the stage keeps the whole unit on every rank: fill all of it
-        for name, slot in zip(unit.names, layout.slots):
+        for name, slot in zip(map(rename, unit.names), layout.slots):
             if match.loadable(name):
                 unit.flat.narrow(0, slot.offset, slot.numel).copy_(
                     _values(reader, name, dtype, 0, slot.numel))
-    pieces = [(name_of(unit, p), p.param_start, p.shard_start, p.numel)
+    pieces = [(rename(name_of(unit, p)), p.param_start, p.shard_start, p.numel)
               for p in layout.shard_pieces(rank)]
     pieces = [p for p in pieces if match.loadable(p[0])]
     if unit.resharded and not unit.derived and pieces:  # a derived shard: the master is written

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.checkpoint.commit import SCRIPT_NAMES, SCRIPTS, commit, partial_name, recover
+from zerotrain.checkpoint.experts import describe_experts, expert_files, expert_names, merge_experts
 from zerotrain.checkpoint.format import (LATEST, MODEL_FILE, CheckpointError, encode_metadata,
                                          shard_file, state_file, write_safetensors)
 from zerotrain.checkpoint.layout import (data_rank, describe, first_of_group, group_of_whole,
@@ -65,17 +66,20 @@ class RankSnapshot:
         in NVMe swap files is read into memory here: the next step rewrites those files."""
         files = {name: {k: _cpu_copy(t) for k, t in tensors.items()}
                  for name, tensors in self.tensor_files.items()}
-        pt_files = {name: _tree_copy(content) for name, content in self.pt_files.items()}
+        memo: dict[int, torch.Tensor] = {}  # a tensor under two keys (an expert file's) stays one
+        pt_files = {name: _tree_copy(content, memo) for name, content in self.pt_files.items()}
         return RankSnapshot(self.rank, files, plain(self.state, "state"), pt_files, self.state_name)
 
 
-def _tree_copy(value):
+def _tree_copy(value, memo: dict):
     if torch.is_tensor(value) or hasattr(value, "pieces"):
-        return _cpu_copy(value)
+        if id(value) not in memo:
+            memo[id(value)] = _cpu_copy(value)
+        return memo[id(value)]
     if isinstance(value, dict):
-        return {k: _tree_copy(v) for k, v in value.items()}
+        return {k: _tree_copy(v, memo) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_tree_copy(v) for v in value)
+        return type(value)(_tree_copy(v, memo) for v in value)
     return value
 
 
@@ -93,11 +97,14 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
     rank, optimizer = data_rank(engine), engine.optimizer
     names, pipeline = file_names(engine), is_pipeline(engine)
     snap = RankSnapshot(rank, state_name=names.state(rank))
+    experts = expert_names(engine)
+    if experts:  # each expert once, by the first rank of its expert-data group (collective)
+        snap.pt_files.update(expert_files(engine, experts, exclude_frozen))
     scalars: dict[str, dict] = {}
-    if shard_writer(engine):
+    if shard_writer(engine, experts):
         tensors = {}
         for i, unit in enumerate(stage_units(engine)):
-            if exclude_frozen and unit.group is None:
+            if exclude_frozen and unit.group is None or experts.expert_unit(unit):
                 continue
             key = names.unit_key(i)
             tensors[f"{key}/param"] = unit_param(unit)
@@ -117,14 +124,15 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
         tensors = {}
         groups = group_of_whole(engine)
         for name, p in whole_parameters(engine):
-            if exclude_frozen and not p.requires_grad:
+            if exclude_frozen and not p.requires_grad or experts.is_expert(name):
                 continue
             tensors[f"param/{name}"] = p.detach()
             if optimizer is not None and id(p) in groups:
                 elementwise, whole_scalars = split_state(optimizer.state.get(p, {}), shape=p.shape)
                 tensors.update({f"state/{k}/{name}": v for k, v in elementwise.items()})
                 scalars[f"param/{name}"] = whole_scalars
-        tensors.update({f"buffer/{name}": b.detach() for name, b in persistent_buffers(engine.module)[0]})
+        tensors.update({f"buffer/{name}": b.detach() for name, b in persistent_buffers(engine.module)[0]
+                        if not experts.is_expert(name)})
         if not pipeline:
             snap.tensor_files[MODEL_FILE] = tensors
         whole_tensors = tensors
@@ -280,7 +288,12 @@ def prepare(engine, save_dir, tag, exclude_frozen: bool, group=None) -> dict | N
     the first rank gets the metadata."""
     save_dir = Path(save_dir)
     first = first_of_group(engine)
-    meta = describe(engine, tag, exclude_frozen) if first else None
+    experts = expert_names(engine)
+    meta = describe(engine, tag, exclude_frozen, experts) if first else None
+    if experts:  # every rank describes the experts it holds; the first merges them
+        described = agree(describe_experts(engine, experts, exclude_frozen), group)
+        if first:
+            meta = merge_experts(meta, described, experts)
     if meta is not None and is_pipeline(engine):
         meta = annotate_stage(meta, engine, file_names(engine))
     error = None

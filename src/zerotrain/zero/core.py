@@ -223,9 +223,8 @@ class ZeroStage(StageInterface):
 
     def sharded_state(self) -> ShardedState:
         swapper = self.offload.swapper if self.offload is not None else None
-        if self._mixed_groups:
-            raise NotImplementedError("checkpoints of a stage whose units are reduced over different groups "
-                                      "are not supported yet")
+        # Units reduced over another group are sharded over it: shard_rank is the data group's;
+        # zerotrain.checkpoint.experts finds an expert unit's (its expert-data rank) by name.
         return ShardedState(tuple(self.units), self.shard_rank, swapper)
 
     @property

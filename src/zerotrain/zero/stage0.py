@@ -143,10 +143,7 @@ class ReplicatedGradients(StageInterface):
 
     def sharded_state(self) -> ShardedState:
         """No units: the module's own parameters (and the optimizer's state keyed by them) are
-        the training state."""
-        if self._other_groups:
-            raise NotImplementedError("checkpoints with expert parameters (gradients reduced over an "
-                                      "expert-data group) are not supported yet")
+        the training state (expert parameters too: zerotrain.checkpoint.experts names them)."""
         return ShardedState()
 
     def offload_stats(self) -> dict:
