@@ -81,7 +81,6 @@ UNSUPPORTED = [
     ({"hybrid_engine": {"enabled": True}}, "hybrid_engine="),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
     ({"eigenvalue": {"enabled": True}}, "eigenvalue="),
-    ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop="),
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention="),
     ({"comet": {"enabled": True}}, "comet="),
     ({"sparse_gradients": True}, "sparse_gradients=True"),

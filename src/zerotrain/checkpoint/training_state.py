@@ -18,6 +18,7 @@ import torch
 from zerotrain.accelerator import get_accelerator
 from zerotrain.checkpoint.format import CheckpointError
 from zerotrain.checkpoint.state_codec import StateDecodeError, decode, encode
+from zerotrain.pld.engine import restore_pld
 
 logger = logging.getLogger("zerotrain")
 
@@ -65,6 +66,8 @@ def capture_engine(engine) -> dict:
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and hasattr(loader, "state_dict") and getattr(loader, "sampler", None) is not None:
         out["dataloader"] = loader.state_dict()
+    if getattr(engine, "progressive_layer_drop", None) is not None:  # zerotrain.pld (DeepSpeed loses theta)
+        out["pld"] = engine.progressive_layer_drop.state_dict()
     return out
 
 
@@ -77,6 +80,7 @@ def restore_engine(engine, state: dict, load_lr_scheduler: bool) -> None:
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and "dataloader" in state and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(state["dataloader"])
+    restore_pld(engine, state.get("pld"))
 
 
 def _plain(value, where: str):

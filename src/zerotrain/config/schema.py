@@ -145,6 +145,17 @@ class ParallelWriteConfig(Section):
     pipeline_stage: bool = False
 
 
+class ProgressiveLayerDropConfig(Section):
+    """`progressive_layer_drop`: the keep ratio theta decays from 1 to `theta` at rate `gamma`
+    (zerotrain.pld, docs/pld.md). Defaults are DeepSpeed's constants (PLD_THETA_DEFAULT 1.0:
+    nothing dropped until `theta` is set; the paper uses 0.5)."""
+
+    enabled: bool = False
+    theta: Annotated[Float, AfterValidator(in_range(
+        0, 1, low_open=True, hint="the keep ratio theta decays to; the paper uses 0.5"))] = 1.0
+    gamma: Annotated[Float, AfterValidator(in_range(0, hint="the decay rate; the paper uses 0.001"))] = 0.001
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: tag validation and storage options for save/load_checkpoint."""
 
@@ -166,7 +177,7 @@ class CheckpointConfig(Section):
 FOREIGN_SECTIONS = (
     "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
     "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
-    "progressive_layer_drop", "sparse_attention", "comet", "torch_autocast", "data_types",
+    "sparse_attention", "comet", "torch_autocast", "data_types",
     "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
 )
 
@@ -185,7 +196,6 @@ class _UnimplementedKeys(Section):
     hybrid_engine: Any = None
     tensor_parallel: Any = None
     eigenvalue: Any = None
-    progressive_layer_drop: Any = None
     sparse_attention: Any = None
     comet: Any = None
     torch_autocast: Any = None
@@ -242,6 +252,7 @@ class ZeroTrainConfig(_UnimplementedKeys):
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     # Read by the pipeline engine only (a PipelineModule); docs/pipeline.md.
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     # zerotrain only: unknown top-level keys are errors instead of warnings (ZEROTRAIN_STRICT_CONFIG=1 too).

@@ -169,7 +169,6 @@ PENDING: tuple[Pending, ...] = (
     _foreign("hybrid_engine", "RLHF hybrid engine"),
     _foreign("tensor_parallel", "tensor parallelism (AutoTP)", _tensor_parallel_on),
     _foreign("eigenvalue", "eigenvalue computation"),
-    _foreign("progressive_layer_drop", "progressive layer drop"),
     _foreign("sparse_attention", "sparse attention kernels"),
     _foreign("comet", "Comet monitor"),
     _foreign("torch_autocast", "torch.autocast mixed precision"),

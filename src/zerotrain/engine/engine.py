@@ -26,6 +26,7 @@ from zerotrain.log import log_rank0
 from zerotrain.monitor import MonitorMaster
 from zerotrain.monitor.memory import register_engine, unregister_engine
 from zerotrain.offload import describe_stats
+from zerotrain.pld.engine import EnginePLD
 from zerotrain.precision import PrecisionPolicy, build_loss_scaler
 from zerotrain.topology import Topology
 from zerotrain.topology.process_wide import reset as reset_current_topology
@@ -33,7 +34,7 @@ from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
+class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
@@ -75,6 +76,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self._global_grad_norm: float | None = None
         self._window_losses: list[torch.Tensor] = []
         self._last_log = (time.perf_counter(), 0)
+        self._init_pld()  # progressive layer dropping (zerotrain.pld)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -118,6 +120,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
     def forward(self, *inputs, **kwargs):
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
+        kwargs.update(self._pld_forward_kwargs())  # while training, as DeepSpeed
         self._timers.start(FORWARD)
         try:
             return self.module(*inputs, **kwargs)
@@ -172,6 +175,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, nn.Module):
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._timers.start(STEP)
+            self._pld_at_boundary()  # theta(global_steps), before the step counts
             self._take_model_step(lr_kwargs)
             self._timers.stop(STEP)
             self._log_step()

@@ -187,7 +187,7 @@ class ParameterCoordinator:
         for unit in order.upcoming():
             if budget <= 0:
                 return
-            if unit.gathered or unit in self._inflight:
+            if unit.gathered or unit in self._inflight or unit in self._skipped:
                 continue
             numel = unit.layout.padded_numel
             if self.max_live_numel is not None and self.live_numel + numel > self.max_live_numel:
@@ -204,6 +204,16 @@ class ParameterCoordinator:
     def _before_allocating(self, unit: FlatParamUnit) -> None:
         if not in_backward():
             self._forward_trim.reduced(unit.layout.padded_numel)
+
+    # Units of modules the coming pass will not call (blocks progressive layer dropping skips,
+    # set by the engine before each forward): never gathered ahead of use, in that forward and
+    # its backward (a real use still gathers them).
+    _skipped: frozenset = frozenset()
+
+    def skip_prefetch(self, modules) -> None:
+        """The units of ``modules`` (and their submodules) are not prefetched until the next call."""
+        self._skipped = frozenset(unit for module in modules for sub in module.modules()
+                                  for unit in self._module_units.get(sub, ()))
 
     agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
     identities = None  # zero.divergence.UnitIdentities: every gather names its unit (default)

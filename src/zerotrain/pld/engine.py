@@ -1,0 +1,87 @@
+"""Progressive layer dropping in the engine: a mixin of ``ZeroTrainEngine`` (DeepSpeed's names).
+
+DeepSpeed's behaviour, kept exactly: the forward gets ``progressive_layer_drop=True,
+pld_theta=theta`` only while the module is in training mode; at an accumulation boundary,
+``update_state(global_steps)`` runs before the step increments ``global_steps``, so step s's
+forward sees theta(s - 1) and ``get_pld_theta()`` after step s is theta(s). zerotrain also saves
+theta in checkpoints (``zerotrain.checkpoint.training_state``) and binds ``SwitchableBlocks``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from zerotrain.pld.blocks import SwitchableBlocks
+from zerotrain.pld.schedule import ProgressiveLayerDrop, theta_at
+
+
+class EnginePLD:
+    """``progressive_layer_drop`` (the schedule or None), ``get_pld_theta`` and the config
+    accessors ``pld_enabled``, ``pld_params``, ``pld_theta``, ``pld_gamma``."""
+
+    progressive_layer_drop = None
+    _pld_stacks: list = []
+
+    def _init_pld(self) -> None:
+        """Build the schedule from the config and bind the module's ``SwitchableBlocks``."""
+        if self.pld_enabled():
+            if getattr(self, "is_pipeline_engine", False):
+                raise ValueError("progressive_layer_drop is not supported with a PipelineModule (the pipeline "
+                                 "engine calls the stages itself, with no pld_theta); set "
+                                 "progressive_layer_drop.enabled to false")
+            self.progressive_layer_drop = ProgressiveLayerDrop(theta=self.pld_theta(), gamma=self.pld_gamma())
+        engine = weakref.ref(self)  # the module must not keep the engine alive
+        self._pld_stacks = [m for m in self.module.modules() if isinstance(m, SwitchableBlocks)]
+        for index, stack in enumerate(self._pld_stacks):
+            stack.bind(lambda: engine().micro_steps, index)
+
+    def _pld_forward_kwargs(self) -> dict:
+        """DeepSpeed's ``kwargs.update(pld.get_state())``: only while the module is training."""
+        training = self.progressive_layer_drop is not None and self.module.training
+        coordinator = self._zero.parameter_coordinator
+        if coordinator is not None and self._pld_stacks:
+            # Stage 3 prefetches along the last pass's order: tell it now which blocks this pass
+            # drops (the stacks will draw the same, from the same micro-step), before the first
+            # gather, so that none of them is gathered ahead of a use that never comes.
+            theta = float(self.progressive_layer_drop.get_theta()) if training else 1.0
+            coordinator.skip_prefetch([block for stack in self._pld_stacks if theta < 1.0
+                                       for block, keep in zip(stack, stack.draw(theta)) if not keep])
+        return self.progressive_layer_drop.get_state() if training else {}
+
+    def _pld_at_boundary(self) -> None:
+        """Before ``_take_model_step`` increments ``global_steps`` (DeepSpeed's order)."""
+        if self.progressive_layer_drop is not None:
+            self.progressive_layer_drop.update_state(self.global_steps)
+
+    def get_pld_theta(self):
+        """The current keep ratio theta; None when progressive layer dropping is off."""
+        return None if self.progressive_layer_drop is None else self.progressive_layer_drop.get_theta()
+
+    def pld_enabled(self) -> bool:
+        return bool(self._config.progressive_layer_drop.enabled)
+
+    def pld_params(self):
+        """The section without ``enabled`` (DeepSpeed: False when the section is absent)."""
+        if "progressive_layer_drop" not in self._config.model_fields_set:
+            return False
+        return self._config.progressive_layer_drop.model_dump(exclude={"enabled"})
+
+    def pld_theta(self) -> float:
+        return self._config.progressive_layer_drop.theta
+
+    def pld_gamma(self) -> float:
+        return self._config.progressive_layer_drop.gamma
+
+
+def restore_pld(engine, state) -> None:
+    """After a checkpoint's counters are restored: theta as saved, else (a checkpoint without it,
+    as DeepSpeed writes) the value the uninterrupted run would hold after ``global_steps`` steps."""
+    pld = getattr(engine, "progressive_layer_drop", None)
+    if pld is None:
+        return
+    if state is not None:
+        pld.load_state_dict(state)
+    elif engine.global_steps > 0:
+        pld.current_theta = theta_at(engine.global_steps - 1, pld.theta, pld.gamma)
+    else:
+        pld.current_theta = 1.0
