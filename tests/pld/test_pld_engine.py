@@ -83,8 +83,17 @@ def _schedule_and_switches():
             _train(e, m, data, 5, gas=2)
             finals.append(_weights(m))
         same[optimizer] = all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
+    # A pipeline engine calls its stages itself, with no pld_theta: refused, naming the section.
+    from zerotrain.pipe import PipelineModule
+
+    pipe = PipelineModule(layers=[torch.nn.Linear(8, 8)], num_stages=1, loss_fn=torch.nn.MSELoss())
+    try:
+        zerotrain.initialize(model=pipe, model_parameters=pipe.parameters(), config=_config(gas=1, pld=PLD))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
     return {"run": run, "eval": eval_kwargs, "train": train_kwargs, "accessors": accessors, "off": off_state,
-            "same": same}
+            "same": same, "pipeline": refused}
 
 
 def test_theta_sequence_forward_kwargs_and_theta_one():
@@ -100,6 +109,7 @@ def test_theta_sequence_forward_kwargs_and_theta_one():
     assert r["accessors"] == (True, {"theta": 0.5, "gamma": 0.1}, 0.5, 0.1)
     assert r["off"] == (None, {}, False, False)
     assert r["same"] == {"SGD": True, "AdamW": True}
+    assert r["pipeline"] and "progressive_layer_drop" in r["pipeline"] and "\n" not in r["pipeline"]
 
 
 def _resume(folder: str):
