@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import pkgutil
 import random
 import subprocess
@@ -45,6 +46,7 @@ runtime.pipe.module.PipelineError
 utils.groups._get_data_parallel_group utils.groups._get_data_parallel_world_size utils.groups._get_data_parallel_rank
 utils.groups._create_expert_and_data_parallel utils.groups._get_expert_parallel_group
 utils.groups._get_expert_data_parallel_group utils.groups._get_max_expert_size_name
+runtime.progressive_layer_drop.ProgressiveLayerDrop
 """.split()}
 
 EXERCISED: set[str] = set()
@@ -396,6 +398,16 @@ def test_zero_param_status_has_deepspeeds_values():
     from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
 
     assert {s.name: s.value for s in ZeroParamStatus} == {"AVAILABLE": 1, "NOT_AVAILABLE": 2, "INFLIGHT": 3}
+
+
+@exercises("runtime.progressive_layer_drop.ProgressiveLayerDrop")
+def test_progressive_layer_drop_after_import_zerotrain():
+    # Removed from DeepSpeed in 2026; zerotrain keeps it (docs/pld.md), reachable as before.
+    import zerotrain
+
+    pld = zerotrain.runtime.progressive_layer_drop.ProgressiveLayerDrop(theta=0.5, gamma=0.001)
+    pld.update_state(1000)
+    assert pld.get_state() == {"progressive_layer_drop": True, "pld_theta": 0.5 * math.exp(-1.0) + 0.5}
 
 
 @exercises("compression.helper.recursive_getattr", "compression.helper.recursive_setattr")
