@@ -1,10 +1,11 @@
 """Parameters carrying DeepSpeed's expert markers at initialize (issue 32; issue 30 item 7 refused
-them all): ``allreduce = False`` with ``group_name = "ep_size_N"`` trains at stages 0-2 (here on
-one rank, ep_size 1: exactly like plain SGD; tests/engine/test_expert_params.py covers expert
+them all): ``allreduce = False`` with ``group_name = "ep_size_N"`` trains at stages 0-3 and with NVMe
+optimizer offload (here on one rank, ep_size 1: exactly like plain SGD;
+tests/engine/test_expert_params.py and tests/zero/test_stage3_experts.py cover expert
 parallelism), ``group_name`` alone is a dense parameter (DeepSpeed's ``is_moe_param`` reads
 ``allreduce`` only), and each case still refused gets a one-line error naming the parameter:
-stage 3, NVMe offload, a missing or malformed ``group_name``, an ep_size that does not divide the
-data-parallel size; ``save_checkpoint`` of an engine with experts (no expert layout yet)."""
+a missing or malformed ``group_name``, an ep_size that does not divide the data-parallel size;
+``save_checkpoint`` of an engine with experts (no expert layout yet)."""
 
 from __future__ import annotations
 
@@ -60,9 +61,6 @@ def _try_stages():
     opt.step()
     for stage in STAGES:
         for label, marking in MARKINGS.items():
-            if stage == 3 and label == "both":
-                out[(stage, label)] = _error(_model(marking), _config(stage))
-                continue
             engine, _, _, _ = zerotrain.initialize(model=_model(marking), config=_config(stage))
             engine.backward(engine(x).square().sum())
             engine.step()
@@ -78,8 +76,14 @@ def _try_stages():
         for label, marking in BAD.items():
             out[(stage, label)] = _error(_model(marking), _config(stage))
     with tempfile.TemporaryDirectory() as path:
-        out["nvme"] = _error(_model(MARKINGS["both"]),
-                             _config(2, offload_optimizer={"device": "nvme", "nvme_path": path}))
+        engine, _, _, _ = zerotrain.initialize(
+            model=_model(MARKINGS["both"]),
+            config=_config(2, offload_optimizer={"device": "nvme", "nvme_path": path}))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        state = engine.module_state_dict()
+        out["nvme"] = all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+        engine.destroy()
     return out
 
 
@@ -88,14 +92,7 @@ def test_expert_markers_train_or_are_refused_naming_the_parameter():
     prefix = "parameter '2.weight'"
     for stage in STAGES:
         for label in MARKINGS:
-            if stage == 3 and label == "both":
-                kind, message = out[(stage, label)]
-                assert kind == "NotImplementedError" and "\n" not in message, message
-                assert message.startswith(prefix + " carries DeepSpeed's expert markers (allreduce=False, "
-                                          "group_name='ep_size_1'): expert parameters with ZeRO stage 3 "
-                                          "are not supported yet"), message
-            else:
-                assert out[(stage, label)] is True, (stage, label)
+            assert out[(stage, label)] is True, (stage, label)
         if stage < 3:
             message = out.get((stage, "checkpoint"))
             assert message and "\n" not in message and "not supported yet" in message, (stage, message)
@@ -105,6 +102,4 @@ def test_expert_markers_train_or_are_refused_naming_the_parameter():
             kind, message = out[(stage, label)]
             assert kind == "ValueError" and "\n" not in message, (stage, label, message)
             assert message.startswith(prefix) and needle in message, (stage, label, message)
-    kind, message = out["nvme"]
-    assert kind == "NotImplementedError" and "\n" not in message, message
-    assert message.startswith(prefix) and "with offload to NVMe are not supported yet" in message, message
+    assert out["nvme"] is True

@@ -189,9 +189,7 @@ def _expert_groups(model: nn.Module, cfg, topology: Topology, pipeline: bool) ->
     """``{name: ep_size}`` of the model's expert parameters (DeepSpeed's markers), refused where
     not supported yet; their ``ep_size_N`` groups are built here, on every rank in the same order."""
     experts = expert_parameters(model, topology.data_size)
-    zero = cfg.zero_optimization
-    nvme = "nvme" in (zero.offload_optimizer_device, zero.offload_param_device)
-    refuse_unsupported_experts(experts, model, zero.stage, nvme, pipeline)
+    refuse_unsupported_experts(experts, model, pipeline)
     for ep_size in sorted(set(experts.values())):
         try:
             topology.expert_groups(ep_size)

@@ -2,12 +2,13 @@
 and give them their own optimizer groups.
 
 A parameter is an expert parameter when it carries ``allreduce = False`` (DeepSpeed's MoE layer
-marks its experts so, with ``group_name`` naming their expert-parallel group). zerotrain has no
-MoE layer yet, so a model built here has none and every function returns its input's groups
-unchanged; parameters marked by hand are split exactly as DeepSpeed splits them. ``initialize`` trains
-expert parameters at ZeRO stages 0-2 (``expert_parameters`` checks their ``ep_size_N`` names;
-``zero.build_zero_stage`` reduces them over their expert-data-parallel group) and refuses them
-where that is not supported yet (``refuse_unsupported_experts``).
+marks its experts so, with ``group_name`` naming their expert-parallel group; so does
+zerotrain's, ``zerotrain.experts``). Without expert parameters every function returns its input's
+groups unchanged; parameters marked by hand are split exactly as DeepSpeed splits them. ``initialize`` trains
+expert parameters at every ZeRO stage, with or without NVMe offload (``expert_parameters`` checks
+their ``ep_size_N`` names; ``zero.build_zero_stage`` shards and reduces them over their
+expert-data-parallel group) and refuses them where that is not supported yet
+(``refuse_unsupported_experts``: pipelines).
 """
 
 from __future__ import annotations
@@ -151,17 +152,13 @@ def expert_parameters(model: torch.nn.Module, data_size: int) -> dict[str, int]:
             if p.requires_grad and is_moe_param(p)}
 
 
-def refuse_unsupported_experts(experts: dict[str, int], model: torch.nn.Module, stage: int, nvme: bool,
-                               pipeline: bool) -> None:
+def refuse_unsupported_experts(experts: dict[str, int], model: torch.nn.Module, pipeline: bool) -> None:
     """A one-line NotImplementedError naming the first expert parameter where experts are not
-    supported yet: ZeRO stage 3, NVMe offload, a ``PipelineModule``."""
-    if not experts:
+    supported yet: a ``PipelineModule`` (every ZeRO stage and NVMe offload take them)."""
+    if not experts or not pipeline:
         return
     name = next(iter(experts))
     markers = expert_markers(dict(model.named_parameters())[name])
-    where = ("ZeRO stage 3" if stage == 3 else "offload to NVMe" if nvme
-             else "a PipelineModule" if pipeline else None)
-    if where is not None:
-        raise NotImplementedError(f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): expert "
-                                  f"parameters with {where} are not supported yet; use ZeRO stage 0, 1 or 2 "
-                                  "without NVMe offload and without pipelining")
+    raise NotImplementedError(f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): expert "
+                              "parameters in a PipelineModule are not supported yet; train the MoE model "
+                              "without pipelining (any ZeRO stage)")

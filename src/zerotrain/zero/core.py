@@ -89,11 +89,6 @@ class ZeroStage(StageInterface):
         # group than the data group (or with another divide factor); units never mix them.
         plan, plan_specs, plan_counted = split_by_reduction(plan, reduce_group_of, group)
         self._mixed_groups = any(spec is not None for spec in plan_specs)
-        if self._mixed_groups and (strategy.partitions_parameters or placement.nvme is not None
-                                   or placement.param_nvme is not None):
-            raise NotImplementedError("units reduced over another group than the data group work at "
-                                      "stages 0-2 without NVMe offload; stage 3 and offload to NVMe "
-                                      "with them are not supported yet")
         name_of = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name_of.setdefault(id(p), name)
@@ -104,14 +99,15 @@ class ZeroStage(StageInterface):
         self.param_offload = None  # NVMe: zerotrain.offload.NvmeParamOffload
         if placement.nvme is not None and optimizer is not None:
             self.offload = nvme.optimizer_offload(placement, plan, optimizer, shard_world, self.rank,
-                                         precision, self.disk_activity)
+                                         precision, self.disk_activity, plan_specs)
         self.units = []
         try:
             if placement.param_nvme is not None and strategy.partitions_parameters:
                 self.param_offload = nvme.param_offload(placement, plan, shard_world, self.rank,
                                                          precision, self.offload,
-                                                         self.disk_activity)
+                                                         self.disk_activity, plan_specs)
             unit_specs, unit_counted = {}, {}
+            unit_groups: dict[int, object] = {}  # unit index -> the group it is sharded over
             for (g, params), spec, counted in zip(plan, plan_specs, plan_counted):  # one unit at a time:
                 # with zero.Init only one is ever whole
                 for p in params:
@@ -120,6 +116,8 @@ class ZeroStage(StageInterface):
                 world, rank = shard_world, self.shard_rank  # sharded over its own group
                 if spec is not None:
                     world, rank = (spec.size, spec.rank) if strategy.shards_optimizer else (1, 0)
+                    # Stage 3 gathers it over that group too (experts: their expert-data group).
+                    unit_groups[len(self.units)] = spec.group
                 unit = FlatParamUnit(params, world, rank, precision.param_dtype,
                                      names=[name_of[id(p)] for p in params], group=g)
                 unit_specs[id(unit)], unit_counted[id(unit)] = spec, counted
@@ -140,6 +138,7 @@ class ZeroStage(StageInterface):
                     elif unit.shard_derivable:
                         unit.derive_shard_from_master()
                 self.units.append(unit)
+            self._unit_groups = {self.units[i]: g for i, g in unit_groups.items()}
         except BaseException:
             for offload in (self.offload, self.param_offload):
                 if offload is not None:
@@ -187,7 +186,7 @@ class ZeroStage(StageInterface):
             self.coordinator = ParameterCoordinator(
                 module, [u for u in self.units if u.resharded], group,
                 prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
-                leaf_of=leaves, memory_release=self.memory_release)
+                leaf_of=leaves, memory_release=self.memory_release, unit_groups=self._unit_groups)
             if self.param_offload is not None:  # reads go ahead along the recorded order
                 self.coordinator.param_swapper = self.param_offload.swapper
                 if self.offload is not None:
@@ -200,7 +199,8 @@ class ZeroStage(StageInterface):
                 self.grad_swapper.add_unit(unit, write=False)  # zeros: nothing to write
             self.reduction.before_reduce = lambda unit: self.grad_swapper.ensure(unit, dirty=True)
             self.offload.swapper.grad_swapper = self.grad_swapper
-        registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters)
+        registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters,
+                          unit_groups=self._unit_groups)
         if self.coordinator is not None and identity_checks_enabled():
             # Rank-dependent control flow raises on every rank, naming the units (stage 3 only:
             # below it, reductions launch in a fixed order and nothing is gathered in between).
@@ -419,7 +419,8 @@ class ZeroStage(StageInterface):
         out: dict[str, list[tuple[int, dict]]] = {}
         if self.offload is not None:
             for unit, start, state in self.offload.swapper.iter_state():
-                for piece in unit.layout.shard_pieces(self.shard_rank):
+                spec = self._reductions[id(unit)]
+                for piece in unit.layout.shard_pieces(spec.rank if unit.layout.world_size > 1 else 0):
                     lo = max(piece.shard_start, start)
                     hi = min(piece.shard_start + piece.numel, start + state["numel"])
                     if lo >= hi:

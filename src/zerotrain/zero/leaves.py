@@ -42,6 +42,9 @@ DEEPSPEED_DEFAULT_CLASSES = (
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
 )
+# zerotrain's own: the local experts of its MoE layer (``zerotrain.moe.layer.MoE``) are one unit,
+# gathered once over their expert-data group per layer call (every rank runs every local expert).
+ZEROTRAIN_DEFAULT_CLASSES = ("zerotrain.experts.layer.Experts",)
 
 
 def z3_leaf_module(module: nn.Module) -> bool:
@@ -178,12 +181,13 @@ def granularity_leaves(model: nn.Module, threshold: int) -> list[nn.Module]:
 
 def default_leaf_classes(model: nn.Module, on_accelerator: bool) -> list[str]:
     """zerotrain's leaf classes when the config has no ``leaf_module`` section: DeepSpeed's MoE
-    blocks, and on an accelerator the model's ``_no_split_modules`` (Hugging Face: the
-    transformer block)."""
+    blocks, the local experts of zerotrain's MoE layer, and on an accelerator the model's
+    ``_no_split_modules`` (Hugging Face: the transformer block)."""
     no_split = (getattr(model, "_no_split_modules", None) or []) if on_accelerator else []
     if isinstance(no_split, str):
         no_split = [no_split]
-    return [*(c for c in no_split if isinstance(c, str)), *DEEPSPEED_DEFAULT_CLASSES]
+    return [*(c for c in no_split if isinstance(c, str)), *DEEPSPEED_DEFAULT_CLASSES,
+            *ZEROTRAIN_DEFAULT_CLASSES]
 
 
 def leaf_modules(model: nn.Module, zero_config=None) -> list[nn.Module]:

@@ -12,17 +12,25 @@ from zerotrain.zero.init import is_partitioned
 from zerotrain.zero.partition import shard_alignment
 
 
+def _shard_worlds(plan, shard_world: int, specs) -> list[int]:
+    """Each planned unit's shard count: ``shard_world``, or its own group's size where
+    ``specs`` gives one (experts, sharded over their expert-data group)."""
+    specs = specs if specs is not None else [None] * len(plan)
+    return [shard_world if spec is None or shard_world == 1 else spec.size for spec in specs]
+
+
 def optimizer_offload(placement: Placement, plan, optimizer, shard_world: int, rank: int,
-                  precision: PrecisionPolicy, activity: DiskActivity):
-    """The swap folder and swapper, after checking path and free space for the planned units."""
+                  precision: PrecisionPolicy, activity: DiskActivity, specs=None):
+    """The swap folder and swapper, after checking path and free space for the planned units
+    (``specs``: each unit's ``UnitReduction`` or None, as ``split_by_reduction`` gives them)."""
     from zerotrain.offload import NvmeOptimizerOffload
 
     align = shard_alignment(precision.param_dtype)
     planned = []
-    for g, params in plan:
+    for (g, params), world in zip(plan, _shard_worlds(plan, shard_world, specs)):
         if g is not None:
             numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
-            planned.append((g, -(-numel // (shard_world * align)) * align))
+            planned.append((g, -(-numel // (world * align)) * align))
     first = next((p for _, params in plan for p in params), None)
     on_host = first is None or first.device.type == "cpu"
     return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
@@ -31,7 +39,8 @@ def optimizer_offload(placement: Placement, plan, optimizer, shard_world: int, r
 
 
 def param_offload(placement: Placement, plan, shard_world: int, rank: int,
-                        precision: PrecisionPolicy, optimizer_offload, activity: DiskActivity):
+                        precision: PrecisionPolicy, optimizer_offload, activity: DiskActivity,
+                        specs=None):
     """The parameter swap folder, after checking path and free space for every unit's shard."""
     from zerotrain.offload import NvmeParamOffload
     from zerotrain.offload.aio import ALIGN, round_up
@@ -39,9 +48,9 @@ def param_offload(placement: Placement, plan, shard_world: int, rank: int,
     align = shard_alignment(precision.param_dtype)
     itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
     need = 0
-    for _, params in plan:
+    for (_, params), world in zip(plan, _shard_worlds(plan, shard_world, specs)):
         numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
-        need += round_up(-(-numel // (shard_world * align)) * align * itemsize) + ALIGN
+        need += round_up(-(-numel // (world * align)) * align * itemsize) + ALIGN
     also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
             if optimizer_offload is not None else None)
     return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also,

@@ -33,9 +33,12 @@ _replicated_over = WeakIdKeyDictionary()
 DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor")
 
 
-def register(units: Sequence, group=None, deepspeed_attributes: bool = False) -> None:
+def register(units: Sequence, group=None, deepspeed_attributes: bool = False,
+             unit_groups: dict | None = None) -> None:
+    """``units`` are sharded over ``group``, or over ``unit_groups[unit]`` where given (expert
+    units: their expert-data group); ``GatheredParameters`` gathers and broadcasts over it."""
     for unit in units:
-        unit.process_group = group
+        unit.process_group = (unit_groups or {}).get(unit, group)
         for p in unit.params:
             _unit_of[p] = unit
         if deepspeed_attributes:

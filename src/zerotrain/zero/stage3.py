@@ -94,9 +94,12 @@ class ParameterCoordinator:
 
     def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
                  prefetch_numel: int = 0, max_live_numel: int | None = None,
-                 leaf_of: dict | None = None, memory_release: ReleasePolicy | None = None):
+                 leaf_of: dict | None = None, memory_release: ReleasePolicy | None = None,
+                 unit_groups: dict | None = None):
         self.units = list(units)
         self.group = group
+        # Units sharded over another group than ``group`` (experts: their expert-data group).
+        self._unit_groups = dict(unit_groups or {})
         # The engine's policy (None: the environment's or stage 3's default)
         self.memory_release = (memory_release if memory_release is not None
                                else ReleasePolicy())
@@ -177,8 +180,12 @@ class ParameterCoordinator:
             self._count(unit.layout.padded_numel)
         self._before_allocating(unit)
         self._agree(unit)
-        unit.start_gather(self.group, self._acquire(unit), self._identity(unit)).wait()
+        unit.start_gather(self.group_of(unit), self._acquire(unit), self._identity(unit)).wait()
         unit.finish_gather()
+
+    def group_of(self, unit: FlatParamUnit):
+        """The group ``unit`` is sharded (and gathered) over."""
+        return self._unit_groups.get(unit, self.group)
 
     def _prefetch(self, order: _UseOrder) -> None:
         # The window counts what is already in flight: without that, every use started another
@@ -198,7 +205,7 @@ class ParameterCoordinator:
             self._before_allocating(unit)
             self._agree(unit)
             self._count(numel)
-            self._inflight[unit] = unit.start_gather(self.group, self._acquire(unit),
+            self._inflight[unit] = unit.start_gather(self.group_of(unit), self._acquire(unit),
                                                      self._identity(unit))
 
     def _before_allocating(self, unit: FlatParamUnit) -> None:
