@@ -62,6 +62,10 @@ ALLOWED = {
 
 _OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+# A MoE checkpoint's per-expert files (DeepSpeed's _get_expert_ckpt_name) and per-expert-parallel-
+# rank optimizer files (the optimizer at ZeRO stage 0; {'optimizer': None} at ZeRO 1-2).
+_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def safe_load(path: Path):
@@ -124,19 +128,28 @@ class DeepSpeedFolder:
         names = sorted(p.name for p in self.folder.iterdir())
         self.model_files: dict[int, Path] = {}
         self.optim_files: dict[int, Path] = {}
+        self.expert_files: dict[tuple[int, int], Path] = {}  # (MoE layer, global expert id) -> file
+        self.expp_files: dict[int, Path] = {}
         self.bf16_names = False
         for name in names:
-            if (m := _OPTIM_FILE.match(name)) is not None:
+            if (m := _EXPERT_FILE.match(name)) is not None:
+                self._check_mp(int(m.group(3)), name)
+                self.expert_files[(int(m.group(1)), int(m.group(2)))] = self.folder / name
+            elif (m := _EXPP_FILE.match(name)) is not None:
+                self._check_mp(int(m.group(2)), name)
+                self.expp_files[int(m.group(1))] = self.folder / name
+            elif (m := _OPTIM_FILE.match(name)) is not None:
                 self._check_mp(int(m.group(3)), name)
                 self.optim_files[int(m.group(2))] = self.folder / name
                 self.bf16_names |= m.group(1) is not None
             elif (m := _MODEL_FILE.match(name)) is not None:
                 self._check_mp(int(m.group(2)), name)
                 self.model_files[int(m.group(1) or 0)] = self.folder / name
-            elif name.startswith(("layer_", "expp_rank_")):
+            elif name.startswith(("layer_", "expert_")):
                 raise CheckpointError(
-                    f"{self.folder / name}: pipeline-parallel (layer_*) and mixture-of-experts "
-                    "checkpoints cannot be converted; only data-parallel ZeRO checkpoints can")
+                    f"{self.folder / name}: pipeline-parallel (layer_XX-model_states.pt) checkpoints and "
+                    "DeepSpeed's old mixture-of-experts layout (expert_E_mp_rank_XX) cannot be converted; "
+                    "only data-parallel ZeRO checkpoints, with or without MoE layers, can")
         if 0 not in self.model_files:
             raise CheckpointError(f"{self.folder} holds no mp_rank_00_model_states.pt (nor "
                                   f"zero_pp_rank_0_mp_rank_00_model_states.pt): not a DeepSpeed "

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from zerotrain.checkpoint.deepspeed_experts import ByExpertRank
 from zerotrain.checkpoint.deepspeed_files import DeepSpeedFolder, plain
 from zerotrain.checkpoint.deepspeed_params import assign_groups, module_layout, unit_entry
 from zerotrain.checkpoint.format import (FORMAT, FORMAT_VERSION, LATEST, METADATA, MODEL_FILE,
@@ -106,6 +107,8 @@ class _Converter:
         self.scalars: dict[str, dict] = {}
         self.hyper: list[dict] = []
         self.scaler: dict | None = None
+        self.experts = None  # a MoE checkpoint's DeepSpeedExperts (ZeRO 1-2)
+        self.moe: dict | None = None
 
     # -- the whole conversion ----------------------------------------------------------------
     def run(self) -> dict:
@@ -116,6 +119,9 @@ class _Converter:
             self._zero12()
         else:
             self._zero3()
+        if self.experts is not None:  # expert buffers and frozen experts, every expert's key
+            self.moe = self.experts.add_module_values(self.layout, self.units,
+                                                      set(self.main.get("buffer_names") or []))
         for name, value in self.layout.frozen.items():
             self._add_whole(name, value.to(self.dtype) if value.is_floating_point() else value,
                             None, requires_grad=False)
@@ -139,6 +145,9 @@ class _Converter:
                 "(DeepSpeed's BF16_Optimizer without ZeRO, as some DeepSpeed versions wrote for "
                 "bf16 at stage 0) records no parameter shapes and cannot be converted; save it "
                 "with ZeRO stage 1 instead")
+        if self.source.expert_files and stage != 2 and stage != 1:
+            raise CheckpointError(f"{self.source.folder}: a mixture-of-experts checkpoint at ZeRO stage {stage} "
+                                  "cannot be converted yet; only ZeRO stages 1-2 with MoE layers can")
         if stage > 0 and self.user_groups is not None:
             raise CheckpointError("param_groups (--param-groups) applies to stage-0 checkpoints "
                                   f"only; {self.source.folder} is ZeRO stage {stage}, whose files "
@@ -227,24 +236,39 @@ class _Converter:
                                       "save with elastic_checkpoint: false")
             flats = saved["single_partition_of_fp32_groups"]
             if rank == 0:
+                if self.source.expert_files:
+                    from zerotrain.checkpoint.deepspeed_experts import DeepSpeedExperts
+
+                    self.experts = DeepSpeedExperts(self.source, self.main, self.config,
+                                                    base["param_groups"], len(ranks))
                 plan = self._plan12(saved, shapes, flats, len(ranks))
-                for unit, group in zip(plan, base["param_groups"]):  # one flat tensor per group
-                    unit["_source"] = group["params"][0]
+                for units, group in zip(plan, base["param_groups"]):  # one flat tensor per group
+                    for unit in units.values() if isinstance(units, ByExpertRank) else [units]:
+                        unit["_source"] = group["params"][0]
                 self._rank0_optimizer(saved, base)
+            # an expert group: this rank holds expert-parallel rank r % N's partition r // N
+            mine = [(units[rank % self.experts.groups[g]], rank // self.experts.groups[g])
+                    if isinstance(units, ByExpertRank) else (units, rank) for g, units in enumerate(plan)]
             tensors = {}
-            for unit, flat in zip(plan, flats):
+            for (unit, _), flat in zip(mine, flats):
                 state = base["state"].get(unit["_source"], {})
                 tensors.update(self._unit_tensors(unit, rank, flat, state, 0))
-            self._check_slices(saved, plan, rank)
+            self._check_slices(saved, [u for u, _ in mine], [part for _, part in mine], rank)
             self._write_shard(rank, tensors)
             del saved, base, flats, tensors
 
-    def _plan12(self, saved, shapes, flats, world) -> list[dict]:
+    def _plan12(self, saved, shapes, flats, world) -> list:
+        """One unit per param group; for a MoE checkpoint's expert group, ``{ep_rank: unit}``."""
         counts = saved.get("partition_count", world)
         paddings = saved.get("param_alignment_paddings")
         units = []
+        experts = self.experts.groups if self.experts is not None else {}
         for g, (group_shapes, flat) in enumerate(zip(shapes, flats)):
             count = counts[g] if isinstance(counts, list) else counts
+            if g in experts:
+                units.append(self.experts.plan_group(g, group_shapes, flat, count, paddings, self.units,
+                                                     self.dtype, self.mixed))
+                continue
             if count != world:
                 raise CheckpointError(f"{self.source.optim_files[0]}: param group {g} is partitioned "
                                       f"over {count} ranks, the checkpoint has {world} rank files "
@@ -259,17 +283,19 @@ class _Converter:
             self.units.append(units[-1])
         return units
 
-    def _check_slices(self, saved, plan, rank) -> None:
-        """DeepSpeed's own record of which parameter elements this rank holds must agree."""
-        for unit, mapping in zip(plan, saved.get("param_slice_mappings") or []):
-            starts = {name: (offset, numel) for name, offset, numel, _ in unit["params"]}
+    def _check_slices(self, saved, plan, parts, rank) -> None:
+        """DeepSpeed's own record of which parameter elements this rank holds must agree
+        (``parts``: which partition of each unit this rank holds)."""
+        for unit, part, mapping in zip(plan, parts, saved.get("param_slice_mappings") or []):
+            local = unit.get("_local", {})
+            starts = {local.get(name, name): (offset, numel) for name, offset, numel, _ in unit["params"]}
             shard = unit["shard_numel"]
             for name, address in mapping.items():
                 offset, numel = starts.get(name, (None, None))
                 address = plain(address, name)
-                begin = max(offset, rank * shard) if offset is not None else None
-                if begin != rank * shard + address["start"] or \
-                        address["numel"] != min(offset + numel, (rank + 1) * shard) - begin:
+                begin = max(offset, part * shard) if offset is not None else None
+                if begin != part * shard + address["start"] or \
+                        address["numel"] != min(offset + numel, (part + 1) * shard) - begin:
                     raise CheckpointError(
                         f"{self.source.optim_files[rank]}: {name} is at {address} of this rank's "
                         f"partition, not where the parameter order puts it: unexpected layout")
@@ -447,6 +473,7 @@ class _Converter:
 
         for unit in self.units:
             unit.pop("_source", None)
+            unit.pop("_local", None)
         layout = self.layout
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION, "tag": self.source.tag,
@@ -462,6 +489,7 @@ class _Converter:
             "frozen": [n for n, e in self.whole.items() if not e["requires_grad"]],
             "excluded_frozen": [], "param_groups": len(self.hyper),
             "config": self.config or None, "files": self.files,
+            **({"moe": self.moe} if self.moe is not None else {}),
             "converted_from": {"program": "deepspeed", "version": self.main.get("ds_version"),
                                "folder": str(self.source.folder), "stage": stage},
         }

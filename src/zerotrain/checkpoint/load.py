@@ -138,7 +138,9 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     main = _rank_state(reader, 0, 0)
     if load_optimizer:
         for group, saved in zip(optimizer.param_groups, main["param_groups"]):
-            group.update(saved)
+            # hyperparameters; a group's name and MoE mark describe this engine's layout
+            # (an expert group saved as "ep_size_2" may load into "ep_size_1")
+            group.update({k: v for k, v in saved.items() if k not in ("name", "moe")})
     restore_engine(engine, main["engine"] if mine is None else mine["engine"], load_scheduler)
     if mine is not None and "rng" in mine:
         restore_rng(mine["rng"])
