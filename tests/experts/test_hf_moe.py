@@ -90,7 +90,8 @@ def _grads(module) -> dict:
 
 
 def _config(stage: int, optimizer: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "gradient_clipping": CLIP,
             "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]}}
 
 
@@ -144,9 +145,12 @@ def _on_rank(kinds, train_kinds, stages, bf16=False):
             loss = engine(input_ids=ids, labels=ids, output_router_logits=True).loss
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             norms.append(float(engine.get_global_grad_norm()))
-        local = {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
+        from zerotrain.zero import GatheredParameters
+
+        with GatheredParameters([p for p in engine.module.parameters() if hasattr(p, "ds_id")]):  # stage 3
+            local = {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
         gathered = {k: v.float() for k, v in gather_expert_state_dict(engine.module).items()}
         key = (kind, stage, optimizer) if precision == "fp32" else (kind, stage, optimizer, precision)
         out[key] = (local, losses, norms, gathered)

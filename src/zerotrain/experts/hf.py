@@ -170,8 +170,19 @@ def _gather_rows(tensor: Tensor, shard: _ExpertShard) -> Tensor:
 def gather_expert_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     """``model.state_dict()`` with every expert tensor gathered whole over its expert-parallel
     group (all experts, HF's names and shapes): what the unsharded model loads, or
-    ``save_pretrained(state_dict=...)`` writes. A collective: every rank of the group calls it."""
-    state = model.state_dict()
+    ``save_pretrained(state_dict=...)`` writes. A collective: every rank of the group calls it.
+    Parameters a ZeRO-3 engine partitioned are gathered first (copies, on every rank)."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        return _with_whole_experts(model, model.state_dict())
+    from zerotrain.zero import GatheredParameters
+
+    with GatheredParameters(partitioned):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return _with_whole_experts(model, state)
+
+
+def _with_whole_experts(model: nn.Module, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
     for name, module in model.named_modules():
         shard = _shard_of(module)
         if shard is None:
