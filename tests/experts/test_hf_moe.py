@@ -8,9 +8,10 @@ one process. Each rank feeds its own tokens (a different count per rank), so the
 gradients are the sum over both ranks' tokens (what the all-to-all's backward brings back) and
 dense gradients are the rank's own. Checked: the MoE block's output and every gradient (input,
 router, shared expert, expert slices), the whole model's loss with the router aux loss and its
-gradients, the gathered/sliced state dicts, and 5 steps of ``zerotrain.initialize`` at ZeRO stages
-0 and 2 (SGD, AdamW; clipping acting, the gradient norm counting each expert once) against
-single-process HF training on the mean of the ranks' losses.
+gradients (also under HF's gradient checkpointing), the gathered/sliced state dicts, and 5 steps
+of ``zerotrain.initialize`` at ZeRO stages 0 and 2 (SGD, AdamW; clipping acting, the gradient
+norm counting each expert once; bf16 by update direction) against single-process HF training on
+the mean of the ranks' losses; 4 ranks (two replicas of each expert slice) at stage 2.
 """
 
 from __future__ import annotations
@@ -128,6 +129,11 @@ def _on_rank(kinds, train_kinds, stages, bf16=False):
         result.loss.backward()
         aux = None if result.aux_loss is None else float(result.aux_loss)
         res["model"] = (float(result.loss), aux, _grads(model))
+        # HF's gradient checkpointing recomputes the block, its all-to-alls included, in backward.
+        model.zero_grad()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
+        res["checkpointed"] = _grads(model)
         out[kind] = res
     runs = [(kind, stage, optimizer, "fp32") for kind in train_kinds for stage in stages for optimizer in OPTIMIZERS]
     if bf16:
@@ -253,6 +259,7 @@ def test_block_and_model_equal_unsharded(two_ranks, kind):
             failures.append(f"{kind} rank {rank}: loss {loss} != {float(result.loss)}")
         want = _reference_grads(lambda: make(kind), run_model, experts_in_model, rank)
         _compare(f"{kind} rank {rank} model grads", grads, want, failures)
+        _compare(f"{kind} rank {rank} model grads, gradient checkpointing", got["checkpointed"], want, failures)
     assert not failures, "\n".join(failures)
 
 
