@@ -9,9 +9,10 @@ gradients are the sum over both ranks' tokens (what the all-to-all's backward br
 dense gradients are the rank's own. Checked: the MoE block's output and every gradient (input,
 router, shared expert, expert slices), the whole model's loss with the router aux loss and its
 gradients (also under HF's gradient checkpointing), the gathered/sliced state dicts, and 5 steps
-of ``zerotrain.initialize`` at ZeRO stages 0 and 2 (SGD, AdamW; clipping acting, the gradient
+of ``zerotrain.initialize`` at ZeRO stages 0, 2 and 3 (SGD, AdamW; clipping acting, the gradient
 norm counting each expert once; bf16 by update direction) against single-process HF training on
-the mean of the ranks' losses; 4 ranks (two replicas of each expert slice) at stage 2.
+the mean of the ranks' losses; 4 ranks (two replicas of each expert slice: stage 3 shards
+them over the pair) at stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from zerotrain.testing import run_on_ranks
 
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 TRAIN_KINDS = ("mixtral", "qwen2_moe")
-STAGES = (0, 2)
+STAGES = (0, 2, 3)  # stage 3: stage3_param_persistence_threshold 0, every parameter partitioned
 # AdamW's eps above the roundoff of gradients that are zero in exact arithmetic (attention key
 # biases: softmax ignores them), which Adam would otherwise blow up to lr-sized steps.
 OPTIMIZERS = {"SGD": {"lr": 0.5, "momentum": 0.9}, "AdamW": {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}}
@@ -287,7 +288,7 @@ def test_training_equals_unsharded(two_ranks, kind):
 
 
 def test_bf16_training_follows_unsharded(two_ranks):
-    """bf16 (HF's router weights stay fp32 through the all-to-all): ZeRO 2, AdamW, against the
+    """bf16 (HF's router weights stay fp32 through the all-to-all): ZeRO 3, AdamW, against the
     fp32 unsharded run; bf16 rounding flips some top-k choices, so the update is compared by size
     and direction, the losses within bf16's resolution."""
     want, want_losses, _ = _reference_training("mixtral", "AdamW", EP)
@@ -305,9 +306,10 @@ def test_bf16_training_follows_unsharded(two_ranks):
 
 
 def test_four_ranks_two_expert_data_replicas():
-    """ep_size 2 on 4 ranks: each expert slice on 2 ranks, its gradients summed over them."""
-    per_rank = run_on_ranks(_on_rank, 4, args=((), ("mixtral",), (2,)), timeout=900)
-    failures = _check_training(per_rank, "mixtral", (2,))
+    """ep_size 2 on 4 ranks: each expert slice on 2 ranks, its gradients summed over them (and at
+    stage 3 the slice itself sharded over them)."""
+    per_rank = run_on_ranks(_on_rank, 4, args=((), ("mixtral",), (2, 3)), timeout=900)
+    failures = _check_training(per_rank, "mixtral", (2, 3))
     assert not failures, "\n".join(failures)
 
 
