@@ -14,7 +14,8 @@ holding every expert (fp32: within 1e-6; bf16: the combination suite's bounds, u
 clipping at every step (clipping acts at every step). The same group checks ``module_state_dict``
 and ``save_16bit_model`` (rank 0's model, its own experts gathered), ``GatheredParameters`` with a
 modifier (an expert edit broadcast over its expert-data group), a model built under ``zero.Init``,
-resuming a stage-3 checkpoint of zerotrain's MoE layer (bit-identical),
+resuming a stage-3 checkpoint of zerotrain's MoE layer (bit-identical), its dropless mode at stage
+3 against stage 2,
 and NVMe optimizer offload at stages 2 and 3 (at stage 3 also with the parameters on NVMe)
 against the same run without offload.
 """
@@ -132,6 +133,7 @@ def _run(ep_size: int):
     shutil.rmtree(nvme, ignore_errors=True)
     out["checks"]["zero_init"] = _zero_init_case(ep_size, world, rank)
     out["checks"]["resume"] = _resume_case(ep_size, world, rank)
+    out["checks"]["dropless"] = _dropless_case(ep_size, world, rank)
     return out
 
 
@@ -150,14 +152,16 @@ def _state_checks(engine, weights: dict, rank: int) -> dict:
 class MoEModel(torch.nn.Module):
     """dense -> zerotrain's MoE layer (4 experts over ``ep_size`` ranks, top-1) -> dense."""
 
-    def __init__(self, ep_size: int):
+    def __init__(self, ep_size: int, dropless: bool = False):
         from zerotrain.moe.layer import MoE
 
         super().__init__()
         torch.manual_seed(3)
         self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.moe = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=4, ep_size=ep_size, k=1,
-                       min_capacity=1, use_rts=False)
+        # Dropless (top-2): the layer runs its local experts itself, not through Experts.forward,
+        # so at stage 3 their unit is gathered on access.
+        self.moe = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=4, ep_size=ep_size,
+                       k=2 if dropless else 1, min_capacity=1, use_rts=False, drop_tokens=not dropless)
         self.out = torch.nn.Linear(HIDDEN, 2)
 
     def forward(self, x):
@@ -225,6 +229,23 @@ def _resume_case(ep_size: int, world: int, rank: int) -> float:
     if rank == 0:
         shutil.rmtree(holder[0], ignore_errors=True)
     return max(float((full[k] - resumed[k]).abs().max()) for k in full)
+
+
+def _dropless_case(ep_size: int, world: int, rank: int) -> list[dict]:
+    """The dropless MoE layer (uneven all-to-all) at stages 3 and 2: weights after 3 AdamW steps."""
+    import zerotrain
+
+    results = []
+    for stage in (3, 2):
+        engine, _, _, _ = zerotrain.initialize(model=MoEModel(ep_size, dropless=True),
+                                               config=_config(stage, "fp32", "adamw", None))
+        for batch in _batches(world)[:3]:
+            out, l_aux = engine(batch[rank])
+            engine.backward(_loss(out) + 0.01 * l_aux)
+            engine.step()
+        results.append(_gathered(engine))
+        engine.destroy()
+    return results
 
 
 class _nothing:
@@ -296,6 +317,11 @@ def _check(per_rank: list[dict], ep_size: int) -> list[str]:
             diff = float((v - plain[k]).abs().max())
             if not diff <= 1e-6:
                 failures.append(f"rank {rank} zero.Init MoE layer at stage 3: {k} differs by {diff:.3g}")
+        at3, at2 = checks["dropless"]
+        for k, v in at3.items():
+            diff = float((v - at2[k]).abs().max())
+            if not diff <= 1e-6:
+                failures.append(f"rank {rank} dropless MoE layer, stage 3 against stage 2: {k} differs by {diff:.3g}")
         if checks["resume"] != 0.0:
             failures.append(f"rank {rank}: stage-3 resume with experts differs by {checks['resume']:.3g}")
     return failures
