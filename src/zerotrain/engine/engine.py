@@ -20,6 +20,7 @@ from zerotrain.checkpoint import full_state_dict, save_16bit_model
 from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
+from zerotrain.experts.stats import MoEStats
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
 from zerotrain.log import log_rank0
@@ -70,6 +71,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         # The data group's first rank writes; closed by destroy() or at exit.
         self.monitor = MonitorMaster(config, topology=self.topology)
         register_engine(self)  # weakly, for zerotrain.memory_status()
+        self._moe_stats = MoEStats.attach(module, self.data_parallel_group)  # None without MoE layers
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._step_applied = False
@@ -332,6 +334,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
         self.monitor.close()
+        if self._moe_stats is not None:
+            self._moe_stats.close()
         reset_current_topology(self.topology)  # DeepSpeed's global getters no longer answer from it
         unregister_engine(self)  # memory reports no longer count it
 
@@ -341,6 +345,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         losses, self._window_losses = self._window_losses, []
         if self.monitor.enabled:
             self.monitor.write_step(self, losses)
+        if self._moe_stats is not None:  # per-layer expert counts, drop rate and l_aux
+            self._moe_stats.step_done(self, bool(every) and self.global_steps % every == 0)
         if not every or self.global_steps % every:
             return
         now = time.perf_counter()

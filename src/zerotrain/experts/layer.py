@@ -91,6 +91,7 @@ class MOELayer(nn.Module):
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
         self.l_aux = None
         self.exp_counts = None
+        self.capacity = None
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
@@ -113,6 +114,7 @@ class MOELayer(nn.Module):
                                "through the MoE layer (MoE.set_deepspeed_parallelism())")
         routes = self.gate.routes(x, used_token, need_capacity=drop)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        self.capacity = routes.capacity  # None in dropless mode (zerotrain.experts.stats reads it)
         if drop:
             combined = self._capacity_dispatch(x, routes)
         else:
