@@ -44,9 +44,10 @@ ADAMW = {"lr": 2e-2, "weight_decay": 0.1, "eps": 1e-6}
 # name -> (stage, precision, optimizer) at 4 ranks, ep_size 2
 RUNS = {"s0-sgd": (0, "fp32", "sgd"), "s0-adamw": (0, "fp32", "adamw"), "s1-sgd": (1, "fp32", "sgd"),
         "s1-adamw": (1, "fp32", "adamw"), "s2-sgd": (2, "fp32", "sgd"), "s2-adamw": (2, "fp32", "adamw"),
-        "s2-bf16": (2, "bf16", "adamw")}
+        "s2-bf16": (2, "bf16", "adamw"), "s3-adamw": (3, "fp32", "adamw")}
 # the stage each fp32 checkpoint is loaded at on 2 ranks, ep_size 1
-RELOAD_STAGE = {"s0-sgd": 2, "s0-adamw": 1, "s1-sgd": 0, "s1-adamw": 2, "s2-sgd": 1, "s2-adamw": 0}
+RELOAD_STAGE = {"s0-sgd": 2, "s0-adamw": 1, "s1-sgd": 3, "s1-adamw": 2, "s2-sgd": 1, "s2-adamw": 0,
+                "s3-adamw": 1}
 TAG = "t"
 LOCAL = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)$")
 

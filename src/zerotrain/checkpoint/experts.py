@@ -268,10 +268,11 @@ def _gathered(t: torch.Tensor, unit, layer: ExpertLayer) -> torch.Tensor | None:
     from zerotrain.comm import collectives
 
     world = unit.layout.world_size
+    t = t.detach()  # an NVMe-swapped tensor (SwappedTensor, _ResidentShard) is read in here
     if world == 1:
-        return t.detach().reshape(-1) if layer.edp_rank == 0 else None
+        return t.reshape(-1) if layer.edp_rank == 0 else None
     out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
-    collectives.all_gather_into(out, t.detach().reshape(-1), group=layer.groups.expert_data_group)
+    collectives.all_gather_into(out, t.reshape(-1), group=layer.groups.expert_data_group)
     return out if layer.edp_rank == 0 else None
 
 

@@ -209,7 +209,11 @@ def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swappe
     if swapper is not None:  # NVMe offload: master and state go to the swap files chunk by chunk
         _load_swapped(unit, swapper, reader, pieces, optimizer is not None, scalars0, from_fp32)
     elif optimizer is not None:
-        _set_state(optimizer, optimizer_key(unit), reader, pieces, layout.shard_numel, scalars0)
+        # a shard of padding alone (stage 3, a unit smaller than its group) keeps zero state
+        # and its unit's scalars, as the step left it
+        in_unit = [n for n in map(rename, unit.names) if match.loadable(n)]
+        _set_state(optimizer, optimizer_key(unit), reader, pieces, layout.shard_numel, scalars0,
+                   padding_of=in_unit[:1])
     unit.record_versions()
 
 
@@ -265,24 +269,24 @@ def name_of(unit, piece) -> str:
     return unit.names[piece.slot.index]
 
 
-def _set_state(optimizer, key, reader, pieces, numel, scalars0, shape=None) -> None:
+def _set_state(optimizer, key, reader, pieces, numel, scalars0, shape=None, padding_of=()) -> None:
     """The optimizer state of the stepped tensor ``key`` from the saved state of the
-    parameters its ``pieces`` cover; elements no saved parameter covers (padding) are zero."""
+    parameters its ``pieces`` cover; elements no saved parameter covers (padding) are zero.
+    Without pieces, ``padding_of`` (a parameter of the same unit) tells whether state was saved."""
     sources = list(pieces)
-    state_keys = _state_keys(reader, sources)
+    probe = sources or [(name, 0, 0, 0) for name in padding_of]
+    state_keys = _state_keys(reader, probe)
     if not state_keys:
         optimizer.state.pop(key, None)  # saved before any step: fresh state
         return
     state = {}
     for what in state_keys:
-        flat = None
+        dtype = reader.read(probe[0][0], what, 0, 1).dtype
+        flat = torch.zeros(numel, dtype=dtype, device=key.device)
         for name, start, at, n in sources:
-            values = reader.read(name, what, start, n)
-            if flat is None:
-                flat = torch.zeros(numel, dtype=values.dtype, device=key.device)
-            flat.narrow(0, at, n).copy_(values)
+            flat.narrow(0, at, n).copy_(reader.read(name, what, start, n))
         state[what.removeprefix("state/")] = flat if shape is None else flat.view(shape)
-    scalars = _copy_scalars(scalars0.get(_scalar_key(reader, sources[0][0]), {}))
+    scalars = _copy_scalars(scalars0.get(_scalar_key(reader, probe[0][0]), {}))
     state.update(_place_scalars(optimizer, key, scalars))
     optimizer.state[key] = state
 
