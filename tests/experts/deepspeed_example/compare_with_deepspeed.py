@@ -81,7 +81,8 @@ def main() -> None:
     if script is None:
         raise SystemExit("no cifar10_deepspeed.py: set CIFAR10_DEEPSPEED_SCRIPT or DEEPSPEED_EXAMPLES")
     print("| variant | clipping | steps | loss first -> last (DeepSpeed, rank 0) | DeepSpeed vs DeepSpeed: loss, "
-          "weights | zerotrain vs DeepSpeed: loss, weights | first step that differs: norm DeepSpeed / zerotrain "
+          "weights | zerotrain vs DeepSpeed: loss, weights | first loss that differs by > 1e-6: the step before, "
+          "its norm DeepSpeed / zerotrain "
           "| same initial weights |")
     print("|---|---|---|---|---|---|---|---|")
     for name, extra in VARIANTS.items():
