@@ -26,8 +26,8 @@ from cpu_harness import find_script  # noqa: E402
 
 COMMON = ["--moe", "--ep-world-size", "2", "--moe-param-group", "--dtype", "fp32", "-e", "1", "--log-interval", "10"]
 VARIANTS = {  # DeepSpeedExamples' run_ds_moe.sh (top-1, RSample), its PR-MoE, and top-2
-    "run_ds_moe (E=2, top-1, RSample), stage 0": ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample",
-                                                  "--stage", "0"],
+    "run_ds_moe (E=2, top-1, RSample), stage 0": ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy",
+                                                  "RSample", "--stage", "0"],
     "run_ds_moe, stage 2": ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample", "--stage", "2"],
     "PR-MoE (E=2 4, residual), stage 1": ["--num-experts", "2", "4", "--mlp-type", "residual", "--top-k", "1",
                                           "--stage", "1"],
