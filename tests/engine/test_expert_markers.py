@@ -4,7 +4,8 @@ optimizer offload (here on one rank, ep_size 1: exactly like plain SGD;
 tests/engine/test_expert_params.py and tests/zero/test_stage3_experts.py cover expert
 parallelism), ``group_name`` alone is a dense parameter (DeepSpeed's ``is_moe_param`` reads
 ``allreduce`` only), and each case still refused gets a one-line error naming the parameter:
-a missing or malformed ``group_name``, an ep_size that does not divide the data-parallel size;
+a missing or malformed ``group_name``, an ep_size that does not divide the data-parallel size,
+a ``PipelineModule`` with experts;
 ``save_checkpoint`` of an engine with experts (no expert layout yet)."""
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def _try_stages():
         state = engine.module_state_dict()
         out["nvme"] = all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
         engine.destroy()
+    from zerotrain.pipe import PipelineModule
+
+    piped = PipelineModule(list(_model(MARKINGS["both"])), num_stages=1, loss_fn=nn.functional.mse_loss)
+    out["pipeline"] = _error(piped, _config(1))
     return out
 
 
@@ -103,3 +108,7 @@ def test_expert_markers_train_or_are_refused_naming_the_parameter():
             assert kind == "ValueError" and "\n" not in message, (stage, label, message)
             assert message.startswith(prefix) and needle in message, (stage, label, message)
     assert out["nvme"] is True
+    kind, message = out["pipeline"]  # still refused: experts inside a PipelineModule
+    assert kind == "NotImplementedError" and "\n" not in message, message
+    assert message.startswith("parameter '2.weight' carries DeepSpeed's expert markers") and \
+        "in a PipelineModule are not supported yet" in message, message
