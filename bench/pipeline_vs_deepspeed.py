@@ -42,6 +42,7 @@ pipeline instructions (``_INSTRUCTION_MAP``: forward, backward, send/recv, the r
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -210,8 +211,9 @@ def _worker_zerotrain(a: dict, case: dict) -> dict:
               "pipeline": {"schedule": case["schedule"], "timeline": bool(a.get("breakdown_run"))}}
     from zerotrain.pipeline import LayerSpec, PipelineModule
 
+    layout = {"virtual_layout": case["layout"]} if case.get("layout", "looped") != "looped" else {}
     net = PipelineModule(layer_specs(LayerSpec, a), num_stages=2, loss_fn=loss_fn, partition_method="type:Block",
-                         virtual_stages=case.get("virtual", 1))
+                         virtual_stages=case.get("virtual", 1), **layout)
     engine, *_ = zerotrain.initialize(model=net, model_parameters=net.parameters(), config=config)
     data = batches(a, m)
     breakdown = []
@@ -278,6 +280,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _placement(sched, name: str) -> tuple[int, str]:
+    """The model chunks per rank and their placement the engine accepts for a schedule: one
+    chunk, two looped (interleaved, zero-bubble) or two in a V (zbv, dualpipev)."""
+    takes_layout = "layout" in inspect.signature(sched.check_schedule).parameters
+    for virtual, layout in ((1, "looped"), (2, "looped"), (2, "v")):
+        if layout != "looped" and not takes_layout:
+            break
+        try:
+            sched.check_schedule(name, virtual, *([layout] if takes_layout else []))
+            return virtual, layout
+        except ValueError:
+            continue
+    raise SystemExit(f"--schedules: {name!r} takes none of 1 chunk per rank, 2 looped or 2 in a V; "
+                     "leave it out of --schedules")
+
+
 def _cases(args) -> list[dict]:
     from zerotrain.pipeline import schedule as sched
 
@@ -290,16 +308,12 @@ def _cases(args) -> list[dict]:
         if name not in sched.SCHEDULES:
             raise SystemExit(f"--schedules: {name!r} is not a schedule this zerotrain offers "
                              f"({', '.join(sched.SCHEDULES)}); pick from those or 'all'")
-        try:  # a schedule that runs several model chunks per rank refuses virtual_stages=1
-            sched.check_schedule(name, 1)
-            virtual = 1
-        except ValueError:
-            virtual = 2
+        virtual, layout = _placement(sched, name)
         for m in args.ext_micro_batches:
             if name == "1f1b" and m in args.micro_batches:
                 continue
             cases.append({"name": f"zt_{name}_m{m}", "system": "zerotrain", "schedule": name, "m": m,
-                          "virtual": virtual})
+                          "virtual": virtual, "layout": layout})
     for m in args.ext_micro_batches:
         if f"zt_1f1b_m{m}" not in {c["name"] for c in cases}:
             cases.append({"name": f"zt_1f1b_m{m}", "system": "zerotrain", "schedule": "1f1b", "m": m})
@@ -332,8 +346,10 @@ def _launch(args, a: dict, case: dict, tmp: str) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
     wall = time.perf_counter() - started
     if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        print(f"case {case['name']} failed (exit {proc.returncode}); left out of the tables:\n{tail}", flush=True)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+                  if line.split(":")[0].endswith(("Error", "Exception")) and "ChildFailedError" not in line]
+        why = errors[-1] if errors else (proc.stdout + proc.stderr)[-2000:]
+        print(f"case {case['name']} failed (exit {proc.returncode}); left out of the tables: {why}", flush=True)
         return None
     with open(out) as f:
         ranks = json.load(f)
@@ -393,7 +409,7 @@ def _breakdown_text(case, result) -> list[str]:
     return lines
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -420,11 +436,13 @@ def main(argv=None) -> None:
         if args.batch % m or m % 2:
             raise SystemExit(f"--batch {args.batch}: every M must be even (2 data-parallel ranks) and divide it; "
                              f"M={m} does not")
-    if not os.path.exists(os.path.join(args.ds_venv, "bin", "torchrun")):
-        raise SystemExit(f"--ds-venv {args.ds_venv}: no bin/torchrun there; create it as docs/benchmarks.md says")
     a = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "hidden", "heads", "layers", "vocab",
                                        "zero_stage")}
     cases = _cases(args)
+    if any(c["system"] == "deepspeed" for c in cases) and not os.path.exists(
+            os.path.join(args.ds_venv, "bin", "torchrun")):
+        raise SystemExit(f"--ds-venv {args.ds_venv}: no bin/torchrun there; create it as docs/benchmarks.md says "
+                         "or leave DeepSpeed's cases out (--only)")
     start_load = os.getloadavg()
     print(f"BERT-like encoder: {args.layers} x Block(hidden {args.hidden}, {args.heads} heads, ffn "
           f"{4 * args.hidden}), seq {args.seq}, vocab {args.vocab}; batch {args.batch} per step; P=2, 2 gloo "
@@ -488,11 +506,12 @@ def main(argv=None) -> None:
             for line in _breakdown_text(case, result):
                 print(line)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in end_load)}")
+    out = {"args": vars(args), "start_load": start_load, "end_load": end_load, "cases": cases, "table": table,
+           "ratios": ratios, "runs": runs, "breakdowns": [{"case": c["name"], "ranks": r["ranks"]} for c, r in breakdowns]}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "start_load": start_load, "end_load": end_load, "cases": cases,
-                       "table": table, "ratios": ratios, "runs": runs,
-                       "breakdowns": [{"case": c["name"], "ranks": r["ranks"]} for c, r in breakdowns]}, f, indent=1)
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":
