@@ -224,7 +224,8 @@ class PipelineEngine(ZeroTrainEngine):
         events, spans = _timeline.gather_timeline(self._clock.events, span, self.stage_id, self.num_stages,
                                                   self.topology.group("pipe"), self.device)
         self._last_timeline = events
-        self._last_bubble = _timeline.summarize(events, self.num_stages, self.micro_batches, max(spans))
+        self._last_bubble = _timeline.summarize(events, self.num_stages, self.micro_batches, max(spans),
+                                                self._runner.schedule_name, self._runner.virtual_stages)
 
     def pipeline_timeline(self) -> list:
         """The last ``train_batch``'s events of every stage of this replica's pipeline, on every
@@ -234,8 +235,8 @@ class PipelineEngine(ZeroTrainEngine):
         return list(self._last_timeline)
 
     def pipeline_bubble(self) -> dict | None:
-        """The last batch's busy/comm/idle seconds and shares per stage beside the ideal bubble
-        (P-1)/(M+P-1) (``zerotrain.pipeline.timeline.summarize``); None before the first batch."""
+        """The last batch's busy/comm/idle seconds and shares per stage beside the schedule's ideal
+        bubble (``zerotrain.pipeline.timeline.summarize``); None before the first batch."""
         self._need_timeline("pipeline_bubble()")
         return self._last_bubble
 
@@ -246,7 +247,8 @@ class PipelineEngine(ZeroTrainEngine):
         if self._last_bubble is None:
             raise ValueError("save_pipeline_timeline(): no batch timed yet; call train_batch() first")
         _timeline.save_timeline(path, self._last_timeline, self.num_stages, self.micro_batches,
-                                self._last_bubble["duration"], schedule=self._runner.schedule_name)
+                                self._last_bubble["duration"], schedule=self._runner.schedule_name,
+                                virtual_stages=self._runner.virtual_stages)
 
     def _need_timeline(self, what: str) -> None:
         if self._clock is None:

@@ -1,5 +1,7 @@
 """Seed 001's view of idle time for the pipeline engine: per stage, when it computed (forward,
-backward) during one ``train_batch`` and when it waited, beside the ideal bubble (P-1)/(M+P-1).
+backward, weight steps) during one ``train_batch`` and when it waited, beside the schedule's ideal
+bubble (``ideal_bubble``: (P-1)/(M+P-1) for GPipe/1F1B, (P-1)/(V*M+P-1) with V chunks per rank
+for interleaved 1F1B and looped BFS at M >= P, none for the split-backward schedules).
 
 - ``StageClock`` records one stage's events (``PipelineEvent(stage, kind, start, end)``, seconds
   from the batch's start) by wrapping torch's ``PipelineStage.forward_one_chunk`` and
@@ -22,7 +24,7 @@ backward) during one ``train_batch`` and when it waited, beside the ideal bubble
   collectives) and turns the waits into comm events; ``summarize`` gives busy, comm, idle and
   their shares per stage: idle = duration - busy - comm, idle share = idle / duration, comm
   share = comm / duration, duration = the longest stage's span of the batch. With equal stages
-  the idle share should be the ideal bubble (P-1)/(M+P-1): 1 - busy/duration is that plus the
+  the idle share should be the schedule's ideal bubble: 1 - busy/duration is that plus the
   comm share.
 - ``save_timeline``/``load_timeline``: a JSON file; ``write_svg`` (no dependency) and
   ``write_png`` (matplotlib, optional) draw stages x time, forward/backward/weight/comm/idle.
@@ -39,6 +41,9 @@ import sys
 import time
 from typing import Callable, NamedTuple, Sequence
 
+from zerotrain.pipeline.bubble import (LOOPED_SCHEDULES, NO_CLOSED_FORM, ONE_CHUNK_SCHEDULES,  # noqa: F401
+                                       bubble_formula, ideal_bubble)
+
 # "weight": the separate weight-gradient step of zero-bubble schedules (backward_weight_one_chunk);
 # "comm": the transfer part of a wait on torch's point-to-point sends/receives (split_waits).
 COMPUTE = ("forward", "backward", "weight")
@@ -54,11 +59,6 @@ class PipelineEvent(NamedTuple):
     kind: str  # "forward", "backward", "weight" or "comm"
     start: float  # seconds from the batch's start
     end: float
-
-
-def ideal_bubble(num_stages: int, micro_batches: int) -> float:
-    """The idle share of every stage with equal stages and free communication: (P-1)/(M+P-1)."""
-    return (num_stages - 1) / (micro_batches + num_stages - 1)
 
 
 _CURRENT: list = [None]  # the StageClock recording on this process (one train_batch at a time)
@@ -237,10 +237,11 @@ def split_waits(events: Sequence[PipelineEvent], num_stages: int) -> list[Pipeli
 
 
 def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
-              duration: float) -> dict:
+              duration: float, schedule: str = "1f1b", virtual_stages: int = 1) -> dict:
     """Busy (forward + backward + weight steps), comm (the transfer part of the p2p waits) and
-    idle seconds per stage over ``duration`` (idle = duration - busy - comm), their shares and the
-    ideal bubble (P-1)/(M+P-1)."""
+    idle seconds per stage over ``duration`` (idle = duration - busy - comm), their shares, the
+    mean idle share over the stages, and the schedule's ideal bubble (``ideal_bubble``; None where
+    no closed form holds) with its formula (``bubble_formula``)."""
     stages = []
     for s in range(num_stages):
         mine = [e for e in events if e.stage == s]
@@ -254,21 +255,38 @@ def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: i
         stages.append({"stage": s, "forward": forward, "backward": backward, "weight": weight, "busy": busy,
                        "comm": comm, "idle": idle, "idle_share": share(idle), "comm_share": share(comm)})
     return {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
-            "ideal_bubble": ideal_bubble(num_stages, micro_batches), "stages": stages}
+            "ideal_bubble": ideal_bubble(num_stages, micro_batches, schedule, virtual_stages),
+            "schedule": schedule, "virtual_stages": virtual_stages,
+            "ideal_bubble_formula": bubble_formula(num_stages, micro_batches, schedule, virtual_stages),
+            "idle_share": sum(s["idle_share"] for s in stages) / max(len(stages), 1), "stages": stages}
+
+
+def _percent(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}%}"
 
 
 def describe(summary: dict) -> str:
-    """The step log's zerotrain line: busy/comm/idle per stage beside the ideal bubble."""
+    """The step log's zerotrain line: busy/comm/idle per stage beside the schedule's ideal bubble
+    (n/a where no closed form holds) and the measured mean idle share."""
     parts = [f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} comm {s['comm'] * 1e3:.1f} "
              f"idle {s['idle'] * 1e3:.1f} ({s['idle_share']:.1%})" for s in summary["stages"]]
+    schedule = summary.get("schedule", "1f1b")
+    v = summary.get("virtual_stages", 1)
+    chunks = f" V={v}" if v > 1 else (" V=?" if v < 1 else "")  # V < 1: an older file did not record it
+    formula = summary.get("ideal_bubble_formula") or bubble_formula(summary["num_stages"], summary["micro_batches"])
+    mean = summary.get("idle_share", sum(s["idle_share"] for s in summary["stages"]) / max(len(parts), 1))
     return (f"pipeline batch {summary['duration'] * 1e3:.1f} ms (P={summary['num_stages']}, "
-            f"M={summary['micro_batches']}, ideal bubble {summary['ideal_bubble']:.1%}) | "
-            + " | ".join(parts))
+            f"M={summary['micro_batches']}, ideal bubble {_percent(summary['ideal_bubble'])}) "
+            f"[{schedule}{chunks}: {formula}; mean idle {mean:.1%}] | " + " | ".join(parts))
 
 
 def monitor_events(summary: dict, step: int) -> list[tuple[str, float, int]]:
-    events = [("Train/Pipeline/ideal_bubble", summary["ideal_bubble"], step),
-              ("Train/Pipeline/batch_ms", summary["duration"] * 1e3, step)]
+    """The monitors' events; ``ideal_bubble`` only where the schedule has a closed form (no
+    number rather than a wrong one), ``idle_share`` (the stages' mean) always."""
+    events = [("Train/Pipeline/ideal_bubble", summary["ideal_bubble"], step)] \
+        if summary["ideal_bubble"] is not None else []
+    events += [("Train/Pipeline/batch_ms", summary["duration"] * 1e3, step),
+               ("Train/Pipeline/idle_share", summary["idle_share"], step)]
     for s in summary["stages"]:
         i = s["stage"]
         events += [(f"Train/Pipeline/stage{i}_busy_ms", s["busy"] * 1e3, step),
@@ -280,9 +298,9 @@ def monitor_events(summary: dict, step: int) -> list[tuple[str, float, int]]:
 
 # -- files and pictures ---------------------------------------------------------------------
 def save_timeline(path, events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
-                  duration: float, schedule: str = "") -> None:
+                  duration: float, schedule: str = "", virtual_stages: int = 1) -> None:
     doc = {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
-           "schedule": schedule, "events": [list(e) for e in events]}
+           "schedule": schedule, "virtual_stages": virtual_stages, "events": [list(e) for e in events]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
@@ -296,6 +314,9 @@ def load_timeline(path) -> dict:
         events = [PipelineEvent(int(s), str(k), float(a), float(b)) for s, k, a, b in doc["events"]]
         doc["num_stages"], doc["micro_batches"] = int(doc["num_stages"]), int(doc["micro_batches"])
         doc["duration"] = float(doc["duration"])
+        doc["schedule"] = str(doc.get("schedule") or "")
+        # files from before virtual_stages was recorded: 0 (unknown) for the multi-chunk schedules
+        doc["virtual_stages"] = int(doc.get("virtual_stages", 0 if doc["schedule"] in LOOPED_SCHEDULES else 1))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a pipeline timeline written by engine.save_pipeline_timeline "
                          f"({type(error).__name__}: {error})") from None
@@ -306,12 +327,18 @@ def load_timeline(path) -> dict:
     return doc
 
 
+def _summarize_doc(doc: dict) -> dict:
+    """``summarize`` of a loaded file; a file without a schedule name is taken as 1F1B/GPipe."""
+    return summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"],
+                     doc.get("schedule") or "1f1b", doc.get("virtual_stages", 1))
+
+
 def _title(doc: dict) -> str:
-    summary = summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"])
+    summary = _summarize_doc(doc)
     shares = ", ".join(f"{s['idle_share']:.0%}" for s in summary["stages"])
     name = f"{doc.get('schedule') or 'pipeline'}: "
     return (f"{name}P={doc['num_stages']} M={doc['micro_batches']}, idle per stage {shares} "
-            f"(ideal {summary['ideal_bubble']:.0%})")
+            f"(ideal {_percent(summary['ideal_bubble'], 0)})")
 
 
 def _labels(events: Sequence[PipelineEvent]) -> list[str]:
@@ -423,8 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summary = summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"])
-    print(describe(summary))
+    print(describe(_summarize_doc(doc)))
     print(f"wrote {args.out}")
     return 0
 
