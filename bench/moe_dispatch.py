@@ -1,13 +1,15 @@
 """One MoE layer, forward + backward: zerotrain's dispatch by route indices against DeepSpeed
-0.19.8's one-hot einsums, and zerotrain's dropless mode against capacity factor 1.25.
+0.19.8's (and its pre-0.19 one-hot einsums), and zerotrain's dropless mode against capacity 1.25.
 
     python bench/moe_dispatch.py [--rounds 3] [--steps 10] [--warmup 2] [--tokens 4096] [--hidden 256]
-        [--ffn 512] [--experts 8] [--k 2] [--capacity-factor 1.25] [--ds-venv /tmp/dsvenv]
+        [--ffn 512] [--experts 8] [--k 2] [--capacity-factor 1.25] [--skew 0] [--ds-venv /tmp/dsvenv]
 
 Every case is one launch of 2 gloo processes (``torchrun --nproc_per_node 2``, ``OMP_NUM_THREADS=1``),
 ``MoE(hidden, expert, num_experts, ep_size=2, k, capacity_factor, min_capacity=4)`` with the
 expert ``Linear(hidden, ffn) -> ReLU -> Linear(ffn, hidden)`` (``num_experts / 2`` of them per rank),
-``--tokens`` tokens of width ``--hidden`` per rank, loss ``mean(out^2) + 0.01 l_aux``:
+``--tokens`` tokens of width ``--hidden`` per rank (standard normal; ``--skew s`` moves each by s
+along expert 0's gate row so routing is imbalanced and the capacity drops routes), loss
+``mean(out^2) + 0.01 l_aux``:
 
 - ``ds_einsum``: DeepSpeed's layer with the one-hot einsum dispatch that DeepSpeed used before
   0.19 (reference/moe_pld.md 1.3): the gate's dense ``combine_weights[S,E,C]`` and
@@ -126,7 +128,11 @@ def _worker(opts) -> None:
     moe.set_deepspeed_parallelism()
     if opts.case == "ds_einsum":
         moe.deepspeed_moe.forward = lambda *inp, **kw: _einsum_forward(moe.deepspeed_moe, *inp)
-    x = torch.randn(opts.tokens, opts.hidden, generator=torch.Generator().manual_seed(100 + rank), requires_grad=True)
+    x = torch.randn(opts.tokens, opts.hidden, generator=torch.Generator().manual_seed(100 + rank))
+    if opts.skew:  # tokens leaning towards expert 0's gate row: the capacity drops routes
+        row = moe.deepspeed_moe.gate.wg.weight[0].detach()
+        x += opts.skew * row / row.norm()
+    x.requires_grad_(True)
     # the capacity each expert gets with drops (top-2 and top-k: k x capacity_factor)
     factor = opts.capacity_factor * (opts.k if opts.k > 1 else 1)
     capacity = max(-(-opts.tokens * factor // opts.experts), 4)
@@ -200,6 +206,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="shift every token by this much along expert 0's gate row (imbalanced routing)")
     parser.add_argument("--ds-venv", default="/tmp/dsvenv")
     parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -213,7 +221,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--only: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     passthrough = [f"--{name.replace('_', '-')}={getattr(opts, name)}" for name in
-                   ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor")]
+                   ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor", "skew")]
     print(f"load average before: {os.getloadavg()}", flush=True)
     results = {case: [] for case in cases}
     for r in range(opts.rounds):
