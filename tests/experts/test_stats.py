@@ -41,7 +41,7 @@ def _expected(layer, x):
     return counts.double(), float(counts.sum() - dispatch.sum()), float(l_aux)
 
 
-def _rank():
+def _rank(out_dir):
     import os
 
     import zerotrain
@@ -54,7 +54,7 @@ def _rank():
     model.moe_a.deepspeed_moe.gate.top2_2nd_expert_sampling = False
     config = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": GAS, "steps_per_print": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "csv_monitor": {"enabled": True, "output_path": f"/tmp/zt-moe-stats-{rank}-{id(model)}",
+              "csv_monitor": {"enabled": True, "output_path": f"{out_dir}/rank{rank}",
                               "job_name": "stats"}}
     engine, _, _, _ = zerotrain.initialize(model=model, config=config, model_parameters=model.parameters())
     events, lines = [], []
@@ -94,8 +94,8 @@ def _figures(per_rank_steps, name):
     return [int(c) for c in counts.tolist()], dropped / float(counts.sum()), l_aux
 
 
-def test_step_log_and_monitors_report_expert_counts_drops_and_l_aux():
-    out = run_on_ranks(_rank, world_size=2, timeout=240)
+def test_step_log_and_monitors_report_expert_counts_drops_and_l_aux(tmp_path):
+    out = run_on_ranks(_rank, world_size=2, args=(str(tmp_path),), timeout=240)
     assert all(o["hooks"] == 0 for o in out)  # destroy() removed the statistics hooks
     events = {}
     for tag, value, step in out[0]["events"]:
