@@ -22,6 +22,16 @@ over that group at save, one unit at a time. metadata.json describes each expert
 whole parameter with its ``file`` (the reader needs nothing else), lists each file's checksum
 like every other file, and records the layers under ``"moe"``.
 
+Hugging Face fused experts (``zerotrain.experts.expert_parallel``: ``gate_up_proj[E, 2I, H]``,
+``down_proj[E, H, I]``, rows ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` on each rank under the
+model's own names) are checkpointed by rows: row E of each fused parameter goes into the same
+per-expert file, under DeepSpeed AutoEP's key ``<name>.<E>`` (its ``_save_moe_checkpoint``) and
+``zerotrain_tensors`` ``param/<name>``, ``master/<name>``, ``state/<key>/<name>`` (row E alone).
+metadata.json describes the parameter whole (``[E, ...]``, the unsharded model's shape) with its
+``row_files`` (one per expert, in expert order): the reader assembles any element range from the
+rows (``format.CheckpointReader``), so a rank of another ``ep_size`` reads its own rows, and
+``zero_to_fp32`` gives the unsharded HF state dict.
+
 Everything here works from the stage's units by name (``sharded_state().units``, each unit's
 ``layout``/``named_slots``/``shard_values``/``master``), so a stage that partitions expert units
 another way (stage 3) goes through the same code.
@@ -64,6 +74,7 @@ class ExpertLayer:
     edp_rank: int       # this rank's place among the ranks holding the same experts
     edp_size: int
     groups: object      # the topology's ExpertGroups of ep_size (None without torch.distributed)
+    fused: bool = False  # a Hugging Face fused experts module: its experts are rows of each parameter
 
     @property
     def prefix(self) -> str:
@@ -76,19 +87,33 @@ class ExpertLayer:
         return self.ep_rank * self.num_local <= global_id < (self.ep_rank + 1) * self.num_local
 
     def describe(self) -> dict:
-        return {"id": self.layer_id, "module": self.path, "num_experts": self.num_experts,
-                "ep_size": self.ep_size, "num_local_experts": self.num_local}
+        out = {"id": self.layer_id, "module": self.path, "num_experts": self.num_experts,
+               "ep_size": self.ep_size, "num_local_experts": self.num_local}
+        return dict(out, fused=True) if self.fused else out
 
 
 class ExpertNames:
     """This rank's MoE layers and its experts' names: local state-dict key <-> checkpoint name."""
 
     def __init__(self, module: torch.nn.Module, topology):
+        from zerotrain.experts.hf import expert_shard
         from zerotrain.experts.layer import MoE
         from zerotrain.optim.expert_groups import is_moe_param
 
         self.layers: list[ExpertLayer] = []
+        # local key of a fused HF expert parameter -> its layer (the key is the checkpoint's name)
+        self.rows: dict[str, ExpertLayer] = {}
         for path, m in module.named_modules():
+            shard = expert_shard(m)
+            if shard is not None:  # its groups are those its forward dispatches over
+                layer = ExpertLayer(len(self.layers), path, shard.num_experts, shard.ep_size,
+                                    shard.num_local_experts, shard.ep_rank,
+                                    shard.groups.expert_data_rank if shard.groups is not None else 0,
+                                    shard.groups.expert_data_size if shard.groups is not None else 1,
+                                    shard.groups, fused=True)
+                self.layers.append(layer)
+                self.rows.update({f"{path}.{n}" if path else n: layer for n in shard.param_names})
+                continue
             if not isinstance(m, MoE):
                 continue
             if topology is not None and topology.distributed:
@@ -110,12 +135,13 @@ class ExpertNames:
                     raise CheckpointError(f"{key}: MoE layer {layer.path!r} has {layer.num_local} local experts")
                 self.local[key] = (layer, layer.global_id(number), rest)
         for name, p in module.named_parameters():
-            if is_moe_param(p) and name not in self.local:
+            if is_moe_param(p) and name not in self.local and name not in self.rows:
                 raise NotImplementedError(
-                    f"expert parameter {name!r} (allreduce=False) is not inside a zerotrain.moe.layer.MoE, "
-                    "whose global expert ids checkpoints name experts by: checkpoints of expert parameters "
-                    "outside a MoE layer are not supported yet; build the experts with MoE(...), or save "
-                    "each rank's engine.module_state_dict() yourself")
+                    f"expert parameter {name!r} (allreduce=False) is neither inside a zerotrain.moe.layer.MoE "
+                    "nor a Hugging Face fused experts module made expert-parallel by "
+                    "zerotrain.experts.expert_parallel, whose global expert ids checkpoints name experts by: "
+                    "checkpoints of other expert parameters are not supported yet; build the experts with "
+                    "MoE(...), or save each rank's engine.module_state_dict() yourself")
 
     def _split(self, key: str):
         for layer in self.layers:
@@ -129,7 +155,26 @@ class ExpertNames:
         return bool(self.layers)
 
     def is_expert(self, local_name: str) -> bool:
-        return local_name in self.local
+        return local_name in self.local or local_name in self.rows
+
+    def is_rows(self, local_name: str) -> bool:
+        """Whether ``local_name`` is a fused HF expert parameter (this rank holds some of its rows)."""
+        return local_name in self.rows
+
+    def row_offset(self, local_name: str, shape) -> int:
+        """Where this rank's part of ``local_name`` (local shape ``shape``) starts in the
+        checkpoint's flattened parameter, in elements: 0 but for fused expert rows."""
+        layer = self.rows.get(local_name)
+        if layer is None:
+            return 0
+        return layer.ep_rank * _numel(shape)
+
+    def checkpoint_shape(self, local_name: str, shape) -> list[int]:
+        """The shape ``local_name`` (local shape ``shape``) has in a checkpoint (fused expert
+        parameters: every expert's rows)."""
+        layer = self.rows.get(local_name)
+        shape = list(shape)
+        return [layer.num_experts] + shape[1:] if layer is not None and shape else shape
 
     def checkpoint_name(self, local_name: str) -> str:
         """The name ``local_name`` has in a checkpoint (the global expert id for experts)."""
@@ -146,11 +191,19 @@ class ExpertNames:
         return hit is not None and not hit[0].holds(hit[1])
 
     def layer_of(self, local_name: str) -> ExpertLayer:
-        return self.local[local_name][0]
+        return self.rows[local_name] if local_name in self.rows else self.local[local_name][0]
 
     def file_of(self, local_name: str) -> str:
         layer, global_id, _ = self.local[local_name]
         return expert_file(layer.layer_id, global_id)
+
+    def location(self, local_name: str) -> dict:
+        """Where metadata.json says the expert's values are: its ``file``, or for a fused
+        parameter the ``row_files`` of its rows (one per global expert, in expert order)."""
+        layer = self.rows.get(local_name)
+        if layer is None:
+            return {"file": self.file_of(local_name)}
+        return {"row_files": [expert_file(layer.layer_id, e) for e in range(layer.num_experts)]}
 
     def global_keys(self, keys: list[str]) -> list[str]:
         """The state-dict key order of the single-process model: each layer's local expert keys
@@ -158,7 +211,7 @@ class ExpertNames:
         out, done = [], set()
         for key in keys:
             hit = self.local.get(key)
-            if hit is None:
+            if hit is None:  # a dense key, or a fused expert parameter (named as unsharded)
                 out.append(key)
                 continue
             layer = hit[0]
@@ -223,8 +276,9 @@ def describe_experts(engine, names: ExpertNames, exclude_frozen: bool) -> dict:
         saved += [f"state/{k}" for k in elementwise] if optimizer is not None and unit.group is not None else []
         for name, slot in unit.named_slots():
             whole[names.checkpoint_name(name)] = {
-                "shape": list(slot.shape), "dtype": dtype_name(unit.dtype), "group": unit.group,
-                "requires_grad": unit.group is not None, "saved": saved, "file": names.file_of(name)}
+                "shape": names.checkpoint_shape(name, slot.shape), "dtype": dtype_name(unit.dtype),
+                "group": unit.group, "requires_grad": unit.group is not None, "saved": saved,
+                **names.location(name)}
     groups = group_of_whole(engine)
     for name, p in whole_parameters(engine):
         if not names.is_expert(name) or (exclude_frozen and not p.requires_grad):
@@ -234,8 +288,9 @@ def describe_experts(engine, names: ExpertNames, exclude_frozen: bool) -> dict:
             elementwise, _ = split_state(optimizer.state.get(p, {}), shape=p.shape)
             saved += [f"state/{k}" for k in elementwise]
         whole[names.checkpoint_name(name)] = {
-            "shape": list(p.shape), "dtype": dtype_name(p.dtype), "group": groups.get(id(p)),
-            "requires_grad": p.requires_grad, "saved": saved, "file": names.file_of(name)}
+            "shape": names.checkpoint_shape(name, p.shape), "dtype": dtype_name(p.dtype),
+            "group": groups.get(id(p)), "requires_grad": p.requires_grad, "saved": saved,
+            **names.location(name)}
     buffers = {names.checkpoint_name(n): {"shape": list(b.shape), "dtype": dtype_name(b.dtype),
                                           "file": names.file_of(n)}
                for n, b in persistent_buffers(module)[0] if names.is_expert(n)}
@@ -287,15 +342,26 @@ def expert_files(engine, names: ExpertNames, exclude_frozen: bool) -> dict[str, 
     _refuse_frozen(names, module, exclude_frozen)
     files: dict[str, dict] = {}
 
-    def put(local: str, what: str, value: torch.Tensor, scalars: dict | None = None) -> None:
-        name = names.checkpoint_name(local)
-        content = files.setdefault(names.file_of(local), {PT_TENSORS: {}, SCALARS: {}})
+    def store(filename: str, name: str, ds_key: str, what: str, value: torch.Tensor, scalars) -> None:
+        content = files.setdefault(filename, {PT_TENSORS: {}, SCALARS: {}})
         value = value.detach().to("cpu").clone()  # its own storage: a view would save the whole unit
         content[PT_TENSORS][f"{what}/{name}"] = value
         if what in ("param", "buffer"):
-            content[name] = value  # DeepSpeed's key (torch.save stores the storage once)
+            content[ds_key] = value  # DeepSpeed's key (torch.save stores the storage once)
         if scalars is not None:
             content[SCALARS][name] = scalars
+
+    def put(local: str, what: str, value: torch.Tensor, scalars: dict | None = None) -> None:
+        name = names.checkpoint_name(local)
+        if not names.is_rows(local):
+            store(names.file_of(local), name, name, what, value, scalars)
+            return
+        # a fused HF parameter: row j is global expert first + j, into that expert's file under
+        # DeepSpeed AutoEP's key <name>.<E>
+        layer = names.layer_of(local)
+        for j in range(layer.num_local):
+            expert = layer.global_id(j)
+            store(expert_file(layer.layer_id, expert), name, f"{name}.{expert}", what, value[j], scalars)
 
     for unit in stage_units(engine):
         if not names.expert_unit(unit) or (exclude_frozen and unit.group is None):
@@ -341,8 +407,10 @@ def expert_scalars(reader, saved_names) -> dict[str, dict]:
     by_file: dict[str, list[str]] = {}
     for name in saved_names:
         entry = reader.sources.get(reader.canonical(name))
-        if entry is not None and entry[0] == "whole" and EXPERT_FILE.match(entry[1].get("file", "")):
-            by_file.setdefault(entry[1]["file"], []).append(name)
+        # a fused parameter's rows were stepped together: every row file holds the same scalars
+        filename = entry[1].get("file", entry[1].get("row_files", [""])[0]) if entry is not None else ""
+        if entry is not None and entry[0] == "whole" and EXPERT_FILE.match(filename):
+            by_file.setdefault(filename, []).append(name)
     out = {}
     for filename, wanted in by_file.items():
         path: Path = reader.check_file(filename)
@@ -355,6 +423,13 @@ def expert_scalars(reader, saved_names) -> dict[str, dict]:
             if name in scalars:
                 out[f"param/{name}"] = scalars[name]
     return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 __all__ = ["EXPERTS_INFIX", "ExpertNames", "expert_file", "expert_names", "describe_experts", "merge_experts",

@@ -423,17 +423,28 @@ class CheckpointReader:
         name = self.canonical(name)
         kind, entry, offset, total, _ = self.sources[name]
         numel = total - start if numel is None else numel
+        if kind == "whole" and "row_files" in entry:
+            # a parameter split by rows over several files (fused experts: one file per expert),
+            # each holding its rows under the parameter's name
+            files = entry["row_files"]
+            return self._spanning(files.__getitem__, f"{what}/{name}", total // len(files), start, start + numel)
         if kind == "whole":  # a pipeline checkpoint names the stage's file
             return self.file(entry.get("file", MODEL_FILE)).read(f"{what}/{name}", start, numel)
-        out, pos, end = [], offset + start, offset + start + numel
-        shard = entry["shard_numel"]
-        key = unit_key(entry)
-        while pos < end:  # the range may span several ranks' shards
-            rank = pos // shard
-            take = min(end, (rank + 1) * shard) - pos
-            filename = entry["files"][rank] if "files" in entry else shard_file(rank)
-            out.append(self.file(filename).read(f"{key}/{what}", pos - rank * shard, take))
+        file_of = entry["files"].__getitem__ if "files" in entry else shard_file
+        return self._spanning(file_of, f"{unit_key(entry)}/{what}", entry["shard_numel"], offset + start,
+                              offset + start + numel)
+
+    def _spanning(self, file_of, key: str, block: int, pos: int, end: int) -> torch.Tensor:
+        """Elements ``[pos, end)`` of a tensor whose consecutive blocks of ``block`` elements sit
+        in files ``file_of(0), file_of(1), ...`` (one block each) under ``key``."""
+        out = []
+        while pos < end:  # the range may span several files
+            index = pos // block
+            take = min(end, (index + 1) * block) - pos
+            out.append(self.file(file_of(index)).read(key, pos - index * block, take))
             pos += take
+        if not out:
+            return self.file(file_of(0)).read(key, 0, 0)
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def truth(self, name: str, start: int = 0, numel: int | None = None) -> torch.Tensor:

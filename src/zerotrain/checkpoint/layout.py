@@ -202,6 +202,7 @@ def describe(engine, tag: str, exclude_frozen: bool, experts=None) -> dict:
         "world_size": engine.dp_world_size, "stage": engine.zero_optimization_stage(),
         "param_dtype": dtype_name(precision.param_dtype), "mixed_precision": bool(precision.mixed),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "units": units_meta, "whole": whole, "buffers": buffers, "aliases": aliases, "keys": keys,
         "frozen": frozen, "excluded_frozen": sorted(excluded_set),
         "param_groups": len(optimizer.param_groups) if optimizer is not None else 0,

@@ -49,7 +49,8 @@ class ModuleMatch:
         stage_elsewhere = getattr(engine, "checkpoint_name_elsewhere", lambda name: False)
         self.unexpected = sorted(n for n in saved - set(model_names)
                                  if not stage_elsewhere(n) and not (experts and experts.elsewhere(n)))
-        shapes = {rename(n): list(shape) for n, shape in _named_parameter_shapes(engine)}
+        global_shape = experts.checkpoint_shape if experts else (lambda name, shape: list(shape))
+        shapes = {rename(n): global_shape(n, shape) for n, shape in _named_parameter_shapes(engine)}
         shapes.update({rename(n): list(b.shape) for n, b in persistent_buffers(module)[0]})
         self.mismatched = [(n, reader.shape(n), shapes[n]) for n in model_names
                            if n in saved and list(reader.shape(n)) != shapes[n]]
@@ -108,21 +109,24 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
             "groups, or pass load_optimizer_states=False")
     if load_optimizer and experts:  # experts' scalar state is in their own files
-        scalars0.update(expert_scalars(reader, [rename(n) for n in experts.local]))
+        scalars0.update(expert_scalars(reader, [rename(n) for n in [*experts.local, *experts.rows]]))
     shard_rank = shard_rank_of(engine)
     swapper = swapper_of(engine)
     for unit in stage_units(engine):
+        # fused HF expert rows start at this rank's first row in the saved parameter
+        shifts = [experts.row_offset(n, s.shape) for n, s in zip(unit.names, unit.layout.slots)]
         _load_unit(unit, experts.unit_shard_rank(unit, shard_rank), reader, match,
                    optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32,
-                   swapper if unit.group is not None else None, rename)
+                   swapper if unit.group is not None else None, rename, shifts)
     groups = group_of_whole(engine)
     for local_name, p in whole_parameters(engine):
         name = rename(local_name)
         if not match.loadable(name):
             continue
-        p.copy_(_values(reader, name, p.dtype, 0, p.numel()).view(p.shape))
+        at = experts.row_offset(local_name, p.shape)
+        p.copy_(_values(reader, name, p.dtype, at, p.numel()).view(p.shape))
         if load_optimizer and id(p) in groups:
-            _set_state(optimizer, p, reader, [(name, 0, 0, p.numel())], p.numel(), scalars0, p.shape)
+            _set_state(optimizer, p, reader, [(name, at, 0, p.numel())], p.numel(), scalars0, p.shape)
     for local_name, b in persistent_buffers(engine.module)[0]:
         name = rename(local_name)
         if name in reader.buffers and name not in match.skip:
@@ -142,6 +146,7 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
             # (an expert group saved as "ep_size_2" may load into "ep_size_1")
             group.update({k: v for k, v in saved.items() if k not in ("name", "moe")})
     restore_engine(engine, main["engine"] if mine is None else mine["engine"], load_scheduler)
+    _realign_accumulation(engine, reader.meta.get("gradient_accumulation_steps"))
     if mine is not None and "rng" in mine:
         restore_rng(mine["rng"])
     elif "converted_from" in reader.meta:  # DeepSpeed saves no random state
@@ -155,6 +160,17 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
         logger.warning("checkpoint %s was saved on %d ranks: rank %d of the data group keeps its "
                        "own random state", reader.folder, reader.meta["world_size"], rank)
     return main["client_state"]
+
+
+def _realign_accumulation(engine, saved: int | None) -> None:
+    """A checkpoint saved with another accumulation window (another world size, the same global
+    batch) resumes at the start of a window: the saved run's windows begun times this engine's
+    window. The saved ``micro_steps`` as it is would put the next boundary mid-window (2 micro-steps
+    saved at 1 per window, loaded at 4 per window: the first step would come after 2 micro-batches)."""
+    now = engine.gradient_accumulation_steps()
+    if saved is None or saved == now:
+        return
+    engine.micro_steps = -(-engine.micro_steps // saved) * now
 
 
 def _stage_of(engine) -> tuple[int, int]:
@@ -185,17 +201,20 @@ def _values(reader, name, dtype, start, numel) -> torch.Tensor:
 
 
 def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None,
-               rename=lambda name: name) -> None:
+               rename=lambda name: name, shifts=None) -> None:
     """``unit``'s shard ``rank`` (and the whole unit where the stage keeps it whole) by the
-    checkpoint names of its parameters (``rename``: the model's name -> the checkpoint's)."""
+    checkpoint names of its parameters (``rename``: the model's name -> the checkpoint's;
+    ``shifts``: per slot, where its values start in the saved parameter: 0 but for a rank's
+    rows of a fused expert parameter)."""
     layout = unit.layout
     dtype = unit.dtype
+    shifts = shifts or [0] * len(layout.slots)
     if not unit.resharded:  # the stage keeps the whole unit on every rank: fill all of it
-        for name, slot in zip(map(rename, unit.names), layout.slots):
+        for name, slot, shift in zip(map(rename, unit.names), layout.slots, shifts):
             if match.loadable(name):
                 unit.flat.narrow(0, slot.offset, slot.numel).copy_(
-                    _values(reader, name, dtype, 0, slot.numel))
-    pieces = [(rename(name_of(unit, p)), p.param_start, p.shard_start, p.numel)
+                    _values(reader, name, dtype, shift, slot.numel))
+    pieces = [(rename(name_of(unit, p)), p.param_start + shifts[p.slot.index], p.shard_start, p.numel)
               for p in layout.shard_pieces(rank)]
     pieces = [p for p in pieces if match.loadable(p[0])]
     if unit.resharded and not unit.derived and pieces:  # a derived shard: the master is written

@@ -68,6 +68,13 @@ def _shard_of(module: nn.Module) -> Optional[_ExpertShard]:
     return module.__dict__.get("_zerotrain_expert_shard")
 
 
+def expert_shard(module: nn.Module) -> Optional[_ExpertShard]:
+    """Where ``module``'s expert rows sit (its expert-parallel group and ranks, the global
+    expert count, its parameter names), if ``expert_parallel`` sharded it; else None. Checkpoints
+    name the rows by it."""
+    return _shard_of(module)
+
+
 def expert_modules(model: nn.Module) -> List[tuple]:
     """``(name, module)`` of every Hugging Face fused experts module in ``model``, sharded or not."""
     return [(name, m) for name, m in model.named_modules() if _shard_of(m) is not None or _is_hf_experts(m)]
