@@ -173,7 +173,9 @@ class CheckpointConfig(Section):
         return value.capitalize() if isinstance(value, str) else value
 
 
-#: DeepSpeed top-level sections zerotrain accepts but does not implement (see support.py).
+#: DeepSpeed top-level sections zerotrain accepts but does not implement (see support.py), and
+#: expert_parallel (AutoEP), read as a dict by zerotrain.experts.autoep at initialize (its "auto"s
+#: are DeepSpeed's defaults: taken from the model).
 FOREIGN_SECTIONS = (
     "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
     "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",

@@ -177,7 +177,6 @@ PENDING: tuple[Pending, ...] = (
     _foreign("quantize_training", "quantized training"),
     _foreign("compile", "torch.compile / DeepCompile integration"),
     _foreign("timers", "throughput timers"),
-    _foreign("expert_parallel", "expert parallelism (AutoEP)"),
     _foreign("datastates_ckpt", "DataStates checkpointing"),
 )
 

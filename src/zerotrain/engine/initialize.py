@@ -14,6 +14,7 @@ from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
+from zerotrain.experts.autoep import apply_autoep, autoep_size
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.expert_groups import expert_parameters, refuse_unsupported_experts
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
@@ -66,6 +67,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
+    ep_size = autoep_size(cfg.expert_parallel)  # DeepSpeed's AutoEP section: HF fused experts
+    if ep_size is not None:
+        model_parameters = apply_autoep(model, ep_size, topology, model_parameters, optimizer)
     experts = _expert_groups(model, cfg, topology, pipeline)
     before_engine(model, cfg)  # issue 15: activation_checkpointing section, QLoRA at stage 3
     if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
