@@ -1,10 +1,10 @@
 """DeepSpeedExamples ``training/cifar/cifar10_deepspeed.py --moe`` on CPU, through zerotrain's
 launcher on 2 gloo ranks with ``--ep-world-size 2``, with only its deepspeed imports changed
-(deepspeed_example/cpu_harness.py changes them as it loads the script).
+(deepspeed_example/cpu_harness.py changes them as it loads the script: tests/deepspeed_examples.py).
 
 The script is DeepSpeedExamples' code and is not stored here: the run tests need it at
 ``$CIFAR10_DEEPSPEED_SCRIPT``, ``$DEEPSPEED_EXAMPLES/training/cifar/`` or next to the harness
-(deepspeed_example/cpu_harness.py, find_script), and skip without it. The harness gives a
+(tests/deepspeed_examples.py, CIFAR10_MOE), and skip without it. The harness gives a
 synthetic CIFAR-10 (cpu_shim/torchvision) and seeds torch before the script (which seeds nothing).
 
 The run must equal one process training the same network with every expert local (ep_size 1):
@@ -29,32 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.deepspeed_examples import CIFAR10_MOE, git_blob_id, import_changed, shim_import
+
 EXAMPLE = Path(__file__).resolve().parent / "deepspeed_example"
-sys.path.insert(0, str(EXAMPLE))
-from cpu_harness import SCRIPT_BLOB, find_script, git_blob_id, import_changed  # noqa: E402
-
-sys.path.remove(str(EXAMPLE))
-
 SEED, PER_RANK, SAMPLES = 1234, 8, 320  # 20 steps of 16 images
-SCRIPT = find_script()
-needs_script = pytest.mark.skipif(SCRIPT is None, reason="DeepSpeedExamples' cifar10_deepspeed.py not found: set "
-                                  "CIFAR10_DEEPSPEED_SCRIPT or DEEPSPEED_EXAMPLES (cpu_harness.find_script)")
-
-
-def test_import_change_touches_only_deepspeed_imports():
-    text = "\n".join(["import argparse", "import deepspeed", "import deepspeed_extra", "from deepspeed.accelerator "
-                      "import get_accelerator", "from deepspeed.moe.utils import split_params", "    import deepspeed",
-                      "x = deepspeed.moe.layer.MoE  # import deepspeed", "from deepspeedx import y"])
-    changed = import_changed(text).split("\n")
-    assert changed == ["import argparse", "import zerotrain as deepspeed", "import deepspeed_extra",
-                       "from zerotrain.accelerator import get_accelerator",
-                       "from zerotrain.moe.utils import split_params", "    import deepspeed",
-                       "x = deepspeed.moe.layer.MoE  # import deepspeed", "from deepspeedx import y"]
+SCRIPT = CIFAR10_MOE.find(beside=str(EXAMPLE))
+needs_script = pytest.mark.skipif(SCRIPT is None, reason=CIFAR10_MOE.missing())
 
 
 @needs_script
 def test_script_is_deepspeed_examples_and_only_its_imports_change():
-    assert git_blob_id(SCRIPT) == SCRIPT_BLOB, "not the stored DeepSpeedExamples version of the script"
+    assert git_blob_id(SCRIPT) == CIFAR10_MOE.blob, f"{SCRIPT} is not DeepSpeedExamples' {CIFAR10_MOE.path}"
     theirs = open(SCRIPT).read().split("\n")
     ours = import_changed(open(SCRIPT).read()).split("\n")
     assert len(ours) == len(theirs)
@@ -90,11 +75,7 @@ class _Net(nn.Module):
 
 
 def _reference(num_experts, k, noisy_gate_policy, residual):
-    sys.path.insert(0, str(EXAMPLE / "cpu_shim"))
-    try:
-        from torchvision.datasets import CIFAR10
-    finally:
-        sys.path.remove(str(EXAMPLE / "cpu_shim"))
+    (CIFAR10,) = shim_import(str(EXAMPLE / "cpu_shim"), "torchvision.datasets", "CIFAR10")
     os.environ["EXAMPLE_SAMPLES"] = str(SAMPLES)
     data = CIFAR10(train=True)
     torch.manual_seed(SEED)

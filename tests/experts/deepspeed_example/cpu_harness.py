@@ -4,8 +4,9 @@
 
 ``SCRIPT`` is DeepSpeedExamples' file itself (not stored in this repository: see
 find_script()). With ``EXAMPLE_ENGINE=zerotrain`` (the default) the harness runs it with only
-its deepspeed imports changed (import_changed()); with ``EXAMPLE_ENGINE=deepspeed`` it runs it
-unchanged (DeepSpeed's torchrun, ``DS_ACCELERATOR=cpu``). What the CPU needs, around the script:
+its deepspeed imports changed (tests/deepspeed_examples.py, import_changed); with
+``EXAMPLE_ENGINE=deepspeed`` it runs it unchanged (DeepSpeed's torchrun, ``DS_ACCELERATOR=cpu``).
+What the CPU needs, around the script:
 
 - ``cpu_shim/`` first on sys.path: its ``torchvision`` gives a synthetic CIFAR-10 of CIFAR's
   shape (no download; cpu_shim/torchvision/datasets.py);
@@ -22,54 +23,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT_NAME = "cifar10_deepspeed.py"
-# DeepSpeedExamples' training/cifar/cifar10_deepspeed.py as of commit b965b9cd827f (2025-01-20, still
-# the file at 45b4b7156c87, 2026-03-29): its git blob id, so a run knows it has the unchanged file.
-SCRIPT_BLOB = "e92c439375e1fa4ddb13c573084de8246dfabf55"
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, REPOSITORY)  # for tests/deepspeed_examples.py, in DeepSpeed's environment too
+from tests.deepspeed_examples import CIFAR10_MOE, run_as_main  # noqa: E402
+
+sys.path.remove(REPOSITORY)
 
 
 def find_script() -> str | None:
-    """The unchanged script: ``$CIFAR10_DEEPSPEED_SCRIPT``, ``$DEEPSPEED_EXAMPLES/training/cifar/...``
-    or a copy next to this file; None when there is none. It is not committed here (it is
-    DeepSpeedExamples' code, under its BSD license)."""
-    candidates = [os.environ.get("CIFAR10_DEEPSPEED_SCRIPT")]
-    if os.environ.get("DEEPSPEED_EXAMPLES"):
-        candidates.append(os.path.join(os.environ["DEEPSPEED_EXAMPLES"], "training", "cifar", SCRIPT_NAME))
-    candidates.append(os.path.join(HERE, SCRIPT_NAME))
-    return next((path for path in candidates if path and os.path.isfile(path)), None)
-
-
-def git_blob_id(path: str) -> str:
-    """git's id of the file's bytes (the script has CRLF line ends; Python reads it either way)."""
-    import hashlib
-
-    with open(path, "rb") as f:
-        data = f.read()
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-_IMPORT = re.compile(r"^import deepspeed$")
-_FROM = re.compile(r"^from deepspeed((?:\.\w+)*) import (.+)$")
-
-
-def import_changed(text: str) -> str:
-    """The script with only its deepspeed imports changed: ``import zerotrain as deepspeed``, and
-    ``from deepspeed.X import Y`` -> ``from zerotrain.X import Y`` (a from-import names the module,
-    not the alias). Every other line is left as it is."""
-    lines = []
-    for line in text.split("\n"):
-        if _IMPORT.match(line):
-            line = "import zerotrain as deepspeed"
-        else:
-            found = _FROM.match(line)
-            if found:
-                line = f"from zerotrain{found.group(1)} import {found.group(2)}"
-        lines.append(line)
-    return "\n".join(lines)
+    """The unchanged script (tests/deepspeed_examples.py, CIFAR10_MOE.find): ``$CIFAR10_DEEPSPEED_SCRIPT``,
+    ``$DEEPSPEED_EXAMPLES/training/cifar/...`` or a copy next to this file; None when there is none."""
+    return CIFAR10_MOE.find(beside=HERE)
 
 
 _RECORD = {"losses": [], "norms": [], "initial": None, "engine": None}
@@ -159,9 +126,6 @@ def main() -> None:
     sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
     import torch
 
-    text = open(script).read()
-    if engine == "zerotrain":
-        text = import_changed(text)
     record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
     if record_dir:
         _watch(_engine_class(engine))
@@ -173,8 +137,7 @@ def main() -> None:
         _override_clipping(importlib.import_module(engine), float(os.environ["EXAMPLE_GRADIENT_CLIPPING"]))
     torch.manual_seed(int(os.environ.get("EXAMPLE_SEED", "1234")))
     sys.argv = sys.argv[1:]
-    code = compile(text, os.path.abspath(script), "exec")
-    exec(code, {"__name__": "__main__", "__file__": os.path.abspath(script)})
+    run_as_main(script, engine)
     if record_dir:
         _write(record_dir)
 

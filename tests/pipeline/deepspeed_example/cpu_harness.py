@@ -1,27 +1,35 @@
-"""Runs DeepSpeedExamples' pipeline ``train.py`` on CPU, unchanged, and records what it trained.
+"""Runs DeepSpeedExamples' ``training/pipeline_parallelism/train.py`` on CPU and records what it trained.
 
-    <launcher> cpu_harness.py train.py --deepspeed_config ds_config.json -p 2 --steps 4 --backend gloo
+    <launcher> cpu_harness.py SCRIPT --deepspeed_config CONFIG -p 2 --steps 4 --backend gloo
 
-(zerotrain's launcher, or torchrun for the DeepSpeed run). What the CPU needs, around the script
-(reference/pipeline.md 1.8):
+``SCRIPT`` is DeepSpeedExamples' file itself, not stored in this repository (tests/deepspeed_examples.py,
+PIPELINE: ``$PIPELINE_DEEPSPEED_SCRIPT`` or ``$DEEPSPEED_EXAMPLES/training/pipeline_parallelism/train.py``).
+With ``EXAMPLE_ENGINE=zerotrain`` (the default; zerotrain's launcher) the harness runs it with only its
+deepspeed imports changed (import_changed); with ``EXAMPLE_ENGINE=deepspeed`` (DeepSpeed's torchrun) it
+runs it unchanged. CONFIG: tests/pipeline/test_deepspeed_example.py's CONFIG, written to a file. What
+the CPU needs, around the script (reference/pipeline.md 1.8):
 
 - ``torch.cuda.set_device`` (called unconditionally by the script) does nothing without CUDA;
 - ``cpu_shim/`` first on sys.path: its ``torchvision`` gives torchvision's AlexNet and a synthetic
   CIFAR-10 (no download; see cpu_shim/torchvision/__init__.py);
 - ``EXAMPLE_RECORD_DIR``: each rank writes ``rank<R>.json`` (the losses ``train_batch`` returned,
   a fingerprint of the CPU random generator's state after each, its stage) and ``rank<R>.pt``
-  (its stage's state dict) there when the script ends;
-  ``EXAMPLE_ENGINE`` (``zerotrain`` or ``deepspeed``) says whose ``PipelineEngine`` to watch.
+  (its stage's state dict) there when the script ends, watching ``EXAMPLE_ENGINE``'s
+  ``PipelineEngine``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, REPOSITORY)  # for tests/deepspeed_examples.py, in DeepSpeed's environment too
+from tests.deepspeed_examples import run_as_main  # noqa: E402
+
+sys.path.remove(REPOSITORY)
 sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
 
 import torch  # noqa: E402
@@ -69,12 +77,14 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
     script = sys.argv[1]
+    engine = os.environ.get("EXAMPLE_ENGINE", "zerotrain")
+    if engine not in ("zerotrain", "deepspeed"):
+        sys.exit(f"EXAMPLE_ENGINE={engine!r}: use zerotrain or deepspeed")
     record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
     if record_dir:
-        _watch(_engine_class(os.environ.get("EXAMPLE_ENGINE", "zerotrain")))
+        _watch(_engine_class(engine))
     sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    run_as_main(script, engine)
     if record_dir:
         _write(record_dir)
 
