@@ -170,7 +170,13 @@ def test_default_leaves_are_the_no_split_blocks_on_an_accelerator_only(monkeypat
 
     model = _tiny_gpt2()
     blocks = list(model.transformer.h)
-    assert leaves.leaf_modules(model, zero()) == []  # the CPU: per-module units
+    # The CPU: blocks of at most SMALL_BLOCK_BYTES only (issue 33); larger ones per-module.
+    assert leaves.leaf_modules(model, zero()) == blocks
+    monkeypatch.setattr(leaves, "SMALL_BLOCK_BYTES", leaves._nbytes(blocks[0]) - 1)
+    assert leaves.leaf_modules(model, zero()) == []
+    monkeypatch.setattr(leaves, "SMALL_BLOCK_BYTES", leaves._nbytes(blocks[0]))
+    assert leaves.leaf_modules(model, zero(leaf_module={})) == []  # an explicit section wins
+    monkeypatch.setattr(leaves, "SMALL_BLOCK_BYTES", 0)
 
     class Device(CPUAccelerator):
         name = "cuda"
@@ -189,7 +195,9 @@ def _hf_runs() -> dict:
     zerotrain.init_distributed()
     out = {}
     blocks = {"leaf_module": {"classes": "GPT2Block"}}
-    for name, zero_extra, recompute in (("blocks", blocks, None), ("per_module", {}, None),
+    for name, zero_extra, recompute in (("blocks", blocks, None),
+                                        ("per_module", {"leaf_module": {}}, None),
+                                        ("default", {}, None),
                                         ("blocks_reentrant", blocks, True),
                                         ("blocks_non_reentrant", blocks, False)):
         model = _tiny_gpt2()
@@ -210,9 +218,12 @@ def test_hugging_face_blocks_as_leaves_train_like_per_module_units():
     out = run_on_ranks(_hf_runs, world_size=2, timeout=300)[0]
     default, per_module = out["blocks"], out["per_module"]
     assert "GPT2Block" in default["hooked"] and "GPT2Block" not in per_module["hooked"]
+    # The CPU's default (no leaf_module section): these small blocks are leaves (issue 33).
+    assert out["default"]["units"] == default["units"]
+    assert out["default"]["hooked"] == default["hooked"]
     # per block: ln_1, c_attn, c_proj (attn), ln_2, c_fc, c_proj (mlp) -> 1; wte (tied), wpe, ln_f
     assert (default["units"], per_module["units"]) == (2 + 3, 2 * 6 + 3)
-    for leafy in ("blocks", "blocks_reentrant", "blocks_non_reentrant"):
+    for leafy in ("blocks", "default", "blocks_reentrant", "blocks_non_reentrant"):
         assert out[leafy]["losses"] == pytest.approx(per_module["losses"], rel=1e-6), leafy
         for name, value in per_module["params"].items():
             torch.testing.assert_close(out[leafy]["params"][name], value, rtol=1e-5, atol=1e-7,

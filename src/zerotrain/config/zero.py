@@ -102,8 +102,8 @@ class LeafModuleConfig(Section):
 
     Each entry may be a string or a list of strings, as in DeepSpeed. Without the section,
     zerotrain.zero.leaves picks the default (DeepSpeed's three Hugging Face MoE block classes,
-    zerotrain's MoE ``Experts``, and on a GPU the model's ``_no_split_modules``); a given section
-    replaces it."""
+    zerotrain's MoE ``Experts``, and the model's ``_no_split_modules``, on the CPU only blocks
+    of at most 4 MiB); a given section replaces it."""
 
     classes: list[str] = Field(default_factory=list)
     names: list[str] = Field(default_factory=list)

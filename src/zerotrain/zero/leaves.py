@@ -14,9 +14,10 @@ Any of these makes a leaf:
   without that section, DeepSpeed's default MoE block classes and, when training on an
   accelerator, the classes a Hugging Face model lists in ``_no_split_modules`` (its transformer
   block: what FSDP users wrap). On a GPU the per-module host work set stage 3's step time (110M
-  GPT-2 on an H200: 60 -> 37 ms a step with block leaves); on the CPU the arithmetic does, leaves
-  changed the step time within noise and added 20-100 MiB of peak RSS, so the CPU keeps
-  per-module units. An explicit section, even an empty one, replaces the default;
+  GPT-2 on an H200: 60 -> 37 ms a step with block leaves); on the CPU the arithmetic does for
+  large blocks (17M/110M GPT-2: leaves changed the step time within noise and added 20-100 MiB
+  of peak RSS), so the CPU makes leaves of small blocks only (:func:`small_blocks`). An
+  explicit section, even an empty one, replaces the default;
 - ``stage3_module_granularity_threshold``: outermost modules whose parameters per module of the
   subtree (DeepSpeed's granularity) are at most the threshold.
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from zerotrain.accelerator import get_accelerator
 from zerotrain.log import log_rank0
+from zerotrain.memory_release import MMAP_THRESHOLD_BYTES
 
 LEAF_FLAG = "_z3_leaf"  # DeepSpeed's attribute name: models flagged for DeepSpeed work unchanged
 # Larger leaves keep too much whole at once (DeepSpeed's cap).
@@ -45,6 +47,10 @@ DEEPSPEED_DEFAULT_CLASSES = (
 # zerotrain's own: the local experts of its MoE layer (``zerotrain.moe.layer.MoE``) are one unit,
 # gathered once over their expert-data group per layer call (every rank runs every local expert).
 ZEROTRAIN_DEFAULT_CLASSES = ("zerotrain.experts.layer.Experts",)
+# On the CPU, ``_no_split_modules`` blocks with parameters up to this size are default leaves
+# (:func:`small_blocks`): glibc's mmap threshold under memory_release "eager", below which a
+# gather buffer comes from the heap.
+SMALL_BLOCK_BYTES = MMAP_THRESHOLD_BYTES
 
 
 def z3_leaf_module(module: nn.Module) -> bool:
@@ -179,15 +185,37 @@ def granularity_leaves(model: nn.Module, threshold: int) -> list[nn.Module]:
     return leaves
 
 
+def no_split_classes(model: nn.Module) -> list[str]:
+    """The block classes a Hugging Face model lists in ``_no_split_modules``."""
+    no_split = getattr(model, "_no_split_modules", None) or []
+    if isinstance(no_split, str):
+        no_split = [no_split]
+    return [c for c in no_split if isinstance(c, str)]
+
+
 def default_leaf_classes(model: nn.Module, on_accelerator: bool) -> list[str]:
     """zerotrain's leaf classes when the config has no ``leaf_module`` section: DeepSpeed's MoE
     blocks, the local experts of zerotrain's MoE layer, and on an accelerator the model's
-    ``_no_split_modules`` (Hugging Face: the transformer block)."""
-    no_split = (getattr(model, "_no_split_modules", None) or []) if on_accelerator else []
-    if isinstance(no_split, str):
-        no_split = [no_split]
-    return [*(c for c in no_split if isinstance(c, str)), *DEEPSPEED_DEFAULT_CLASSES,
-            *ZEROTRAIN_DEFAULT_CLASSES]
+    ``_no_split_modules`` (Hugging Face: the transformer block; on the CPU see
+    :func:`small_blocks`)."""
+    no_split = no_split_classes(model) if on_accelerator else []
+    return [*no_split, *DEEPSPEED_DEFAULT_CLASSES, *ZEROTRAIN_DEFAULT_CLASSES]
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(int(getattr(p, "ds_numel", None) or p.numel()) * p.dtype.itemsize
+               for p in module.parameters())
+
+
+def small_blocks(model: nn.Module) -> list[nn.Module]:
+    """The CPU's default leaves among the ``_no_split_modules`` blocks: those whose parameters
+    take at most ``SMALL_BLOCK_BYTES``. Each gather and reduction is a rendezvous of the ranks'
+    processes; a block of small modules cost six of each where the arithmetic is small (issue
+    33's host-bound GPT-2: 148 gathers and 147 reductions a step per-module, 27 of each with
+    block leaves). Large blocks stay per-module: gathered whole they raised the peak RSS by up to
+    100 MiB at 110M GPT-2 (28 MiB blocks) for no measurable time."""
+    blocks = modules_of_classes(model, no_split_classes(model))
+    return [m for m in blocks if _nbytes(m) <= SMALL_BLOCK_BYTES]
 
 
 def leaf_modules(model: nn.Module, zero_config=None) -> list[nn.Module]:
@@ -201,7 +229,10 @@ def leaf_modules(model: nn.Module, zero_config=None) -> list[nn.Module]:
         if "leaf_module" in zero_config.model_fields_set:
             classes = section.classes
         else:
-            classes = default_leaf_classes(model, on_accelerator=get_accelerator().name != "cpu")
+            on_accelerator = get_accelerator().name != "cpu"
+            classes = default_leaf_classes(model, on_accelerator)
+            if not on_accelerator:
+                leaves += small_blocks(model)
         leaves += modules_of_classes(model, classes)
         found, missing = _by_names(model, section.names, suffix=False)
         leaves += found
