@@ -2,11 +2,12 @@
 0.19.8's (and its pre-0.19 one-hot einsums), and zerotrain's dropless mode against capacity 1.25.
 
     python bench/moe_dispatch.py [--rounds 3] [--steps 10] [--warmup 2] [--tokens 4096] [--hidden 256]
-        [--ffn 512] [--experts 8] [--k 2] [--capacity-factor 1.25] [--skew 0] [--ds-venv /tmp/dsvenv]
+        [--ffn 512] [--experts 8] [--k 2] [--capacity-factor 1.25] [--skew 0] [--ranks 2] [--ds-venv /tmp/dsvenv]
 
-Every case is one launch of 2 gloo processes (``torchrun --nproc_per_node 2``, ``OMP_NUM_THREADS=1``),
-``MoE(hidden, expert, num_experts, ep_size=2, k, capacity_factor, min_capacity=4)`` with the
-expert ``Linear(hidden, ffn) -> ReLU -> Linear(ffn, hidden)`` (``num_experts / 2`` of them per rank),
+Every case is one launch of ``--ranks`` gloo processes (``torchrun --nproc_per_node R``,
+``OMP_NUM_THREADS=1``), ``MoE(hidden, expert, num_experts, ep_size=R, k, capacity_factor, min_capacity=4)``
+with the expert ``Linear(hidden, ffn) -> ReLU -> Linear(ffn, hidden)`` (``num_experts / R`` of them
+per rank; ``--ranks 1`` is one process, ``ep_size`` 1: no all-to-all, the least noisy comparison),
 ``--tokens`` tokens of width ``--hidden`` per rank (standard normal; ``--skew s`` moves each by s
 along expert 0's gate row so routing is imbalanced and the capacity drops routes), loss
 ``mean(out^2) + 0.01 l_aux``:
@@ -25,11 +26,11 @@ along expert 0's gate row so routing is imbalanced and the capacity drops routes
 
 A round launches every case once, in that order, so the machine's drift falls on every case
 alike; ratios are taken within a round. Measured per launch: after ``--warmup`` steps and a
-barrier, ``--steps`` forward+backward steps, a barrier; tokens/s = steps x tokens x 2 ranks / the
+barrier, ``--steps`` forward+backward steps, a barrier; tokens/s = steps x tokens x R ranks / the
 slowest rank's time. Peak memory: one more step (not timed) under a dispatch mode that adds up the
 bytes of every tensor storage torch's operators allocate and frees them when the storage dies
 (activations, dispatch buffers, gradients, communication buffers; not the weights or the input,
-which exist before the step): the largest sum during the step, the larger of the two ranks.
+which exist before the step): the largest sum during the step, the largest over the ranks.
 Also printed: the routes the capacity dropped (the dropless case drops none) and the loss.
 """
 
@@ -119,10 +120,10 @@ def _worker(opts) -> None:
         from zerotrain.moe.layer import MoE
 
         zerotrain.init_distributed(dist_backend="gloo")
-    rank = int(os.environ["RANK"])  # the launcher's; this bench has one group of 2
+    rank = int(os.environ["RANK"])  # the launcher's; this bench has one group
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(opts.hidden, opts.ffn), nn.ReLU(), nn.Linear(opts.ffn, opts.hidden))
-    moe = MoE(opts.hidden, expert, num_experts=opts.experts, ep_size=2, k=opts.k,
+    moe = MoE(opts.hidden, expert, num_experts=opts.experts, ep_size=opts.ranks, k=opts.k,
               capacity_factor=opts.capacity_factor, eval_capacity_factor=opts.capacity_factor, min_capacity=4,
               drop_tokens=mode != "dropless")
     moe.set_deepspeed_parallelism()
@@ -161,11 +162,11 @@ def _worker(opts) -> None:
     with tracker:
         step()
     numbers = torch.tensor([float(tracker.peak), record["dropped"], record["loss"]], dtype=torch.float64)
-    every = [torch.zeros_like(numbers) for _ in range(2)]
+    every = [torch.zeros_like(numbers) for _ in range(opts.ranks)]
     dist.all_gather(every, numbers)
     if rank == 0:
         print("RESULT " + json.dumps({
-            "tokens_per_s": opts.steps * opts.tokens * 2 / float(took),
+            "tokens_per_s": opts.steps * opts.tokens * opts.ranks / float(took),
             "peak_mib": max(float(e[0]) for e in every) / 2**20,
             "dropped": statistics.mean(float(e[1]) for e in every),
             "loss": [float(e[2]) for e in every]}), flush=True)
@@ -186,7 +187,7 @@ def _launch(case: str, opts, passthrough: list) -> dict:
         torchrun = [os.path.join(opts.ds_venv, "bin", "torchrun")]
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    cmd = torchrun + ["--nproc_per_node", "2", "--master_port", str(_port()), str(HERE), "--worker", "--case", case,
+    cmd = torchrun + ["--nproc_per_node", str(opts.ranks), "--master_port", str(_port()), str(HERE), "--worker", "--case", case,
                       *passthrough]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -208,6 +209,8 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--skew", type=float, default=0.0,
                         help="shift every token by this much along expert 0's gate row (imbalanced routing)")
+    parser.add_argument("--ranks", type=int, default=2, choices=(1, 2),
+                        help="processes per launch, also the ep_size (1: no all-to-all)")
     parser.add_argument("--ds-venv", default="/tmp/dsvenv")
     parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -221,7 +224,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--only: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     passthrough = [f"--{name.replace('_', '-')}={getattr(opts, name)}" for name in
-                   ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor", "skew")]
+                   ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor", "skew", "ranks")]
     print(f"load average before: {os.getloadavg()}", flush=True)
     results = {case: [] for case in cases}
     for r in range(opts.rounds):

@@ -144,22 +144,26 @@ def top2_routes(logits: Tensor, capacity_factor: float, min_capacity: int, drop_
     l_aux = torch.mean(me * ce) * num_experts * num_experts
     exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
 
+    # each route's slot and gate read at its own expert (a gather, not a sum over a masked [S, E]
+    # product: the same values, since the other E - 1 terms are zeros)
+    location1 = locations1.gather(1, indices1_s.unsqueeze(1)).squeeze(1)
+    location2 = locations2.gather(1, indices2_s.unsqueeze(1)).squeeze(1)
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity)
-        mask1 = mask1 * torch.lt(locations1, cap)
-        mask2 = mask2 * torch.lt(locations2, cap)
+        kept1, kept2 = location1 < cap, location2 < cap
     else:
         cap = _dropless_capacity(exp_counts, ep_group) if need_capacity else None
+        kept1 = kept2 = torch.ones_like(indices1_s, dtype=torch.bool)
 
-    locations1_s = torch.sum(locations1 * mask1, dim=1)
-    locations2_s = torch.sum(locations2 * mask2, dim=1)
-    gates1_s = (gates * mask1.float()).sum(dim=1)
-    gates2_s = (gates * mask2.float()).sum(dim=1)
+    locations1_s = location1 * kept1
+    locations2_s = location2 * kept2
+    gates1_s = gates.gather(1, indices1_s.unsqueeze(1)).squeeze(1) * kept1
+    gates2_s = gates.gather(1, indices2_s.unsqueeze(1)).squeeze(1) * kept2
     denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates1_s.dtype).eps)
     gates1_s = gates1_s / denom_s
     gates2_s = gates2_s / denom_s
-    idx1 = torch.where(mask1.any(dim=1), indices1_s, torch.full_like(indices1_s, -1))
-    idx2 = torch.where(mask2.any(dim=1), indices2_s, torch.full_like(indices2_s, -1))
+    idx1 = torch.where(kept1, indices1_s, torch.full_like(indices1_s, -1))
+    idx2 = torch.where(kept2, indices2_s, torch.full_like(indices2_s, -1))
     return Routes(l_aux, cap, num_experts, torch.stack([idx1, idx2]),
                   torch.stack([locations1_s, locations2_s]).long(), torch.stack([gates1_s, gates2_s]), exp_counts)
 

@@ -126,12 +126,16 @@ class MOELayer(nn.Module):
     def _capacity_dispatch(self, x: Tensor, routes: Routes) -> Tensor:
         num_tokens, d_model = x.shape
         num_experts, cap = routes.num_experts, int(routes.capacity)
-        kept = routes.indices.reshape(-1) >= 0
-        tokens = torch.arange(num_tokens, device=x.device).repeat(routes.indices.shape[0])[kept]
-        slots = (routes.indices.reshape(-1) * cap + routes.locations.reshape(-1))[kept]
-        gates = routes.gates.reshape(-1)[kept]
-        dispatched = x.new_zeros(num_experts * cap, d_model).index_copy(0, slots, x.index_select(0, tokens))
-        dispatched = dispatched.view(num_experts, cap, d_model)
+        flat = routes.indices.reshape(-1)
+        kept = flat >= 0
+        # each route's row in the flat [E * C] buffer (-1 where the capacity dropped it)
+        slot_of_route = torch.where(kept, flat * cap + routes.locations.reshape(-1), torch.full_like(flat, -1))
+        # the buffer is one gather from x by each slot's token: no [routes, M] copy of x, and
+        # index_select saves only its index for backward (index_copy would save its source)
+        token_of_slot = torch.full((num_experts * cap,), -1, dtype=torch.long, device=x.device)
+        tokens = torch.arange(num_tokens, device=x.device).repeat(routes.indices.shape[0])
+        token_of_slot.scatter_(0, slot_of_route[kept], tokens[kept])
+        dispatched = _gather_rows(x, token_of_slot).view(num_experts, cap, d_model)
         if self._exchanges():
             self._agree_on_capacity(cap, num_tokens)
             start = time.perf_counter()
@@ -143,8 +147,7 @@ class MOELayer(nn.Module):
             start = time.perf_counter()
             expert_output = _AllToAll.apply(self.ep_group, expert_output)
             self.time_salltoall = self._clock(start)
-        routed = expert_output.reshape(num_experts * cap, d_model).index_select(0, slots)
-        return self._combine(routed, tokens, gates, num_tokens, expert_output.dtype)
+        return _combine(expert_output.reshape(num_experts * cap, d_model), slot_of_route, routes.gates)
 
     def _agree_on_capacity(self, cap: int, num_tokens: int) -> None:
         mine = torch.tensor([cap, num_tokens], dtype=torch.int64)
@@ -165,8 +168,8 @@ class MOELayer(nn.Module):
         experts = flat[kept]
         order = torch.sort(experts, stable=True)[1]
         experts = experts[order]
-        tokens = torch.arange(num_tokens, device=x.device).repeat(routes.indices.shape[0])[kept][order]
-        gates = routes.gates.reshape(-1)[kept][order]
+        route_of_row = torch.arange(flat.numel(), device=x.device)[kept][order]
+        tokens = route_of_row % num_tokens
         counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
         send = x.index_select(0, tokens)
         if self._exchanges():
@@ -190,14 +193,29 @@ class MOELayer(nn.Module):
             start = time.perf_counter()
             out = _AllToAll.apply(self.ep_group, out, input_splits, output_splits)
             self.time_salltoall = self._clock(start)
-        return self._combine(out, tokens, gates, num_tokens, out.dtype)
+        row_of_route = torch.full_like(flat, -1)
+        row_of_route[route_of_row] = torch.arange(route_of_row.numel(), device=x.device)
+        return _combine(out, row_of_route, routes.gates)
 
-    @staticmethod
-    def _combine(routed: Tensor, tokens: Tensor, gates: Tensor, num_tokens: int, dtype) -> Tensor:
-        """Sum each token's routes weighted by their gates, in fp32 (the gates' dtype)."""
-        weighted = routed.to(gates.dtype) * gates.unsqueeze(1)
-        combined = weighted.new_zeros(num_tokens, routed.shape[1]).index_add(0, tokens, weighted)
-        return combined.to(dtype)
+
+def _gather_rows(source: Tensor, rows: Tensor) -> Tensor:
+    """``source[rows]`` with zero rows where ``rows`` is -1. The zeros are written in place on the
+    gathered copy (index_select's backward needs only the index), so nothing else is allocated."""
+    gathered = source.index_select(0, rows.clamp(min=0))
+    empty = (rows < 0).nonzero().squeeze(1)
+    if empty.numel():
+        gathered.index_fill_(0, empty, 0)
+    return gathered
+
+
+def _combine(rows: Tensor, row_of_route: Tensor, gates: Tensor) -> Tensor:
+    """Each token's output: the sum over its k routes of ``gates[r, s] * rows[row_of_route[r * S + s]]``
+    (a dropped route, row -1, adds zero), in fp32 (the gates' dtype), returned in the rows' dtype.
+    Summing a [k, S, M] block keeps only the gathered rows for backward (the gates' gradient),
+    where an index_add would also save its weighted source."""
+    k, num_tokens = gates.shape
+    routed = _gather_rows(rows, row_of_route).to(gates.dtype).view(k, num_tokens, rows.shape[1])
+    return (routed * gates.unsqueeze(2)).sum(0).to(rows.dtype)
 
 
 class MoE(nn.Module):
