@@ -27,7 +27,9 @@ along expert 0's gate row so routing is imbalanced and the capacity drops routes
 A round launches every case once, in that order, so the machine's drift falls on every case
 alike; ratios are taken within a round. Measured per launch: after ``--warmup`` steps and a
 barrier, ``--steps`` forward+backward steps, a barrier; tokens/s = steps x tokens x R ranks / the
-slowest rank's time. Peak memory: one more step (not timed) under a dispatch mode that adds up the
+slowest rank's time; also the CPU time per step of the busiest rank (``time.process_time``: one
+thread per process, so less sensitive than wall time to other processes taking the cores).
+Peak memory: one more step (not timed) under a dispatch mode that adds up the
 bytes of every tensor storage torch's operators allocate and frees them when the storage dies
 (activations, dispatch buffers, gradients, communication buffers; not the weights or the input,
 which exist before the step): the largest sum during the step, the largest over the ranks.
@@ -152,12 +154,14 @@ def _worker(opts) -> None:
     for _ in range(opts.warmup):
         step()
     dist.barrier()
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     for _ in range(opts.steps):
         step()
+    cpu = torch.tensor(time.process_time() - cpu_began)
     dist.barrier()
     took = torch.tensor(time.perf_counter() - began)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
     tracker = LiveBytes()
     with tracker:
         step()
@@ -167,6 +171,7 @@ def _worker(opts) -> None:
     if rank == 0:
         print("RESULT " + json.dumps({
             "tokens_per_s": opts.steps * opts.tokens * opts.ranks / float(took),
+            "cpu_ms_per_step": 1000 * float(cpu) / opts.steps,
             "peak_mib": max(float(e[0]) for e in every) / 2**20,
             "dropped": statistics.mean(float(e[1]) for e in every),
             "loss": [float(e[2]) for e in every]}), flush=True)
@@ -187,8 +192,8 @@ def _launch(case: str, opts, passthrough: list) -> dict:
         torchrun = [os.path.join(opts.ds_venv, "bin", "torchrun")]
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    cmd = torchrun + ["--nproc_per_node", str(opts.ranks), "--master_port", str(_port()), str(HERE), "--worker", "--case", case,
-                      *passthrough]
+    cmd = torchrun + ["--nproc_per_node", str(opts.ranks), "--master_port", str(_port()), str(HERE), "--worker",
+                      "--case", case, *passthrough]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -231,23 +236,26 @@ def main() -> None:
         for case in cases:
             results[case].append(_launch(case, opts, passthrough))
             res = results[case][-1]
-            print(f"round {r} {case}: {res['tokens_per_s']:.0f} tokens/s, peak {res['peak_mib']:.1f} MiB, "
-                  f"dropped {100 * res['dropped']:.1f}%, loss {res['loss']}", flush=True)
+            print(f"round {r} {case}: {res['tokens_per_s']:.0f} tokens/s, {res['cpu_ms_per_step']:.1f} CPU ms/step, "
+                  f"peak {res['peak_mib']:.1f} MiB, dropped {100 * res['dropped']:.1f}%, loss {res['loss']}",
+                  flush=True)
     print(f"load average after: {os.getloadavg()}")
-    print("\n| case | tokens/s (median of rounds) | peak MiB (per rank, max) | routes dropped |")
-    print("|---|---|---|---|")
+    print("\n| case | tokens/s (median of rounds) | CPU ms/step (median) | peak MiB (per rank, max) | routes dropped |")
+    print("|---|---|---|---|---|")
     for case, runs in results.items():
         print(f"| {case} | {statistics.median(x['tokens_per_s'] for x in runs):.0f} | "
+              f"{statistics.median(x['cpu_ms_per_step'] for x in runs):.1f} | "
               f"{statistics.median(x['peak_mib'] for x in runs):.1f} | {100 * runs[0]['dropped']:.1f}% |")
     pairs = [("zt_capacity", "ds_einsum"), ("zt_capacity", "ds_capacity"), ("zt_dropless", "zt_capacity"),
              ("ds_capacity", "ds_einsum")]
-    print("\n| ratio | tokens/s (median of per-round ratios) | peak memory |")
-    print("|---|---|---|")
+    print("\n| ratio | tokens/s (median of per-round ratios) | CPU time per step | peak memory |")
+    print("|---|---|---|---|")
     for a, b in pairs:
         if a in results and b in results:
             speed = statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(results[a], results[b]))
+            cpu = statistics.median(x["cpu_ms_per_step"] / y["cpu_ms_per_step"] for x, y in zip(results[a], results[b]))
             memory = statistics.median(x["peak_mib"] / y["peak_mib"] for x, y in zip(results[a], results[b]))
-            print(f"| {a} / {b} | {speed:.2f}x | {memory:.2f}x |")
+            print(f"| {a} / {b} | {speed:.2f}x | {cpu:.2f}x | {memory:.2f}x |")
 
 
 if __name__ == "__main__":
