@@ -72,8 +72,9 @@ def _train(stage: int, bf16: bool = False, prefetch: bool = True, leaves: bool =
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     if bf16:
         cfg["bf16"] = {"enabled": True}
-    if leaves:  # each GPT2Block one unit (frozen base and adapters apart)
-        cfg["zero_optimization"]["leaf_module"] = {"classes": ["GPT2Block"]}
+    # leaves: each GPT2Block one unit (frozen base and adapters apart); else per-module units
+    # (the CPU's default makes these small blocks leaves too: docs/zero.md "Leaf modules").
+    cfg["zero_optimization"]["leaf_module"] = {"classes": ["GPT2Block"]} if leaves else {}
     # All parameters are handed over, as a Trainer does: the frozen ones must stay out of the optimizer.
     engine, optimizer, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = train_causal_lm(engine, _batches(), MICRO)
