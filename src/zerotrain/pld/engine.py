@@ -38,7 +38,7 @@ class EnginePLD:
     def _pld_forward_kwargs(self) -> dict:
         """DeepSpeed's ``kwargs.update(pld.get_state())``: only while the module is training."""
         training = self.progressive_layer_drop is not None and self.module.training
-        coordinator = self._zero.parameter_coordinator
+        coordinator = self.zero_stage_object.parameter_coordinator
         if coordinator is not None and self._pld_stacks:
             # Stage 3 prefetches along the last pass's order: tell it now which blocks this pass
             # drops (the stacks will draw the same, from the same micro-step), before the first
