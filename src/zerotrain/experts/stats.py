@@ -50,8 +50,10 @@ class MoEStats:
             counts = layer.exp_counts.detach().to(torch.float64)
             capacity = getattr(layer, "capacity", None)
             dropped = (counts - capacity).clamp(min=0).sum() if capacity is not None else counts.new_zeros(())
+            # Kept where the gate computed it: no host sync per layer per forward, and the step's
+            # one all-reduce runs on the collective backend's device (NCCL takes no CPU tensor).
             figures = torch.cat([counts, dropped.view(1), layer.l_aux.detach().to(torch.float64).view(1),
-                                 counts.new_ones(1)]).cpu()
+                                 counts.new_ones(1)])
             self._step[index] = figures if self._step[index] is None else self._step[index] + figures
 
         return record
@@ -59,10 +61,12 @@ class MoEStats:
     def _reduced(self, sums: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """The sums over the data group (one all-reduce; a layer no forward reached counts zeros)."""
         sizes = [int(layer.gate.wg.out_features) + 3 for layer in self.layers]
-        flat = torch.cat([s if s is not None else torch.zeros(n, dtype=torch.float64) for s, n in zip(sums, sizes)])
+        device = self.layers[0].gate.wg.weight.device
+        flat = torch.cat([s if s is not None else torch.zeros(n, dtype=torch.float64, device=device)
+                          for s, n in zip(sums, sizes)])
         if comm.get_world_size(self.group) > 1:  # group None: the whole world
             comm.all_reduce(flat, group=self.group)
-        parts = list(flat.split(sizes))
+        parts = list(flat.cpu().split(sizes))
         return [p if p[-1] > 0 else None for p in parts]
 
     @staticmethod

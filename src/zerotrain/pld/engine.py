@@ -38,8 +38,8 @@ class EnginePLD:
     def _pld_forward_kwargs(self) -> dict:
         """DeepSpeed's ``kwargs.update(pld.get_state())``: only while the module is training."""
         training = self.progressive_layer_drop is not None and self.module.training
-        coordinator = self.zero_stage_object.parameter_coordinator
-        if coordinator is not None and self._pld_stacks:
+        coordinator = self.zero_stage_object.parameter_coordinator if self._pld_stacks else None
+        if coordinator is not None:
             # Stage 3 prefetches along the last pass's order: tell it now which blocks this pass
             # drops (the stacks will draw the same, from the same micro-step), before the first
             # gather, so that none of them is gathered ahead of a use that never comes.
