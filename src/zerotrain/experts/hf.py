@@ -12,7 +12,8 @@ are HF's) and turns each experts module into its expert-parallel form:
   same parameter names; the slices carry DeepSpeed's markers (``allreduce = False``,
   ``group_name = "ep_size_<ep>"``), so the engine sums their gradients over the expert-data group;
 - its forward sends every (token, chosen expert) pair, with its routing weight, to the rank owning
-  the expert (uneven ``all_to_all_single`` over the expert-parallel group: dropless, as HF's block),
+  the expert (uneven ``all_to_all_single`` over the expert-parallel group: dropless, as HF's block;
+  ``zerotrain.experts.exchange.dropless_exchange``, shared with zerotrain's MoE layer),
   runs HF's own experts forward there on the local experts, and sends the weighted outputs back,
   where each token sums its routes.
 
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerotrain.experts.layer import _AllToAll
+from zerotrain.experts.exchange import dropless_exchange
 
 
 @dataclass
@@ -148,21 +149,15 @@ class _ExpertParallelForward:
         tokens = torch.div(order, k, rounding_mode="floor")
         send = hidden_states.index_select(0, tokens)
         send_weights = top_k_weights.reshape(-1).index_select(0, order)
-        counts = torch.bincount(experts, minlength=shard.num_experts).view(shard.ep_size, shard.num_local_experts)
-        if shard.ep_size > 1:
-            received_counts = torch.empty_like(counts)
-            dist.all_to_all_single(received_counts, counts, group=shard.group)
-            input_splits, output_splits = counts.sum(1).tolist(), received_counts.sum(1).tolist()
-            received = _AllToAll.apply(shard.group, send, output_splits, input_splits)
-            received_weights = _AllToAll.apply(shard.group, send_weights, output_splits, input_splits)
-        else:
-            received_counts, received, received_weights = counts, send, send_weights
-        # received rows: [source rank][local expert][routes]; each row is one route (k = 1).
-        local_ids = torch.arange(shard.num_local_experts, device=flat.device).repeat(shard.ep_size)
-        local_ids = torch.repeat_interleave(local_ids, received_counts.reshape(-1))
-        out = super().forward(received, local_ids.unsqueeze(1), received_weights.unsqueeze(1))
-        if shard.ep_size > 1:
-            out = _AllToAll.apply(shard.group, out, input_splits, output_splits)
+
+        def run_local_experts(received: List[Tensor], local_ids: Tensor, received_counts: Tensor) -> Tensor:
+            # received rows: [source rank][local expert][routes]; each row is one route (k = 1).
+            rows, weights = received
+            return super(_ExpertParallelForward, self).forward(rows, local_ids.unsqueeze(1), weights.unsqueeze(1))
+
+        group = shard.group if shard.ep_size > 1 else None
+        out = dropless_exchange([send, send_weights], experts, shard.num_experts, shard.ep_size, group,
+                                run_local_experts).out
         return out.new_zeros(num_tokens, out.shape[-1]).index_add(0, tokens, out)
 
 

@@ -4,7 +4,8 @@ with expert parallelism over the topology's ``ep_size_N`` groups (docs/moe.md).
 Dispatch is by the gate's route indices. With ``drop_tokens=True`` each expert gets DeepSpeed's
 capacity-padded ``[ep_size, num_local_experts, C, M]`` buffer through an equal-split all-to-all
 (the ranks first agree on C: a rank with another token count is a one-line error, not a hang).
-With ``drop_tokens=False`` (dropless) only the routed tokens travel, by an uneven all-to-all, and
+With ``drop_tokens=False`` (dropless) only the routed tokens travel, by an uneven all-to-all
+(``zerotrain.experts.exchange.dropless_exchange``, shared with the HF experts of ``hf.py``), and
 each local expert runs on exactly its tokens: the outputs equal DeepSpeed's capacity-padded ones
 for experts that act on each token alone (Linear, MLPs).
 """
@@ -21,28 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerotrain import comm
+from zerotrain.experts.exchange import _AllToAll, dropless_exchange
 from zerotrain.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with (possibly uneven) splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx: Any, group, input: Tensor, output_splits: Optional[List[int]] = None,
-                input_splits: Optional[List[int]] = None) -> Tensor:
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        input = input.contiguous()
-        if output_splits is None:
-            output = torch.empty_like(input)
-        else:
-            output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
-        dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: Tensor):
-        grad = _AllToAll.apply(ctx.group, grad_output.contiguous(), ctx.input_splits, ctx.output_splits)
-        return None, grad, None, None
 
 
 def _expert_output(out):
@@ -170,29 +151,21 @@ class MOELayer(nn.Module):
         experts = experts[order]
         route_of_row = torch.arange(flat.numel(), device=x.device)[kept][order]
         tokens = route_of_row % num_tokens
-        counts = torch.bincount(experts, minlength=num_experts).view(self.ep_size, self.num_local_experts)
         send = x.index_select(0, tokens)
-        if self._exchanges():
-            received_counts = torch.empty_like(counts)
-            dist.all_to_all_single(received_counts, counts, group=self.ep_group)
-            input_splits = counts.sum(1).tolist()
-            output_splits = received_counts.sum(1).tolist()
-            start = time.perf_counter()
-            received = _AllToAll.apply(self.ep_group, send, output_splits, input_splits)
-            self.time_falltoall = self._clock(start)
-        else:
-            received_counts, received = counts, send
-        # received: [source rank][local expert][tokens]; regroup by local expert
-        local_of_row = torch.arange(self.num_local_experts, device=x.device).repeat(self.ep_size)
-        local_of_row = torch.repeat_interleave(local_of_row, received_counts.reshape(-1))
-        perm = torch.sort(local_of_row, stable=True)[1]
-        grouped = received.index_select(0, perm).split(received_counts.sum(0).tolist())
-        outputs = [_expert_output(expert(chunk)) for chunk, expert in zip(grouped, self.experts.deepspeed_experts)]
-        out = torch.cat(outputs, dim=0).index_select(0, torch.argsort(perm))
-        if self._exchanges():
-            start = time.perf_counter()
-            out = _AllToAll.apply(self.ep_group, out, input_splits, output_splits)
-            self.time_salltoall = self._clock(start)
+
+        def run_local_experts(received: List[Tensor], local_of_row: Tensor, received_counts: Tensor) -> Tensor:
+            # received: [source rank][local expert][tokens]; regroup by local expert
+            perm = torch.sort(local_of_row, stable=True)[1]
+            grouped = received[0].index_select(0, perm).split(received_counts.sum(0).tolist())
+            outputs = [_expert_output(expert(chunk)) for chunk, expert in zip(grouped, self.experts.deepspeed_experts)]
+            return torch.cat(outputs, dim=0).index_select(0, torch.argsort(perm))
+
+        group = self.ep_group if self._exchanges() else None
+        done = dropless_exchange([send], experts, num_experts, self.ep_size, group, run_local_experts)
+        if done.dispatch_s is not None:
+            self.time_falltoall = done.dispatch_s * 1000.0 if self.wall_clock_breakdown else 0.0
+            self.time_salltoall = done.combine_s * 1000.0 if self.wall_clock_breakdown else 0.0
+        out = done.out
         row_of_route = torch.full_like(flat, -1)
         row_of_route[route_of_row] = torch.arange(route_of_row.numel(), device=x.device)
         return _combine(out, row_of_route, routes.gates)
