@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.checkpoint.resume import save_and_resume
 from zerotrain.testing import run_on_ranks
 
 warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
@@ -140,24 +141,6 @@ def _weights(engine) -> dict[str, torch.Tensor]:
     return {global_name(k, model): v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _optimizer_state(engine) -> list:
-    """Every stepped tensor (fp32 master or shard) and its optimizer state, in group order."""
-    opt = engine.optimizer
-    return [(p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()})
-            for group in opt.param_groups for p in group["params"]]
-
-
-def _same_state(a: list, b: list) -> bool:
-    if len(a) != len(b):
-        return False
-    for (pa, sa), (pb, sb) in zip(a, b):
-        if not torch.equal(pa, pb) or sa.keys() != sb.keys():
-            return False
-        if any(not torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa):
-            return False
-    return True
-
-
 def _save_and_resume(root: str):
     """4 ranks, ep_size 2: the reference run with a save, and a same-layout resume."""
     import torch.distributed as dist
@@ -171,21 +154,11 @@ def _save_and_resume(root: str):
         engine = _build(EP, stage, precision, opt, seed=0, rows=TOKENS)
         _train(engine, TOKENS, rank, range(BEFORE))
         # s1-adamw in the background while training goes on (its snapshot holds the experts)
-        engine.save_checkpoint(f"{root}/{name}", tag=TAG, async_save=name == "s1-adamw")
-        saved, state = _weights(engine), _optimizer_state(engine)
-        ref_losses = _train(engine, TOKENS, rank, range(BEFORE, BEFORE + AFTER))
-        engine.wait_for_checkpoint()
-        final = _weights(engine)
-        engine.destroy()
-        fresh = _build(EP, stage, precision, opt, seed=1, rows=TOKENS)
-        fresh.load_checkpoint(f"{root}/{name}")
-        loaded, loaded_state = _weights(fresh), _optimizer_state(fresh)
-        losses = _train(fresh, TOKENS, rank, range(BEFORE, BEFORE + AFTER))
-        out[name] = {"saved": saved, "final": final, "ref_losses": ref_losses,
-                     "loaded_equal": all(torch.equal(loaded[k], v) for k, v in saved.items()),
-                     "state_equal": _same_state(state, loaded_state),
-                     "losses": losses, "resumed": _weights(fresh), "step": fresh.global_steps}
-        fresh.destroy()
+        out[name] = save_and_resume(
+            engine, f"{root}/{name}", TAG, _weights,
+            train_on=lambda e: _train(e, TOKENS, rank, range(BEFORE, BEFORE + AFTER)),
+            build_fresh=lambda: _build(EP, stage, precision, opt, seed=1, rows=TOKENS),
+            async_save=name == "s1-adamw")
     return out
 
 

@@ -24,6 +24,7 @@ import warnings
 import pytest
 import torch
 
+from tests.checkpoint.resume import save_and_resume
 from zerotrain.testing import run_on_ranks
 
 warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
@@ -91,23 +92,6 @@ def _full(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in gather_expert_state_dict(engine.module).items()}
 
 
-def _optimizer_state(engine) -> list:
-    opt = engine.optimizer
-    return [(p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()})
-            for group in opt.param_groups for p in group["params"]]
-
-
-def _same_state(a: list, b: list) -> bool:
-    if len(a) != len(b):
-        return False
-    for (pa, sa), (pb, sb) in zip(a, b):
-        if not torch.equal(pa, pb) or sa.keys() != sb.keys():
-            return False
-        if any(not torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa):
-            return False
-    return True
-
-
 def _four_ranks(root: str):
     import torch.distributed as dist
 
@@ -119,20 +103,10 @@ def _four_ranks(root: str):
     for name, (stage, opt) in CASES.items():
         engine = _build(EP, stage, opt, seed=0, accumulation=MICRO // world)
         _train(engine, rank, world, range(BEFORE))
-        engine.save_checkpoint(f"{root}/{name}", tag=TAG)
-        saved, state = _full(engine), _optimizer_state(engine)
-        ref_losses = _train(engine, rank, world, range(BEFORE, BEFORE + AFTER))
-        final = _full(engine)
-        engine.destroy()
-        fresh = _build(EP, stage, opt, seed=1, accumulation=MICRO // world)
-        fresh.load_checkpoint(f"{root}/{name}")
-        loaded, loaded_state = _full(fresh), _optimizer_state(fresh)
-        losses = _train(fresh, rank, world, range(BEFORE, BEFORE + AFTER))
-        out[name] = {"saved": saved, "final": final, "ref_losses": ref_losses, "losses": losses,
-                     "loaded_equal": all(torch.equal(loaded[k], v) for k, v in saved.items()),
-                     "state_equal": _same_state(state, loaded_state), "resumed": _full(fresh),
-                     "step": fresh.global_steps}
-        fresh.destroy()
+        out[name] = save_and_resume(
+            engine, f"{root}/{name}", TAG, _full,
+            train_on=lambda e: _train(e, rank, world, range(BEFORE, BEFORE + AFTER)),
+            build_fresh=lambda: _build(EP, stage, opt, seed=1, accumulation=MICRO // world))
     return out
 
 
