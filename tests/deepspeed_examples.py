@@ -1,14 +1,14 @@
 """DeepSpeedExamples' scripts for the example tests (tests/experts and tests/pipeline
 ``test_deepspeed_example.py``): found outside this repository, checked, and changed only in their
-deepspeed imports as they are loaded.
+deepspeed imports as they are loaded; and the CPU harnesses' shared main and record writer.
 
 The scripts are DeepSpeedExamples' code (https://github.com/deepspeedai/DeepSpeedExamples) and
 are not stored here. A run finds one at its own environment variable (the file itself), at
 ``$DEEPSPEED_EXAMPLES/<its path in DeepSpeedExamples>`` (a checkout), or, where a harness allows
 it, as an untracked copy next to the harness. Without one the run tests skip; CI has none.
 
-This module imports neither torch nor zerotrain: the harnesses load it in DeepSpeed's
-environment too.
+This module imports neither torch nor zerotrain at its top (write_rank_record imports torch when
+called): the harnesses load it in DeepSpeed's environment too.
 """
 
 from __future__ import annotations
@@ -129,3 +129,39 @@ def shim_import(shim: str, module: str, *names: str) -> tuple:
         for name in [name for name in sys.modules if ours(name)]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def harness_main(prepare, write) -> None:
+    """The main of a CPU harness (tests/*/deepspeed_example/cpu_harness.py): ``sys.argv[1]`` is the
+    script, the rest its arguments; ``EXAMPLE_ENGINE`` (zerotrain, the default, or deepspeed) the
+    library it runs on. ``prepare(engine, record_dir)`` runs first (``record_dir``:
+    ``$EXAMPLE_RECORD_DIR`` or None), then the script (run_as_main), then, with a record
+    folder, ``write(record_dir)``."""
+    if len(sys.argv) < 2:
+        sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
+    script = sys.argv[1]
+    engine = os.environ.get("EXAMPLE_ENGINE", "zerotrain")
+    if engine not in ("zerotrain", "deepspeed"):
+        sys.exit(f"EXAMPLE_ENGINE={engine!r}: use zerotrain or deepspeed")
+    record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
+    prepare(engine, record_dir)
+    sys.argv = sys.argv[1:]
+    run_as_main(script, engine)
+    if record_dir:
+        write(record_dir)
+
+
+def write_rank_record(record_dir: str, record: dict, engine) -> None:
+    """A harness's record of this rank (``$RANK``): ``rank<R>.json`` (``record``) and, when the
+    script built an engine, ``rank<R>.pt`` (its module's state dict on the CPU). torch is
+    imported here, not at the top: the module stays importable without it."""
+    import json
+
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(record_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if engine is not None:
+        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        torch.save(state, os.path.join(record_dir, f"rank{rank}.pt"))

@@ -21,14 +21,13 @@ What the CPU needs, around the script:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, REPOSITORY)  # for tests/deepspeed_examples.py, in DeepSpeed's environment too
-from tests.deepspeed_examples import CIFAR10_MOE, run_as_main  # noqa: E402
+from tests.deepspeed_examples import CIFAR10_MOE, harness_main, write_rank_record  # noqa: E402
 
 sys.path.remove(REPOSITORY)
 
@@ -104,29 +103,10 @@ def _engine_class(name: str):
     return ZeroTrainEngine
 
 
-def _write(record_dir: str) -> None:
-    import torch
-
-    rank = int(os.environ.get("RANK", "0"))
-    engine = _RECORD["engine"]
-    with open(os.path.join(record_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": _RECORD["losses"], "norms": _RECORD["norms"], "initial": _RECORD["initial"]}, f)
-    if engine is not None:
-        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-        torch.save(state, os.path.join(record_dir, f"rank{rank}.pt"))
-
-
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
-    script = sys.argv[1]
-    engine = os.environ.get("EXAMPLE_ENGINE", "zerotrain")
-    if engine not in ("zerotrain", "deepspeed"):
-        sys.exit(f"EXAMPLE_ENGINE={engine!r}: use zerotrain or deepspeed")
+def _prepare(engine: str, record_dir: str | None) -> None:
     sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
     import torch
 
-    record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
     if record_dir:
         _watch(_engine_class(engine))
         if engine == "deepspeed":
@@ -136,10 +116,15 @@ def main() -> None:
 
         _override_clipping(importlib.import_module(engine), float(os.environ["EXAMPLE_GRADIENT_CLIPPING"]))
     torch.manual_seed(int(os.environ.get("EXAMPLE_SEED", "1234")))
-    sys.argv = sys.argv[1:]
-    run_as_main(script, engine)
-    if record_dir:
-        _write(record_dir)
+
+
+def _write(record_dir: str) -> None:
+    record = {"losses": _RECORD["losses"], "norms": _RECORD["norms"], "initial": _RECORD["initial"]}
+    write_rank_record(record_dir, record, _RECORD["engine"])
+
+
+def main() -> None:
+    harness_main(_prepare, _write)
 
 
 if __name__ == "__main__":

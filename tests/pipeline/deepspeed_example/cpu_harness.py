@@ -20,14 +20,13 @@ the CPU needs, around the script (reference/pipeline.md 1.8):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, REPOSITORY)  # for tests/deepspeed_examples.py, in DeepSpeed's environment too
-from tests.deepspeed_examples import run_as_main  # noqa: E402
+from tests.deepspeed_examples import harness_main, write_rank_record  # noqa: E402
 
 sys.path.remove(REPOSITORY)
 sys.path.insert(0, os.path.join(HERE, "cpu_shim"))
@@ -62,31 +61,19 @@ def _engine_class(name: str):
     return PipelineEngine
 
 
+def _prepare(engine: str, record_dir: str | None) -> None:
+    if record_dir:
+        _watch(_engine_class(engine))
+
+
 def _write(record_dir: str) -> None:
-    rank = int(os.environ.get("RANK", "0"))
     engine = _RECORD["engine"]
     stage = engine.stage_id if engine is not None else None
-    with open(os.path.join(record_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": _RECORD["losses"], "rng": _RECORD["rng"], "stage": stage}, f)
-    if engine is not None:
-        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-        torch.save(state, os.path.join(record_dir, f"rank{rank}.pt"))
+    write_rank_record(record_dir, {"losses": _RECORD["losses"], "rng": _RECORD["rng"], "stage": stage}, engine)
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: cpu_harness.py SCRIPT [script arguments]")
-    script = sys.argv[1]
-    engine = os.environ.get("EXAMPLE_ENGINE", "zerotrain")
-    if engine not in ("zerotrain", "deepspeed"):
-        sys.exit(f"EXAMPLE_ENGINE={engine!r}: use zerotrain or deepspeed")
-    record_dir = os.environ.get("EXAMPLE_RECORD_DIR")
-    if record_dir:
-        _watch(_engine_class(engine))
-    sys.argv = sys.argv[1:]
-    run_as_main(script, engine)
-    if record_dir:
-        _write(record_dir)
+    harness_main(_prepare, _write)
 
 
 if __name__ == "__main__":
