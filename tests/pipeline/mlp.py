@@ -49,16 +49,60 @@ def reference(model_layers: list[nn.Module], dp: int, optimizer_name: str, clip:
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def compare(what: str, weights: dict, losses: list, ref: dict, rtol: float = 1e-6) -> list[str]:
-    """Mismatches of one rank's weights (relative norm of the difference) and returned losses
-    against ``reference(...)``'s."""
+def config(dp: int, stage: int, schedule: str, clip: float, m: int = M, **pipeline) -> dict:
+    """The engine config of the virtual-stage tests: ``m`` micro-batches of ``MICRO`` per replica,
+    ZeRO ``stage``, clipping at ``clip``, ``pipeline`` keys beside the schedule."""
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
+            "train_batch_size": MICRO * m * dp, "zero_optimization": {"stage": stage},
+            "gradient_clipping": clip, "pipeline": {"schedule": schedule, **pipeline}}
+
+
+def compare_weights(what: str, weights: dict, ref_weights: dict, rtol: float = 1e-6) -> list[str]:
+    """Mismatches of one rank's weights against the reference's (relative norm of the difference)."""
     failures = []
     for name, value in weights.items():
-        want = ref["weights"][name]
+        want = ref_weights[name]
         err = float((value - want).norm() / want.norm())
         if not err <= rtol:
             failures.append(f"{what}: {name} relative error {err:.2e}")
+    return failures
+
+
+def compare(what: str, weights: dict, losses: list, ref: dict, rtol: float = 1e-6) -> list[str]:
+    """Mismatches of one rank's weights (relative norm of the difference) and returned losses
+    against ``reference(...)``'s."""
+    failures = compare_weights(what, weights, ref["weights"], rtol)
     for step, (a, b) in enumerate(zip(losses, ref["losses"])):
         if not abs(a - b) <= rtol * abs(b):
             failures.append(f"{what}: step {step} loss {a} != reference {b}")
+    return failures
+
+
+def train_and_eval(engine, dp: int) -> dict:
+    """``STEPS`` ``train_batch`` calls on this replica's micro-batches, then one ``eval_batch`` on
+    the next step's: the returned losses and the eval loss."""
+    rank = engine.topology.data_rank
+    losses = [float(engine.train_batch(iter(step[rank]))) for step in batches(dp)]
+    return {"losses": losses, "eval": float(engine.eval_batch(iter(batches(dp, steps=STEPS + 1)[STEPS][rank])))}
+
+
+def check_replicas(what: str, got: list, ref: dict, dp: int) -> list[str]:
+    """One combination on every rank (``got[rank]``: ``weights``, ``losses``, ``eval``,
+    ``skipped``) against ``reference(...)``: no skipped step, each rank's weights and losses the
+    reference's, the same losses on every rank, every layer on some rank, and the eval loss the
+    reference model's on the next step's batches."""
+    failures = []
+    whole = {}
+    for rank, mine in enumerate(got):
+        assert mine["skipped"] == 0
+        whole.update(mine["weights"])
+        failures += compare(f"{what} rank {rank}", mine["weights"], mine["losses"], ref)
+        if mine["losses"] != got[0]["losses"] or mine["eval"] != got[0]["eval"]:
+            failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
+    assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
+    with torch.no_grad():
+        want = float(torch.stack([nn.functional.mse_loss(ref["model"](x), y)
+                                  for rank in batches(dp, steps=STEPS + 1)[STEPS] for x, y in rank]).mean())
+    if not abs(got[0]["eval"] - want) <= 1e-6 * want:
+        failures.append(f"{what}: eval loss {got[0]['eval']} != reference {want}")
     return failures

@@ -25,15 +25,15 @@ from torch import nn
 
 from tests.pipeline import mlp
 from tests.pipeline.mlp import HIDDEN, M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
+from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ, head as _head, lm_loss as _lm_loss, mix as _mix
+from tests.pipeline.tied_lm import optimizer as _tied_optimizer
 from zerotrain.testing import run_on_ranks
 
 LAYERS, CLIP, V = 8, 0.05, 2
 
 
 def _config(dp: int, stage: int, schedule: str, m: int = M, **pipeline) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
-            "train_batch_size": MICRO * m * dp, "zero_optimization": {"stage": stage},
-            "gradient_clipping": CLIP, "pipeline": {"schedule": schedule, **pipeline}}
+    return mlp.config(dp, stage, schedule, CLIP, m, **pipeline)
 
 
 def _layers() -> list[nn.Module]:
@@ -60,13 +60,9 @@ def _train(combos: list) -> dict:
         extra = {"activation_checkpoint_interval": interval[0], "use_reentrant": False} if interval else {}
         engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
                                           config=_config(dp, stage, schedule, virtual_stages=V, **extra))
-        rank = engine.topology.data_rank
-        losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
-        eval_batches = _batches(dp, steps=STEPS + 1)[STEPS][rank]
         out[combo] = {
-            "losses": losses, "layers": list(model._local_layers), "skipped": engine.skipped_steps,
+            **mlp.train_and_eval(engine, dp), "layers": list(model._local_layers), "skipped": engine.skipped_steps,
             "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-            "eval": float(engine.eval_batch(iter(eval_batches))),
             "checkpointed": [model._checkpointable_blocks(*model._chunk_ranges[c]) for c in range(V)]
             if interval else None}
         engine.destroy()
@@ -80,25 +76,13 @@ def _check(results: list, dp: int) -> list[str]:
         ref = _reference(dp, optimizer)
         assert min(ref["norms"]) > CLIP, "clipping must be active at every step"
         what = f"D={dp} V={V} stage {stage} {optimizer} {schedule} checkpoint interval {interval}"
-        whole = {}
         for rank, res in enumerate(results):
             got = res[combo]
             pipe_rank = rank // dp  # the topology's pipe axis is outermost
             assert got["layers"] == [pipe_rank * 2, pipe_rank * 2 + 1, 4 + pipe_rank * 2, 5 + pipe_rank * 2]
-            assert got["skipped"] == 0
             # with an interval of 1 every layer of each chunk (2 Linear) is its own checkpoint
             assert got["checkpointed"] == ([[True, True]] * V if interval else None)
-            whole.update(got["weights"])
-            failures += mlp.compare(f"{what} rank {rank}", got["weights"], got["losses"], ref)
-            if got["losses"] != results[0][combo]["losses"] or got["eval"] != results[0][combo]["eval"]:
-                failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
-        assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
-        with torch.no_grad():
-            batches = _batches(dp, steps=STEPS + 1)[STEPS]
-            want = float(torch.stack([nn.functional.mse_loss(ref["model"](x), y)
-                                      for rank in batches for x, y in rank]).mean())
-        if not abs(results[0][combo]["eval"] - want) <= 1e-6 * want:
-            failures.append(f"{what}: eval loss {results[0][combo]['eval']} != reference {want}")
+        failures += mlp.check_replicas(what, [res[combo] for res in results], ref, dp)
     return failures
 
 
@@ -175,21 +159,6 @@ def test_zero_bubble_bf16_fp32_accumulation_within_bounds():
 
 
 # -- a tied embedding in three virtual stages -----------------------------------------------
-VOCAB, WIDTH, SEQ, TIED_LR = 11, 8, 5, 0.2
-
-
-def _head(embedding, x):
-    return x @ embedding.weight.t()
-
-
-def _mix(embedding, x):
-    return torch.tanh(x @ embedding.weight.t()) @ embedding.weight
-
-
-def _lm_loss(logits, labels):
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
 def _tied_specs():
     """8 layers, 4 virtual stages of 2: the embedding runs at layer 0 (rank 0, chunk 0), 4 (rank
     0, chunk 1, through ``_mix``) and 7 (rank 1, chunk 1, the head)."""
@@ -221,7 +190,7 @@ def _tied_reference(dp: int) -> dict:
     embed = layers[0]
     named = {f"tied_modules.embed.{n}": p for n, p in embed.named_parameters()}
     named.update({f"{i}.{n}": p for i, layer in layers.items() if i != 0 for n, p in layer.named_parameters()})
-    opt = torch.optim.SGD(list(named.values()), lr=TIED_LR, momentum=0.9)
+    opt = _tied_optimizer(list(named.values()))
     norms = []
     for step in _tied_batches(dp):
         for rank in step:
@@ -248,7 +217,7 @@ def _train_tied(stages: list) -> dict:
                                seed_layers=True, base_seed=1234, virtual_stages=V)
         dp = model.mpu().get_data_parallel_world_size()
         engine, *_ = zerotrain.initialize(
-            model=model, optimizer=lambda p: torch.optim.SGD(p, lr=TIED_LR, momentum=0.9),
+            model=model, optimizer=_tied_optimizer,
             config=_config(dp, stage, "interleaved_1f1b"))
         rank = engine.topology.data_rank
         tied = []
@@ -265,14 +234,9 @@ def test_tied_embedding_across_chunks_matches_single_process():
     ref = _tied_reference(dp=1)
     failures = []
     for stage in (0, 1, 2):
-        for step in range(STEPS):
-            if not torch.equal(results[0][stage]["tied"][step], results[1][stage]["tied"][step]):
-                failures.append(f"stage {stage} step {step}: the embedding's copies differ")
+        failures += copies_differ(f"stage {stage}", [res[stage]["tied"] for res in results])
         for rank, res in enumerate(results):
-            for name, value in res[stage]["weights"].items():
-                err = float((value - ref[name]).norm() / ref[name].norm())
-                if not err <= 1e-6:
-                    failures.append(f"stage {stage} rank {rank}: {name} relative error {err:.2e}")
+            failures += mlp.compare_weights(f"stage {stage} rank {rank}", res[stage]["weights"], ref)
         assert sorted(set(results[0][stage]["weights"]) | set(results[1][stage]["weights"])) == sorted(ref)
     assert not failures, "\n".join(failures)
 

@@ -25,15 +25,15 @@ from torch import nn
 
 from tests.pipeline import mlp
 from tests.pipeline.mlp import M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
+from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ, head as _head, lm_loss as _lm_loss, mix as _mix
+from tests.pipeline.tied_lm import optimizer as _tied_optimizer
 from zerotrain.testing import run_on_ranks
 
 LAYERS, CLIP = 8, 0.05
 
 
 def _config(dp: int, stage: int, schedule: str, m: int = M) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
-            "train_batch_size": MICRO * m * dp, "zero_optimization": {"stage": stage},
-            "gradient_clipping": CLIP, "pipeline": {"schedule": schedule}}
+    return mlp.config(dp, stage, schedule, CLIP, m)
 
 
 def _module(virtual: int = 2, layout: str = "v", layers=None, **kwargs):
@@ -60,11 +60,9 @@ def _train(combos: list) -> dict:
         dp = model.mpu().get_data_parallel_world_size()
         engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
                                           config=_config(dp, stage, schedule))
-        rank = engine.topology.data_rank
-        losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
-        out[combo] = {"losses": losses, "layers": list(model._local_layers), "skipped": engine.skipped_steps,
-                      "ends": (engine.is_first_stage(), engine.is_last_stage()), "weights": _weights(engine),
-                      "eval": float(engine.eval_batch(iter(_batches(dp, steps=STEPS + 1)[STEPS][rank])))}
+        out[combo] = {**mlp.train_and_eval(engine, dp), "layers": list(model._local_layers),
+                      "skipped": engine.skipped_steps, "ends": (engine.is_first_stage(), engine.is_last_stage()),
+                      "weights": _weights(engine)}
         engine.destroy()
     return out
 
@@ -76,23 +74,12 @@ def _check(results: list, dp: int) -> list[str]:
         ref = mlp.reference(mlp.layers(LAYERS), dp, optimizer, CLIP)
         assert min(ref["norms"]) > CLIP, "clipping must be active at every step"
         what = f"D={dp} {schedule} ZeRO {stage} {optimizer}"
-        whole = {}
         for rank, res in enumerate(results):
             got = res[combo]
             pipe_rank = rank // dp  # the topology's pipe axis is outermost
             assert got["layers"] == ([0, 1, 6, 7] if pipe_rank == 0 else [2, 3, 4, 5]), (what, got["layers"])
             assert got["ends"] == ((True, True) if pipe_rank == 0 else (False, False)), (what, got["ends"])
-            assert got["skipped"] == 0
-            whole.update(got["weights"])
-            failures += mlp.compare(f"{what} rank {rank}", got["weights"], got["losses"], ref)
-            if got["losses"] != results[0][combo]["losses"] or got["eval"] != results[0][combo]["eval"]:
-                failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
-        assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
-        with torch.no_grad():
-            want = float(torch.stack([nn.functional.mse_loss(ref["model"](x), y)
-                                      for rank in _batches(dp, steps=STEPS + 1)[STEPS] for x, y in rank]).mean())
-        if not abs(results[0][combo]["eval"] - want) <= 1e-6 * want:
-            failures.append(f"{what}: eval loss {results[0][combo]['eval']} != reference {want}")
+        failures += mlp.check_replicas(what, [res[combo] for res in results], ref, dp)
     return failures
 
 
@@ -116,21 +103,6 @@ def test_vshape_two_replicas_match_single_process():
 
 
 # -- a tied embedding: first and last stage on rank 0, once more on rank 1 --------------------
-VOCAB, WIDTH, SEQ, TIED_LR = 11, 8, 5, 0.2
-
-
-def _head(embedding, x):
-    return x @ embedding.weight.t()
-
-
-def _mix(embedding, x):
-    return torch.tanh(x @ embedding.weight.t()) @ embedding.weight
-
-
-def _lm_loss(logits, labels):
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
 def _tied_specs(middle: bool = True):
     """Virtual stages of 2 layers: [0, 1] rank 0, [2, 3] rank 1, [4, 5] rank 1, [6, 7] rank 0;
     the embedding runs at layers 0, 7 (the head) and, with ``middle``, 4 (``_mix``; else a
@@ -172,7 +144,7 @@ def _tied_reference(middle: bool) -> dict:
             run.append(layer)
         else:
             run.append(spec)
-    opt = torch.optim.SGD(list(named.values()), lr=TIED_LR, momentum=0.9)
+    opt = _tied_optimizer(list(named.values()))
     norms = []
     for step in _tied_batches():
         for ids, labels in step:
@@ -197,7 +169,7 @@ def _train_tied(combos: list) -> dict:
         model = _module(layout=layout, layers=_tied_specs(middle), loss_fn=_lm_loss, seed_layers=True,
                         base_seed=1234)
         engine, *_ = zerotrain.initialize(
-            model=model, optimizer=lambda p: torch.optim.SGD(p, lr=TIED_LR, momentum=0.9),
+            model=model, optimizer=_tied_optimizer,
             config=_config(1, stage, schedule))
         tied = []
         for step in _tied_batches():
@@ -224,17 +196,12 @@ def test_tied_embedding_in_a_v_matches_single_process():
         ref = _tied_reference(middle)
         if middle:
             assert results[0][combo]["tied_ranks"] == results[1][combo]["tied_ranks"] == [0, 1]
-            for step in range(STEPS):
-                if not torch.equal(results[0][combo]["tied"][step], results[1][combo]["tied"][step]):
-                    failures.append(f"{combo} step {step}: the embedding's copies differ")
+            failures += copies_differ(f"{combo}", [res[combo]["tied"] for res in results])
         else:
             assert results[0][combo]["tied_ranks"] == [0] and results[1][combo]["tied_ranks"] is None
             assert "tied_modules.embed.weight" not in results[1][combo]["weights"]
         for rank, res in enumerate(results):
-            for name, value in res[combo]["weights"].items():
-                err = float((value - ref[name]).norm() / ref[name].norm())
-                if not err <= 1e-6:
-                    failures.append(f"{combo} rank {rank}: {name} relative error {err:.2e}")
+            failures += mlp.compare_weights(f"{combo} rank {rank}", res[combo]["weights"], ref)
         assert sorted(set(results[0][combo]["weights"]) | set(results[1][combo]["weights"])) == sorted(ref)
     assert not failures, "\n".join(failures)
 
