@@ -34,32 +34,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int, hidden: int, seq: int):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, hidden)
-        self.positions = nn.Embedding(seq, hidden)
-        self.norm = nn.LayerNorm(hidden)
-
-    def forward(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.norm(self.tokens(ids) + self.positions(pos))
-
-
-class Head(nn.Module):
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.dense = nn.Linear(hidden, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.out = nn.Linear(hidden, vocab)
-
-    def forward(self, x):
-        return self.out(self.norm(nn.functional.gelu(self.dense(x))))
-
-
-def _loss(logits, labels):
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+# The encoder's first and last layers (random init, no per-layer seed) are pipeline_vs_deepspeed.py's.
+from pipeline_vs_deepspeed import Embed, Head, loss_fn  # noqa: E402
 
 
 def _layers(args) -> list:
@@ -77,7 +53,7 @@ def _run(args, pipe: int, m: int) -> dict:
 
     zerotrain.init_distributed()
     torch.manual_seed(0)
-    model = PipelineModule(_layers(args), num_stages=pipe, loss_fn=_loss,
+    model = PipelineModule(_layers(args), num_stages=pipe, loss_fn=loss_fn,
                            partition_method="type:TransformerEncoderLayer")
     config = {"train_micro_batch_size_per_gpu": args.batch // m, "gradient_accumulation_steps": m,
               "train_batch_size": args.batch, "steps_per_print": 10**6,

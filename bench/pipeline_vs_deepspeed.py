@@ -60,10 +60,16 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 
 
-# -- the model (importable without zerotrain: DeepSpeed's venv runs this file too) ------------------
+# -- the model (importable without zerotrain: DeepSpeed's venv runs this file too; --------------
+# -- bench/pipeline_bubble.py builds its encoder's ends from Embed and Head too, without seeds) ----
+def _seed(seed: int | None) -> None:
+    if seed is not None:  # each layer's init from its own seed: same weights whoever builds it
+        torch.manual_seed(seed)
+
+
 class Embed(nn.Module):
-    def __init__(self, vocab: int, hidden: int, seq: int, seed: int):
-        torch.manual_seed(seed)  # each layer's init from its own seed: same weights whoever builds it
+    def __init__(self, vocab: int, hidden: int, seq: int, seed: int | None = None):
+        _seed(seed)
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.positions = nn.Embedding(seq, hidden)
@@ -81,8 +87,8 @@ class Block(nn.TransformerEncoderLayer):
 
 
 class Head(nn.Module):
-    def __init__(self, vocab: int, hidden: int, seed: int):
-        torch.manual_seed(seed)
+    def __init__(self, vocab: int, hidden: int, seed: int | None = None):
+        _seed(seed)
         super().__init__()
         self.dense = nn.Linear(hidden, hidden)
         self.norm = nn.LayerNorm(hidden)
