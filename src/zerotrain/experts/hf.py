@@ -24,7 +24,7 @@ unsharded model loads); ``shard_expert_state_dict`` slices a full one for the sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -184,14 +184,20 @@ def gather_expert_state_dict(model: nn.Module) -> Dict[str, Tensor]:
         return _with_whole_experts(model, state)
 
 
-def _with_whole_experts(model: nn.Module, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+def _sharded_expert_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str, _ExpertShard]]:
+    """``(state dict key, module, parameter name, shard)`` of every sharded expert parameter, in
+    module order (the order every rank gathers them in)."""
     for name, module in model.named_modules():
         shard = _shard_of(module)
         if shard is None:
             continue
         for pname in shard.param_names:
-            key = f"{name}.{pname}" if name else pname
-            state[key] = _gather_rows(getattr(module, pname), shard)
+            yield (f"{name}.{pname}" if name else pname), module, pname, shard
+
+
+def _with_whole_experts(model: nn.Module, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    for key, module, pname, shard in _sharded_expert_params(model):
+        state[key] = _gather_rows(getattr(module, pname), shard)
     return state
 
 
@@ -199,17 +205,12 @@ def shard_expert_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> 
     """A full (unsharded) state dict cut to this rank's experts: ``model.load_state_dict`` of an
     expert-parallel ``model`` takes the result."""
     state = dict(full_state)
-    for name, module in model.named_modules():
-        shard = _shard_of(module)
-        if shard is None:
+    for key, _, _, shard in _sharded_expert_params(model):
+        if key not in state:
             continue
-        for pname in shard.param_names:
-            key = f"{name}.{pname}" if name else pname
-            if key not in state:
-                continue
-            rows = state[key]
-            if rows.shape[0] != shard.num_experts:
-                raise ValueError(f"shard_expert_state_dict: {key} has {rows.shape[0]} experts, the model "
-                                 f"{shard.num_experts}; pass the full (unsharded) state dict")
-            state[key] = rows[shard.first:shard.first + shard.num_local_experts]
+        rows = state[key]
+        if rows.shape[0] != shard.num_experts:
+            raise ValueError(f"shard_expert_state_dict: {key} has {rows.shape[0]} experts, the model "
+                             f"{shard.num_experts}; pass the full (unsharded) state dict")
+        state[key] = rows[shard.first:shard.first + shard.num_local_experts]
     return state
