@@ -33,9 +33,9 @@ def results(tmp_path_factory):
     # a neutral folder name: the message must not pass by quoting it
     flipped = root / "flipped_bit"
     shutil.copytree(root / "universal1", flipped)
-    data = bytearray((flipped / "global_step5" / shard_file(1)).read_bytes())
+    data = bytearray((flipped / f"global_step{runs.STEPS}" / shard_file(1)).read_bytes())
     data[-5] ^= 0x40  # one flipped bit in rank 1's optimizer state (same size: only the sha256 tells)
-    (flipped / "global_step5" / shard_file(1)).write_bytes(bytes(data))
+    (flipped / f"global_step{runs.STEPS}" / shard_file(1)).write_bytes(bytes(data))
     single = run_on_ranks(runs.single_rank_loads, 1, args=(str(root), str(killed), str(flipped)), timeout=300)
     four = run_on_ranks(runs.four_rank_loads, 4, args=(str(root),), timeout=300)
     return {"root": root, "saved": saved, "loaded": loaded, "killed": killed_state,
@@ -50,7 +50,7 @@ def _assert_same_weights(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("stage, precision", runs.EXACT)
 def test_resume_is_bit_identical(results, stage, precision):
-    """Train 5, save, train 5 -- and in fresh processes load and train 5: same losses, weights,
+    """Train STEPS, save, train STEPS -- and in fresh processes load and train STEPS: same losses, weights,
     counters, loss scale, LR and random stream, on every rank."""
     for rank in (0, 1):
         want = results["saved"][rank][(stage, precision)]
@@ -87,7 +87,7 @@ def test_reload_on_other_world_sizes_and_stages(results):
 
 def test_fp32_checkpoint_into_bf16_keeps_exact_masters(results):
     saved = results["saved"][0]["universal1"]
-    # the checkpoint holds the weights at step 5; recover them by consolidation
+    # the checkpoint holds the weights at step STEPS; recover them by consolidation
     state = _fp32(results["root"] / "universal1")
     for rank in (0, 1):
         for (name, start), master in results["loaded"][rank]["fp32->bf16"]["masters"].items():
@@ -126,7 +126,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(results):
 
 def test_flipped_byte_is_reported_with_the_file_name(results):
     message = results["single"]["corrupt"]  # runs.single_rank_loads' key; the folder is flipped_bit
-    path = results["root"] / "flipped_bit" / "global_step5" / shard_file(1)
+    path = results["root"] / "flipped_bit" / f"global_step{runs.STEPS}" / shard_file(1)
     assert message == (f"{path} is corrupt: its sha256 does not match the one recorded in "
                        "metadata.json"), message
 
@@ -224,8 +224,8 @@ def test_missing_or_damaged_latest_is_an_error(tmp_path, results):
 def test_truncated_file_is_reported_with_its_name(tmp_path, results):
     copy = tmp_path / "c"
     shutil.copytree(results["root"] / "universal1", copy)
-    path = copy / "global_step5" / shard_file(0)
+    path = copy / f"global_step{runs.STEPS}" / shard_file(0)
     path.write_bytes(path.read_bytes()[:-100])
-    reader = CheckpointReader(copy / "global_step5")
+    reader = CheckpointReader(copy / f"global_step{runs.STEPS}")
     with pytest.raises(CheckpointError, match=f"{shard_file(0)} is .* bytes, the checkpoint recorded"):
         reader.read(reader.meta["units"][0]["params"][0][0], "param")
