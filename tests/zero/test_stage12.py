@@ -10,7 +10,8 @@ import torch
 from tests.engine.workloads import LR, adamw_config, assert_close_trajectory, global_batches, make_model, train_steps
 from zerotrain.testing import run_on_ranks
 
-STEPS = 20
+STEPS = 8  # a sharding bug shows from the first step on; the trajectory and weights must match at every one
+BUCKET = 6000  # reduce_bucket_size of the variants' group (several buckets, chunked large parameters)
 
 
 def _model_and_params(variant: str):
@@ -85,7 +86,7 @@ _RUNS: dict[int, list] = {}
 def _variant_results(world: int, variant: str) -> list:
     """Each rank's result for ``variant``; all variants of a world size run once, together."""
     if world not in _RUNS:
-        _RUNS[world] = run_on_ranks(_train_variants, world, args=(VARIANTS_BY_WORLD[world], 6000),
+        _RUNS[world] = run_on_ranks(_train_variants, world, args=(VARIANTS_BY_WORLD[world], BUCKET),
                                     timeout=600)
     return [rank[variant] for rank in _RUNS[world]]
 
@@ -97,7 +98,7 @@ def test_stages_1_and_2_reproduce_stage_0(variant, world):
         ref = rank_result[0]
         for stage in (1, 2):
             assert_close_trajectory(rank_result[stage]["losses"], ref["losses"])
-            # The weights after 20 steps: bit-identical on 2 ranks (next test). On 4 ranks the
+            # The weights after STEPS steps: bit-identical on 2 ranks (next test). On 4 ranks the
             # reductions add in another order than stage 0's all-reduce; Adam's normalised step
             # turns those last-bit differences into a few % of one step on near-zero gradients
             # (lr is 1e-3, 3e-3 for the biases of "groups"): bounded by 5e-5 absolute.
@@ -133,9 +134,8 @@ def _padded_shard(numel: int, world: int, align: int = 4) -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_per_rank_matches_formula(world):
-    bucket = 6000
-    results = run_on_ranks(_train_stages, world, args=("plain",),
-                           kwargs={"bucket": bucket, "steps": 1})
+    bucket = BUCKET
+    results = _variant_results(world, "plain")  # measured after the variants' group's training
     for r in results:
         s0, s1, s2 = r[0], r[1], r[2]
         p = s0["trainable"]
