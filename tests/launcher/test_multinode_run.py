@@ -25,6 +25,8 @@ import time
 import psutil
 import pytest
 
+from tests.launcher.reference import run_script_on_ranks
+
 SSHD = "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(not (os.path.exists(SSHD) and shutil.which("ssh")),
                                 reason="needs openssh-server and openssh-client (apt-get install openssh-server)")
@@ -140,10 +142,11 @@ def records(out) -> list[dict]:
 
 
 def single_node_losses(job) -> list[list[float]]:
+    """The same script on 2 ranks of one process group on this machine (run_on_ranks: the
+    reference needs no launcher)."""
     (job / "single").mkdir()
-    result = launch("--nproc", "2", "--master_port", str(_free_port()), "train.py", "--deepspeed_config", "ds.json",
-                    "--out", "single")
-    assert result.returncode == 0, result.stderr
+    run_script_on_ranks("train.py", "--deepspeed_config", "ds.json", "--out", "single", cwd=job,
+                        env={"GLOO_SOCKET_IFNAME": "lo"})
     return [r["losses"] for r in records(job / "single")]
 
 
