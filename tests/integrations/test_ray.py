@@ -13,6 +13,10 @@ import pytest
 # network address); read when ray is imported, so set first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # and the workers' gloo traffic too
+# Ray Train's controller looks at its workers every 2 s by default: each start, finish and failure
+# here waited up to that long to be noticed. (Read by the controller actor, which Ray Train gives
+# the driver's value of this variable.)
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 pytest.importorskip("ray.train", reason="needs Ray Train: pip install 'zerotrain[ray]' (CI installs it)")
 
 import ray  # noqa: E402
