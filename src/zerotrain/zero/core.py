@@ -26,12 +26,13 @@ from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero import nvme, registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
-from zerotrain.zero.init import is_partitioned, materialize
+from zerotrain.zero.init import full_numel, is_partitioned, materialize
 from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
 from zerotrain.zero.partition import FlatParamUnit, outside_optimizer
+from zerotrain.zero.persistent import merge_persistent
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm, split_by_reduction
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.stage3 import ParameterCoordinator
@@ -88,6 +89,11 @@ class ZeroStage(StageInterface):
         # ``reduce_group_of(param)``: a ``UnitReduction`` for parameters reduced over another
         # group than the data group (or with another divide factor); units never mix them.
         plan, plan_specs, plan_counted = split_by_reduction(plan, reduce_group_of, group)
+        persistent = [False] * len(plan)  # stage 3: small units stay whole, merged (zero/persistent.py)
+        if strategy.partitions_parameters:
+            plan, plan_specs, plan_counted, persistent = merge_persistent(
+                plan, plan_specs, plan_counted, options.param_persistence_threshold,
+                options.unit_numel, full_numel)
         self._mixed_groups = any(spec is not None for spec in plan_specs)
         name_of = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -108,7 +114,7 @@ class ZeroStage(StageInterface):
                                                          self.disk_activity, plan_specs)
             unit_specs, unit_counted = {}, {}
             unit_groups: dict[int, object] = {}  # unit index -> the group it is sharded over
-            for (g, params), spec, counted in zip(plan, plan_specs, plan_counted):  # one unit at a time:
+            for (g, params), spec, counted, whole in zip(plan, plan_specs, plan_counted, persistent):  # one unit at a time:
                 # with zero.Init only one is ever whole
                 for p in params:
                     if is_partitioned(p):
@@ -128,7 +134,7 @@ class ZeroStage(StageInterface):
                     self.offload.swapper.add_unit(unit, master)  # written out; not kept
                 else:
                     unit.master = master
-                if strategy.partitions_parameters and unit.numel >= options.param_persistence_threshold:
+                if strategy.partitions_parameters and not whole:
                     unit.reshard()
                 unit.cast(precision.param_dtype)
                 if unit.resharded:  # offload_param: the shard lives in host memory

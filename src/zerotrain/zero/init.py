@@ -78,6 +78,12 @@ def is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, _SHARD)
 
 
+def full_numel(param: torch.Tensor) -> int:
+    """``param``'s element count whole (an ``Init``-partitioned placeholder holds none)."""
+    layout = getattr(param, _LAYOUT, None)
+    return layout.numel if is_partitioned(param) and layout is not None else param.numel()
+
+
 def partitioning_of(param: torch.Tensor) -> Partitioning | None:
     """How ``Init`` partitioned ``param`` (also while it is gathered whole), or None."""
     return getattr(param, _PARTITIONING, None)
