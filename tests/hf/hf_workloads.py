@@ -229,14 +229,6 @@ def zerotrain_trainer_runs(out_dir: str) -> dict:
     return result
 
 
-def zerotrain_trainer_groups(out_dir: str, offload_dir: str, model_dir: str, untied_dir: str) -> dict:
-    """Both of tests/hf/test_trainer.py's zerotrain groups on the ranks of one spawn (each rank
-    imports transformers and accelerate once): ``zerotrain_trainer_runs`` then
-    ``zerotrain_trainer_offload_runs``."""
-    return {"runs": zerotrain_trainer_runs(out_dir),
-            "offload": zerotrain_trainer_offload_runs(offload_dir, model_dir, untied_dir)}
-
-
 def train_causal_lm(engine, batches, micro: int) -> list[float]:
     """One optimizer step per global batch of ``batches`` (``[steps, world * micro, seq]`` token
     ids; this rank takes its ``micro`` rows, labels = inputs); each step's loss averaged over

@@ -8,13 +8,13 @@ order fp32 sums are formed (two ranks' gradients averaged by one all-reduce vs o
 which moves the loss by a few ulp per step (~1e-7 relative) over these 4 steps. A real bug (a
 missing average, wrong GA scaling, a lost update) moves it by > 1e-3.
 
-The same 2-rank group (one spawn: each rank imports transformers once) then runs seed 002's flow
-at ZeRO-3 with CPU offload of optimizer and parameters, "auto" values, TrainingArguments created
-before the model (from_config / from_pretrained then build it partitioned), the Trainer's own
-AdamW and schedule, in fp32 and fp16, plus transformers' resize_token_embeddings on the
-partitioned model (issue 29 items 1-3, 16). bf16 is not run: transformers refuses
-TrainingArguments(bf16=True) without a bf16 GPU unless use_cpu=True, and use_cpu turns its
-DeepSpeed path off (accelerate's bf16 is covered by tests/hf/test_accelerate.py).
+A second 2-rank group runs seed 002's flow at ZeRO-3 with CPU offload of optimizer and
+parameters, "auto" values, TrainingArguments created before the model (from_config /
+from_pretrained then build it partitioned), the Trainer's own AdamW and schedule, in fp32 and
+fp16, plus transformers' resize_token_embeddings on the partitioned model (issue 29 items 1-3,
+16). bf16 is not run: transformers refuses TrainingArguments(bf16=True) without a bf16 GPU
+unless use_cpu=True, and use_cpu turns its DeepSpeed path off (accelerate's bf16 is covered by
+tests/hf/test_accelerate.py).
 """
 
 from __future__ import annotations
@@ -27,30 +27,18 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 from tests.hf.hf_workloads import (GAS, MICRO, STEPS, TINY_GPT2, WORLD, make_model,  # noqa: E402
-                                   plain_reference, zerotrain_trainer_groups)
+                                   plain_reference, zerotrain_trainer_offload_runs, zerotrain_trainer_runs)
 from zerotrain.testing import run_on_ranks  # noqa: E402
 
 REL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """The plain reference (1 rank), then both zerotrain groups' cases in one 2-rank spawn."""
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer")
-    offload_root = tmp_path_factory.mktemp("hf_trainer_offload")
-    make_model(seed=0).save_pretrained(offload_root / "model")  # the plain reference's initial weights
-    make_model(seed=3, tie_word_embeddings=False).save_pretrained(offload_root / "untied")
     reference = run_on_ranks(plain_reference, world_size=1, args=(str(root / "plain"),), timeout=240)[0]
-    ranks = run_on_ranks(zerotrain_trainer_groups, world_size=WORLD,
-                         args=(str(root), str(offload_root / "run"), str(offload_root / "model"),
-                               str(offload_root / "untied")), timeout=480)
-    return {"runs": (root, reference, [r["runs"] for r in ranks]),
-            "offload": (offload_root, [r["offload"] for r in ranks])}
-
-
-@pytest.fixture(scope="module")
-def runs(groups):
-    return groups["runs"]
+    ranks = run_on_ranks(zerotrain_trainer_runs, world_size=WORLD, args=(str(root),), timeout=240)
+    return root, reference, ranks
 
 
 def test_trainer_runs_zerotrain_engine_with_auto_values_filled(runs):
@@ -116,8 +104,13 @@ def test_hf_deepspeed_config_before_from_pretrained_loads_partitioned(runs):
 
 
 @pytest.fixture(scope="module")
-def offload_runs(groups):
-    return groups["offload"]
+def offload_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_trainer_offload")
+    make_model(seed=0).save_pretrained(root / "model")  # the plain reference's initial weights
+    make_model(seed=3, tie_word_embeddings=False).save_pretrained(root / "untied")
+    ranks = run_on_ranks(zerotrain_trainer_offload_runs, world_size=WORLD,
+                         args=(str(root / "run"), str(root / "model"), str(root / "untied")), timeout=300)
+    return root, ranks
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
