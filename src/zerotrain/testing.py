@@ -59,9 +59,11 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, env, results):
 def _context():
     """Ranks start from a fork server that has already imported torch and zerotrain, so each
     rank starts in milliseconds instead of re-importing torch. The server never runs torch ops
-    (no thread pools exist when it forks), which keeps forking safe."""
+    (no thread pools exist when it forks), which keeps forking safe. ``torch._dynamo`` too: the
+    first optimizer a rank builds imports it (~1 CPU-s a rank); importing it starts no thread."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotrain.engine", "zerotrain.zero"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotrain.engine",
+                                "zerotrain.zero"])
     return ctx
 
 
