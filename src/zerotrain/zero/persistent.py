@@ -25,7 +25,16 @@ def merge_persistent(plan: Sequence[tuple], specs: Sequence, counted: Sequence[b
     A merged unit takes the place of its last member: reductions launch strictly in plan order,
     and a merged unit is complete only when its last member's gradients are (placed at its first
     member, it would hold back every unit after it, and those units' gathered parameters, to the
-    end of backward). Units that differ in group, reduction or norm flag never mix."""
+    end of backward). Units that differ in group, reduction or norm flag never mix.
+
+    A merged unit holds at most an eighth of the model (and ``unit_numel``): its reduction is
+    what frees its full gradients and, under ``memory_release: "eager"``, hands backward's freed
+    memory back (once per eighth of the model reduced). A model whose every unit is under the
+    threshold, merged into one unit, reduced nothing until the end of backward and kept the
+    whole backward's freed recomputed activations resident (12 small GPT-2 blocks with
+    activation checkpointing: +20-60 MiB of peak per step)."""
+    total = sum(numel_of(p) for _, params in plan for p in params)
+    unit_numel = max(1, min(unit_numel, total // 8))
     entries = []  # [position, (group, params), spec, counted, whole]
     open_units: dict[tuple, tuple[list, int]] = {}  # (group, reduction, counted) -> (entry, numel)
     for position, ((g, params), spec, count) in enumerate(zip(plan, specs, counted)):
