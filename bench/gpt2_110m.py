@@ -232,7 +232,9 @@ def worker(args) -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
         Path(profile_to).write_text(text.getvalue())
-        host_per_step = _host_work(pstats.Stats(profiler), len(batches) - 1)
+        from host_work import host_work
+
+        host_per_step = host_work(pstats.Stats(profiler), len(batches) - 1)
     record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "cpu_s": cpu_s, "faults": faults,
               "phase_faults": phase_faults, "gc_s": gc_per_step,
               "phase_s": phase_s, "rss_mib": rss,
@@ -247,39 +249,6 @@ def worker(args) -> None:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
     dist.destroy_process_group()
-
-
-# Issue 33's per-step host breakdown (from BENCH_CPROFILE's profile of rank 0): what each part
-# costs a step, by (file suffix or "~" for built-ins, function name) matches.
-HOST_WORK = {
-    "collectives": [("zerotrain/comm/collectives.py", n) for n in
-                    ("all_gather_into", "reduce_scatter_into", "all_reduce", "broadcast")]
-                   + [("torch/distributed/distributed_c10d.py", n) for n in
-                      ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")],
-    "gloo sends+recvs": [("~", "<built-in method torch._C._distributed_c10d.send>"),
-                         ("~", "<built-in method torch._C._distributed_c10d.recv>")],
-    "waits": [("~", "<built-in method torch._C._distributed_c10d.wait>"),
-              ("~", "<method 'wait' of 'torch._C._distributed_c10d.Work' objects>")],
-    "stage-3 hooks": [("zerotrain/zero/stage3.py", n) for n in
-                      ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "on_access")],
-    "gradient hooks": [("zerotrain/zero/gradient_buckets.py", "_on_grad_ready"),
-                       ("zerotrain/zero/stage0.py", "_on_grad_ready")],
-    "narrow/view": [("~", "<method 'narrow' of 'torch._C.TensorBase' objects>"),
-                    ("~", "<method 'view' of 'torch._C.TensorBase' objects>")],
-    "malloc_trim": [("zerotrain/memory_release.py", "release_freed_memory")],
-}
-
-
-def _host_work(stats, steps: int) -> dict:
-    """{part: (calls per step, own seconds per step, cumulative seconds per step)} of HOST_WORK."""
-    out = {}
-    for part, names in HOST_WORK.items():
-        calls = own = cum = 0.0
-        for (path, _, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-            if any(func == n and (path == f or path.endswith(f)) for f, n in names):
-                calls, own, cum = calls + ncalls, own + tottime, cum + cumtime
-        out[part] = (calls / steps, own / steps, cum / steps)
-    return out
 
 
 class _GcTimer:
@@ -523,12 +492,9 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
     print("\nforward / backward / optimizer step s (median of steps 2.., rank 0): " + "; ".join(
         f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
         for k, reps in runs.items()))
-    profiled = {k: reps[0][0]["host_per_step"] for k, reps in runs.items() if reps[0][0].get("host_per_step")}
-    if profiled:
-        print("\nhost work per step (BENCH_CPROFILE, rank 0; calls / own ms / cumulative ms):")
-        for k, parts in profiled.items():
-            print(f"  {k}: " + "; ".join(f"{part} {c:.0f} / {o * 1e3:.1f} / {cu * 1e3:.1f}"
-                                         for part, (c, o, cu) in parts.items()))
+    from host_work import describe_host_work
+
+    describe_host_work({k: reps[0][0].get("host_per_step") for k, reps in runs.items()})
     print("\ngarbage collector s per step, generations 0 / 1 / 2 (mean of steps 2.., rank 0): " + "; ".join(
         f"{k} " + " / ".join(f"{statistics.mean([g[j] for g in reps[0][0]['gc_s'][1:]]):.3f}" for j in range(3))
         for k, reps in runs.items()))

@@ -82,7 +82,12 @@ class MOELayer(nn.Module):
         return self.ep_size > 1
 
     def _clock(self, start: float) -> float:
-        return (time.perf_counter() - start) * 1000.0 if self.wall_clock_breakdown else 0.0
+        return self._ms(time.perf_counter() - start)
+
+    def _ms(self, seconds: float) -> float:
+        """An all-to-all's time for DeepSpeed's ``time_falltoall``/``time_salltoall`` (ms; 0 when
+        ``wall_clock_breakdown`` is off)."""
+        return seconds * 1000.0 if self.wall_clock_breakdown else 0.0
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
         began = time.perf_counter()
@@ -163,8 +168,7 @@ class MOELayer(nn.Module):
         group = self.ep_group if self._exchanges() else None
         done = dropless_exchange([send], experts, num_experts, self.ep_size, group, run_local_experts)
         if done.dispatch_s is not None:
-            self.time_falltoall = done.dispatch_s * 1000.0 if self.wall_clock_breakdown else 0.0
-            self.time_salltoall = done.combine_s * 1000.0 if self.wall_clock_breakdown else 0.0
+            self.time_falltoall, self.time_salltoall = self._ms(done.dispatch_s), self._ms(done.combine_s)
         out = done.out
         row_of_route = torch.full_like(flat, -1)
         row_of_route[route_of_row] = torch.arange(route_of_row.numel(), device=x.device)

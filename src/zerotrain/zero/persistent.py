@@ -33,12 +33,11 @@ def merge_persistent(plan: Sequence[tuple], specs: Sequence, counted: Sequence[b
     threshold, merged into one unit, reduced nothing until the end of backward and kept the
     whole backward's freed recomputed activations resident (12 small GPT-2 blocks with
     activation checkpointing: +20-60 MiB of peak per step)."""
-    total = sum(numel_of(p) for _, params in plan for p in params)
-    unit_numel = max(1, min(unit_numel, total // 8))
+    numels = [sum(numel_of(p) for p in params) for _, params in plan]
+    unit_numel = max(1, min(unit_numel, sum(numels) // 8))
     entries = []  # [position, (group, params), spec, counted, whole]
     open_units: dict[tuple, tuple[list, int]] = {}  # (group, reduction, counted) -> (entry, numel)
-    for position, ((g, params), spec, count) in enumerate(zip(plan, specs, counted)):
-        numel = sum(numel_of(p) for p in params)
+    for position, ((g, params), spec, count, numel) in enumerate(zip(plan, specs, counted, numels)):
         if numel >= threshold or not params:
             entries.append([position, (g, list(params)), spec, count, False])
             continue
