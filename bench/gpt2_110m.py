@@ -13,7 +13,9 @@ Random init (torch.manual_seed(0)), 2 gloo ranks, OMP_NUM_THREADS=1, the config'
 `{"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": true}}`,
 gradient_clipping 0.0, DeepSpeed's defaults for everything else; fp32 (and bf16 at stage 3).
 Each system is its own process pair — DDP and FSDP2 (`fully_shard` per block, then the root)
-under `torchrun`, zerotrain under `zerotrain launch`, DeepSpeed under torchrun with the
+under `torchrun`, zerotrain under `zerotrain launch` (which preloads tcmalloc into CPU ranks when
+it is installed: `SYSTEM:ZEROTRAIN_ALLOCATOR=system` keeps glibc; `ddp:LD_PRELOAD=...` gives DDP
+tcmalloc; each row names the allocator its ranks ran on), DeepSpeed under torchrun with the
 interpreter given by --deepspeed-python (a venv with deepspeed; the ds* systems are skipped
 without it) — run one after another, alternating across repeats. zerotrain and DeepSpeed stage 3
 build the model under their `zero.Init`. Every system then initialises the weights the same way (`init_weights`),
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -244,7 +247,7 @@ def worker(args) -> None:
               "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
               "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
               "malloc_in_use_at_phase_peak_mib": sampler.in_use_at_peak if sampler else None,
-              "host_per_step": host_per_step}
+              "host_per_step": host_per_step, "allocator": _allocator_in_use()}
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
@@ -346,12 +349,28 @@ def _live_bytes(b: dict) -> int:
     return total + int(b.get("peak_gathered_parameters", 0))
 
 
+def _allocator_in_use() -> str:
+    """The C allocator this process runs on, from its memory maps (zerotrain launch preloads
+    tcmalloc on CPU ranks by default: src/zerotrain/launcher/allocator.py)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return next((name for name in ("tcmalloc", "jemalloc", "mimalloc") if f"lib{name}" in maps), "glibc")
+
+
 # -- driver --------------------------------------------------------------------------------
 def system(key: str) -> tuple[str, str, int, str, dict]:
     """A --systems entry: a SYSTEMS key, optionally followed by ``:VAR=VALUE`` environment
-    settings for that system's processes (e.g. ``zt1:ZEROTRAIN_MALLOC_TUNING=0``)."""
-    name, *settings = key.split(":")
+    settings for that system's processes (e.g. ``zt1:ZEROTRAIN_MALLOC_TUNING=0``). A value may
+    hold colons itself (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2``): a
+    piece that does not start with ``NAME=`` continues the previous value."""
+    name, *pieces = key.split(":")
     label, mode, stage, dtype = SYSTEMS[name]
+    settings: list[str] = []
+    for piece in pieces:
+        if settings and not re.match(r"[A-Z_][A-Z0-9_]*=", piece):
+            settings[-1] += ":" + piece
+        else:
+            settings.append(piece)
     env = dict(s.split("=", 1) for s in settings)
     if env:
         label += " (" + " ".join(f"{k}={v}" for k, v in env.items()) + ")"
@@ -449,7 +468,7 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
         recs = reps[0]
         rss_steps = [max(r["rss_mib"][i] for r in recs) for i in range(len(recs[0]["rss_mib"]))]
         live = max((r["peak_live_bytes"] or 0) for r in recs) / MIB
-        rows[k] = {"label": system(k)[0], "peak_rss_mib": peak, "step_s": step, "cpu_s": cpu,
+        rows[k] = {"label": system(k)[0] + f" [{recs[0].get('allocator', '?')}]", "peak_rss_mib": peak, "step_s": step, "cpu_s": cpu,
                    "peak_by_rank": [r["peak_rss_mib"] for r in recs],
                    "rss_steps_mib": rss_steps, "losses": recs[0]["losses"],
                    "live_mib": live, "rss_at_mib": recs[0]["rss_at_mib"],

@@ -4,7 +4,10 @@ glibc's malloc keeps freed heap memory for reuse; when full-size temporaries (a 
 parameters during ``zero.Init``, gathered units) alternate with long-lived shards, the freed gaps
 pile up and the resident size grows past what is held. ``malloc_trim(0)`` returns free pages,
 including those in the middle of the heap. Elsewhere (other C libraries, non-Linux) this is a
-no-op.
+no-op, and so it is under tcmalloc, which ``zerotrain launch`` preloads into CPU ranks when it is
+installed (launcher/allocator.py): tcmalloc reuses freed blocks by size class, so its heap
+neither fragments like glibc's nor needs handing back, and glibc's calls reach glibc's own,
+unused heap.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, NoReturn
 
 from zerotrain import __version__
+from zerotrain.launcher.allocator import ALLOCATORS
 
 if TYPE_CHECKING:
     from zerotrain.launcher.launch import LaunchOptions
@@ -80,6 +81,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bind_core_list", metavar="CORES",
         help="the cores to share out, e.g. 0,2-5 (default: one thread of every core this process may "
              "use); implies --bind_cores_to_rank")
+    add("--allocator", choices=ALLOCATORS, default=None,
+        help="the ranks' host memory allocator: tcmalloc (preloaded), system (glibc's malloc), or auto "
+             "(default, or $ZEROTRAIN_ALLOCATOR): tcmalloc when the ranks run on the CPU and it is "
+             "installed")
     multinode = parser.add_argument_group("multi-node options (DeepSpeed's spelling)")
     node = multinode.add_argument
     node("-H", "--hostfile", help="file of 'HOST slots=N' lines (default: /job/hostfile when it exists)")

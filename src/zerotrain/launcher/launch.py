@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from zerotrain.launcher import affinity, ports
+from zerotrain.launcher import affinity, allocator, ports
 from zerotrain.launcher.node_lifetime import node_lifetime
 from zerotrain.launcher.errors import LaunchError, failure_exit_code, format_failure_report
 
@@ -80,6 +80,8 @@ class LaunchOptions:
             connection to this node ended).
         pid_file: write the agent's pid here while it runs (the pdsh launcher's stop command
             reads it).
+        allocator: the ranks' host allocator, ``auto``/``tcmalloc``/``system``; None means
+            ``ZEROTRAIN_ALLOCATOR``, else ``auto`` (launcher/allocator.py).
     """
 
     script: str
@@ -103,6 +105,7 @@ class LaunchOptions:
     node_name: str | None = None
     stop_on_stdin_eof: bool = False
     pid_file: str | None = None
+    allocator: str | None = None
 
 
 class _RecordingLogsSpecs(DefaultLogsSpecs):
@@ -138,6 +141,11 @@ def default_nproc() -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return 1
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available()) or torch.cuda.is_available()
 
 
 def _cpu_count() -> int:
@@ -299,7 +307,8 @@ def launch_local(opts: LaunchOptions) -> int:
 
         get_accelerator().set_visible_devices_envs(os.environ, opts.devices)
     quiet_agent_bookkeeping()
-    with _log_root(opts.log_dir) as log_root, node_lifetime(opts):
+    with allocator.for_ranks(opts.allocator, not _has_accelerator(), note), \
+            _log_root(opts.log_dir) as log_root, node_lifetime(opts):
         return _run_with_port_retry(opts, nproc, master_port, log_root, bind_cores)
 
 
