@@ -3,6 +3,9 @@
 #   bash tests/gpu/device_check.sh [bench systems] [bench steps]
 # 1. the tests marked gpu (tests/gpu: stages 0-3 x fp32/bf16/fp16 x accumulation x SGD/AdamW,
 #    offload, checkpoints, activation checkpointing), 2. the 110M GPT-2 bench on one device.
+# The pipeline and expert benches (bench/pipeline_vs_deepspeed.py, bench/moe_dispatch.py) need a
+# rank per device and at least two ranks (NCCL gives each rank its own GPU), so they are not
+# part of this one-GPU script. On GPUs the launcher's --allocator auto keeps glibc's malloc.
 # Logs go to $OUT (default /tmp/zerotrain-gpu). Wheels in .whl/ (packages the machine lacks,
 # e.g. pydantic) are installed to /tmp/site first; a deepspeed package folder in .dspkg/ adds
 # the DeepSpeed systems to the bench. Both are prepared here and ignored by git, e.g.:
