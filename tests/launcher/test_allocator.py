@@ -107,8 +107,8 @@ def test_ranks_run_on_the_chosen_allocator(tmp_path, flag, loaded):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     if not flag:  # auto: tcmalloc only where the ranks compute on the CPU
-        from zerotrain.launcher.launch import _has_accelerator
-        loaded = not _has_accelerator()
+        from zerotrain.launcher.launch import _ranks_on_cpu
+        loaded = _ranks_on_cpu()
     records = [json.loads((tmp_path / f"alloc{r}.json").read_text()) for r in (0, 1)]
     assert records == [{"tcmalloc": loaded}] * 2
     assert ("ranks allocate host memory with tcmalloc" in result.stderr) == loaded
@@ -139,3 +139,16 @@ def test_every_node_agent_is_given_the_choice(monkeypatch, tmp_path):
     plain = multinode_cli._plan(cli.build_parser().parse_args(
         ["launch", "--master_addr", "10.0.0.1", "train.py"]), "ssh", ["node-a", "node-b"], None)
     assert "--allocator" not in plain.agent_flags
+
+
+def test_auto_follows_the_ranks_accelerator(monkeypatch):
+    """``auto`` asks the accelerator the ranks will pick; a bad choice is one line naming it."""
+    from zerotrain.launcher.launch import _ranks_on_cpu
+
+    monkeypatch.setenv("ZEROTRAIN_ACCELERATOR", "cpu")
+    assert _ranks_on_cpu()
+    monkeypatch.setenv("ZEROTRAIN_ACCELERATOR", "cuda")
+    assert not _ranks_on_cpu()
+    monkeypatch.setenv("ZEROTRAIN_ACCELERATOR", "tpu")
+    with pytest.raises(LaunchError, match="ZEROTRAIN_ACCELERATOR"):
+        _ranks_on_cpu()

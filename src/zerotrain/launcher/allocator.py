@@ -10,7 +10,8 @@ tcmalloc keeps freed memory in size classes it reuses as they are, so neither ha
 the same way, by default.
 
 - ``auto`` (the default; ``ZEROTRAIN_ALLOCATOR`` overrides it): tcmalloc when the ranks compute on
-  the CPU (no accelerator is visible) and the library is installed, else the system's;
+  the CPU (their accelerator, ``zerotrain.accelerator.get_accelerator()``, is the CPU: no CUDA
+  device, or ``ZEROTRAIN_ACCELERATOR=cpu``) and the library is installed, else the system's;
 - ``tcmalloc``: tcmalloc, or a one-line error saying how to install it;
 - ``system``: nothing preloaded.
 

@@ -143,9 +143,15 @@ def default_nproc() -> int:
     return 1
 
 
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    return bool(accelerator is not None and accelerator.is_available()) or torch.cuda.is_available()
+def _ranks_on_cpu() -> bool:
+    """Whether the ranks will compute on the CPU: the accelerator they pick (``get_accelerator``:
+    ``ZEROTRAIN_ACCELERATOR``/``DS_ACCELERATOR``, else CUDA when available) is the CPU."""
+    from zerotrain.accelerator import get_accelerator
+
+    try:
+        return get_accelerator().name == "cpu"
+    except ValueError as err:  # a bad ZEROTRAIN_ACCELERATOR: one line, before any rank starts
+        raise LaunchError("ZEROTRAIN_ACCELERATOR", str(err)) from None
 
 
 def _cpu_count() -> int:
@@ -307,7 +313,7 @@ def launch_local(opts: LaunchOptions) -> int:
 
         get_accelerator().set_visible_devices_envs(os.environ, opts.devices)
     quiet_agent_bookkeeping()
-    with allocator.for_ranks(opts.allocator, not _has_accelerator(), note), \
+    with allocator.for_ranks(opts.allocator, _ranks_on_cpu(), note), \
             _log_root(opts.log_dir) as log_root, node_lifetime(opts):
         return _run_with_port_retry(opts, nproc, master_port, log_root, bind_cores)
 
