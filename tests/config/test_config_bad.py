@@ -272,7 +272,7 @@ def test_out_of_range_through_a_json_file(tmp_path, config, world_size, field, f
     _check_message(info.value, field, fragment)
 
 
-def test_the_issues_three_configs_through_initialize():
+def test_the_issues_three_configs_through_initialize(in_process_rank):
     # The exact reports: each used to be accepted (or raise IndexError) inside zerotrain.initialize.
     for config, field in [(_opt(betas=[0.9]), "optimizer.params.betas"),
                           (_fp16(initial_scale_power=1000), "fp16.initial_scale_power"),

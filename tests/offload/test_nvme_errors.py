@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from zerotrain.comm.distributed import free_port
 from zerotrain.offload import OffloadError, SwapFileError
 
 
@@ -40,10 +41,8 @@ def _step(engine):
 
 
 @pytest.fixture(autouse=True)
-def _one_rank(monkeypatch):
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(29500 + os.getpid() % 1000)}.items():
-        monkeypatch.setenv(key, value)
+def _one_rank(in_process_rank):
+    """Every test here runs its engines in the pytest process (tests/conftest.py)."""
 
 
 def test_path_errors_name_the_path_and_the_fix(tmp_path):
@@ -142,7 +141,7 @@ def test_peak_rss_is_bounded_and_swap_files_go_when_the_process_fails(tmp_path):
     """The acceptance check of issue 17: optimizer state, parameters and gradients on NVMe keep
     the peak RSS under a formula far below the training state (here 4.2x below)."""
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(32000 + os.getpid() % 1000)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     run = subprocess.run([sys.executable, "-c", _RSS_CHILD.replace("@PATH@", repr(str(tmp_path)))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode != 0 and "the training script fails" in run.stderr, run.stderr[-3000:]

@@ -156,15 +156,12 @@ def test_nvme_swap_files_live_while_training_and_go_after(runs):
     assert _swap_files(str(nvme)) == []
 
 
-def test_nvme_checkpoints_resume_bit_identically_and_reshard(runs, monkeypatch):
+def test_nvme_checkpoints_resume_bit_identically_and_reshard(runs, in_process_rank):
     """Saved with optimizer state and parameters on NVMe on 2 ranks: resumed with and without
     offload (and the other way round) bit-identically; loaded on 1 rank (here, in-process)."""
     import zerotrain
 
     results, nvme, checkpoints = runs
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(30500 + os.getpid() % 1000)}.items():
-        monkeypatch.setenv(key, value)
     zerotrain.init_distributed()
     single = checkpoint_cases.load_on_one_rank(str(checkpoints), str(nvme))
     checkpoint_cases.check([r["checkpoint"] for r in results], single, nvme)
