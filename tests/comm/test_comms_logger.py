@@ -194,7 +194,8 @@ def _logged_stage3_step():
     return {"summary": summary,
             "partitioned": sum(u.layout.padded_numel for u in units if u.resharded),
             "persistent": sum(u.layout.padded_numel for u in units if not u.resharded),
-            "wte": wte_unit.layout.padded_numel}
+            "wte": wte_unit.layout.padded_numel,
+            "wpe": zerotrain.zero.registry.unit_of(model.wpe.weight).layout.padded_numel}
 
 
 def test_stage3_gathers_each_unit_for_forward_and_backward():
@@ -202,7 +203,10 @@ def test_stage3_gathers_each_unit_for_forward_and_backward():
         s = out["summary"]
         # Every unit's gradients are reduce-scattered once, partitioned or not.
         assert _bytes(s, "reduce_scatter_tensor") == 4 * (out["partitioned"] + out["persistent"])
-        # Partitioned units are gathered for forward and again for backward; the tied embedding
-        # once more, when lm_head reads it in forward; persistent units after the step.
-        expected = 2 * out["partitioned"] + out["wte"] + out["persistent"]
+        # Partitioned units are gathered for forward and again for backward, but the position
+        # embedding's (its backward reads ids only); the tied embedding once more, when lm_head
+        # reads it in forward; persistent units after the step. (This first step records the
+        # orders: later steps keep lm_head's unit from forward into backward,
+        # tests/zero/test_stage3_gathers_saved.py.)
+        expected = 2 * out["partitioned"] - out["wpe"] + out["wte"] + out["persistent"]
         assert _bytes(s, "all_gather_into_tensor") == 4 * expected

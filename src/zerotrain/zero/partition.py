@@ -263,6 +263,12 @@ class FlatParamUnit:
         return collectives.all_gather_into(self.flat, shard, group=group, async_op=True,
                                            identity=identity)
 
+    def attach(self, buffer: torch.Tensor) -> None:
+        """Point the module parameters at ``buffer`` as it is, unfilled (stage 3: a storage of 0
+        bytes gives them their shapes for a backward that reads no weights)."""
+        self.flat = buffer
+        self._point_params_at(buffer)
+
     def finish_gather(self) -> None:
         """After the gather has completed: point the module parameters at the full buffer."""
         self._point_params_at(self.flat)
