@@ -144,7 +144,7 @@ def _order(schedule: str, m: int, stage: int, p: int = 2) -> list[str]:
     return kinds
 
 
-def _check_timeline(schedule: str, m: int, results: list) -> dict:
+def _check_timeline(schedule: str, m: int, results: list, comm_events: list) -> dict:
     bubble = results[0][(schedule, m)]["bubble"]
     events = [tl.PipelineEvent(*e) for e in results[0][(schedule, m)]["events"]]
     for res in results[1:]:  # every stage holds the same gathered timeline
@@ -163,8 +163,12 @@ def _check_timeline(schedule: str, m: int, results: list) -> dict:
         for a, b in zip(everything, everything[1:]):
             assert a.start <= a.end <= b.start <= b.end, (schedule, m, s, a, b)
         assert all(0.0 <= e.start <= e.end <= duration for e in everything), (schedule, m, s)
-        # between the stages: stage 1 receives every micro-batch's activations, stage 0 every gradient
-        assert len(comm) >= 1, (schedule, m, s, everything)
+        # between the stages: stage 1 receives every micro-batch's activations, stage 0 every
+        # gradient. Whether a given stage's waits leave comm is timing: a receive can find its
+        # data already there, and a wait shorter than the stages' clock skew (the barrier's
+        # exit; longer on a loaded machine, as with two test files at a time) leaves none.
+        # test_timeline_p2 counts them over every run.
+        comm_events[0] += len(comm)
         other = [e for e in events if e.stage != s and e.kind in tl.COMPUTE]
         for c in comm:  # the other stage's computation had ended: no end of one falls inside
             assert not [e for e in other if c.start < e.end < c.end], (c, other)
@@ -172,7 +176,7 @@ def _check_timeline(schedule: str, m: int, results: list) -> dict:
         busy = sum(e.end - e.start for e in mine)
         assert row["busy"] == pytest.approx(busy, rel=1e-12, abs=1e-12)
         assert row["comm"] == pytest.approx(sum(e.end - e.start for e in comm), rel=1e-12, abs=1e-12)
-        assert row["comm"] > 0.0
+        assert (row["comm"] > 0.0) == bool(comm)
         assert row["weight"] == 0.0  # no weight steps: full backwards
         assert row["forward"] + row["backward"] == pytest.approx(busy, rel=1e-12)
         assert row["idle"] == pytest.approx(duration - row["busy"] - row["comm"], rel=1e-12, abs=1e-12)
@@ -219,8 +223,9 @@ def test_timeline_p2(tmp_path):
     for res in results:  # the timeline wraps torch's p2p wait while on; destroy() gives it back
         assert res[("1f1b", 4)]["wait_wrapped"] and not res[("1f1b", 4)]["wait_wrapped_after_destroy"]
         assert not res["off"]["wait_wrapped"]
+    comm_events = [0]
     for schedule, m in (("1f1b", 4), ("gpipe", 4), ("gpipe", 1)):
-        bubble = _check_timeline(schedule, m, results)
+        bubble = _check_timeline(schedule, m, results, comm_events)
         steps = 3 if m == 1 else 2
         for res in results:
             _check_lines(res[(schedule, m)]["lines"], m, steps, first=res[(schedule, m)]["stage"] == 0)
@@ -233,6 +238,7 @@ def test_timeline_p2(tmp_path):
                 assert not_busy >= others / duration - 1e-9, (s, rows)
             mean = sum(r["idle_share"] + r["comm_share"] for r in rows) / 2
             assert mean >= tl.ideal_bubble(2, 1) - 1e-9, rows
+    assert comm_events[0] > 0  # the waits on the neighbour's transfers are recorded as comm
     # The last stage's loss is part of its forward (a lower bound: the loss sleeps).
     forwards = [tl.PipelineEvent(*e) for e in results[0][("gpipe", 4)]["events"]]
     assert all(e.end - e.start >= LOSS_SLEEP for e in forwards if e.stage == 1 and e.kind == "forward")
