@@ -59,6 +59,11 @@ class FlatParamUnit:
         return self.layout.numel
 
     @property
+    def shard_rank(self) -> int:
+        """This rank's index among the ranks the unit is sharded over (whose shard it keeps)."""
+        return self._rank
+
+    @property
     def trained(self) -> bool:
         return self.group is not None
 

@@ -9,6 +9,11 @@ base) as soon as the gradients with respect to its module's inputs are computed,
 module's backward is over, unless another module call uses it too (tied weights, a module called
 twice), which keeps it until the end of backward.
 
+Three gathers are left out: the unit backward starts with stays gathered from the end of forward
+(the output layer's); an embedding's backward reads ids, not weights, so its unit gets shaped
+parameters over 0 bytes instead; and an embedding alone in its unit looks its rows up from the
+shards while that moves less than its table (zero/embedding_lookup.py).
+
 Parameters used outside their own module (tied weights, ``other.weight`` in a forward) are caught
 where they are read: each module's ``_parameters`` dict gathers a released parameter on access
 during a forward pass.
@@ -29,6 +34,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerotrain.memory_release import ReleasePolicy
+from zerotrain.zero import embedding_lookup
+from zerotrain.zero.embedding_lookup import reads_no_weights
 from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
 
@@ -163,6 +170,12 @@ class ParameterCoordinator:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._root = module
+        # Embeddings alone in their unit look their rows up from the shards while that moves
+        # less than the table; their forward is the lookup's until close().
+        self._lookups = embedding_lookup.Lookups(
+            {m: own[0] for m, own in self._module_units.items()
+             if len(own) == 1 and own[0] not in self._unit_groups},
+            self.group_of, self._attach_empty)
 
     # -- gathering ----------------------------------------------------------------------
     def fetch(self, unit: FlatParamUnit) -> None:
@@ -343,7 +356,8 @@ class ParameterCoordinator:
         self._stack.append((module, set(own)))
         for unit in own:
             self._note_call(unit)
-            self._use(unit)
+            if module not in self._lookups:  # its forward gathers or looks up
+                self._use(unit)
 
     def _post_forward(self, module: nn.Module, args, kwargs, output):
         _, used = self._stack.pop()
@@ -433,7 +447,7 @@ class ParameterCoordinator:
                 self.pool_drops += 1
             self.memory_release.before_backward()
         for unit in units:
-            if _needs_no_weights(module) and (unit in self._hollow or self._hollow_out(unit)):
+            if reads_no_weights(module) and (unit in self._hollow or self._hollow_out(unit)):
                 continue
             self._use(unit, prefetch=not peak_start)
 
@@ -445,8 +459,15 @@ class ParameterCoordinator:
         vocabulary: the model's largest unit)."""
         users = self._users.get(unit, ())
         if (unit.gathered or unit in self._inflight or unit in self._keep_whole or not users
-                or not all(_needs_no_weights(m) for m in users)):
+                or not all(reads_no_weights(m) for m in users)):
             return False
+        self._attach_empty(unit)
+        self._hollow.add(unit)
+        self.hollowed += 1
+        return True
+
+    def _attach_empty(self, unit: FlatParamUnit) -> None:
+        """Give a released unit's parameters their shapes over its own storage, holding 0 bytes."""
         # Views need the memory to exist when made: allocated untouched and handed back at
         # once, no page is written.
         storage = self._own_storage.get(unit)
@@ -457,9 +478,6 @@ class ParameterCoordinator:
         unit.attach(storage)
         storage.untyped_storage().resize_(0)
         self.live_numel += unit.layout.padded_numel  # what release() takes off; holds no memory
-        self._hollow.add(unit)
-        self.hollowed += 1
-        return True
 
     def _module_backward_done(self, units, module: nn.Module) -> None:
         """``module``'s backward is over: a tied unit whose users still to come in this backward
@@ -468,7 +486,7 @@ class ParameterCoordinator:
             done = self._done.setdefault(unit, set())
             done.add(module)
             rest = [m for m in self._users.get(unit, ()) if m not in done]
-            if (rest and all(_needs_no_weights(m) for m in rest) and unit.gathered
+            if (rest and all(reads_no_weights(m) for m in rest) and unit.gathered
                     and unit not in self._inflight and unit not in self._keep_whole
                     and self._own_storage.get(unit) is unit.flat and unit not in self._hollow):
                 unit.flat.untyped_storage().resize_(0)
@@ -501,6 +519,7 @@ class ParameterCoordinator:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._lookups.restore()
         for unit in self.units:
             self.fetch(unit)
             with torch.no_grad():
@@ -537,11 +556,6 @@ def _before_backward_of(tensors, hook) -> None:
     leaves = [t for t in tensors if t.grad_fn is None]  # outputs that are leaf tensors
     if leaves:
         register_multi_grad_hook(leaves, once, mode="any")
-
-
-def _needs_no_weights(module: nn.Module) -> bool:
-    """Modules whose backward reads no parameter values: ``nn.Embedding`` with its own forward."""
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
 
 
 def _key(buf: torch.Tensor) -> tuple:
