@@ -23,10 +23,10 @@ def make_model(seed: int = 0, **overrides) -> GPT:
     return GPT(GPTConfig(**{**TINY, **overrides}))
 
 
-def global_batches(steps: int, global_batch: int, seed: int = 1) -> torch.Tensor:
-    """``[steps, global_batch, SEQ]`` random token ids."""
+def global_batches(steps: int, global_batch: int, seed: int = 1, vocab: int = TINY["vocab_size"]) -> torch.Tensor:
+    """``[steps, global_batch, SEQ]`` random token ids below ``vocab``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY["vocab_size"], (steps, global_batch, SEQ), generator=g)
+    return torch.randint(0, vocab, (steps, global_batch, SEQ), generator=g)
 
 
 def adamw_config(micro: int, gas: int = 1, clip: float = 0.0, **extra) -> dict:
@@ -101,6 +101,23 @@ def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0,
         losses.append(loss.item())
     return {"losses": losses, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def reference_run(steps: int, global_batch: int, optimizer: dict, **model_kwargs) -> tuple[list, dict]:
+    """Single-process fp32 training on the full global batch with ``optimizer`` (a config's
+    ``{"type": ..., "params": ...}``, by its torch.optim name): each step's loss and the final
+    state dict (a tied weight under each of its names, as ``engine.module_state_dict()``)."""
+    model = make_model(**model_kwargs)
+    opt = getattr(torch.optim, optimizer["type"])(model.parameters(), **optimizer["params"])
+    data = global_batches(steps, global_batch, vocab=model_kwargs.get("vocab_size", TINY["vocab_size"]))
+    losses = []
+    for step in range(steps):
+        loss = model(data[step], labels=data[step]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.state_dict().items()}
 
 
 def assert_close_trajectory(got: list[float], want: list[float], rtol: float = 1e-5) -> None:

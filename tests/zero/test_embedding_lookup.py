@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tests.engine.workloads import reference_run
 from zerotrain.testing import run_on_ranks
 
 STEPS = 3
@@ -66,7 +67,7 @@ def _ranks():
             engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
                 2, zero_optimization=zero, optimizer=OPTIMIZERS[name]))
             wte = engine._zero.coordinator._unit_of[id(model.wte.weight)]
-            data = global_batches(STEPS, 2 * world) % vocab
+            data = global_batches(STEPS, 2 * world, vocab=vocab)
             losses, wte_gathers = [], []
             for step in range(STEPS):
                 batch = data[step, rank * 2:rank * 2 + 2]
@@ -143,22 +144,6 @@ def _padded_batches(world):
     return ids
 
 
-def _reference(vocab, tied, optimizer, world):
-    from tests.engine.workloads import global_batches, make_model
-
-    model = make_model(vocab_size=vocab, tie_word_embeddings=tied)
-    opt = getattr(torch.optim, optimizer["type"])(model.parameters(), **optimizer["params"])
-    data = global_batches(STEPS, 2 * world) % vocab
-    losses = []
-    for step in range(STEPS):
-        loss = model(data[step], labels=data[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 def _padded_reference(world):
     model = _Padded()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -187,7 +172,7 @@ def test_embedding_rows_are_looked_up_from_the_shards():
             # the second step); the untied embedding's table is never gathered.
             want = [["forward", "backward"]] + [["forward"]] * (STEPS - 1) if tied else [[]] * STEPS
             assert run["wte_gathers"] == want, (vocab, tied, name, run["wte_gathers"])
-            losses, params = _reference(vocab, tied, OPTIMIZERS[name], 2)
+            losses, params = reference_run(STEPS, 4, OPTIMIZERS[name], vocab_size=vocab, tie_word_embeddings=tied)
             _close(run["losses"], losses)
             if rank == 0:  # the consolidated state dict is rank 0's
                 assert params.keys() == run["params"].keys() and params

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.engine.workloads import reference_run
 from zerotrain.testing import run_on_ranks
 
 STEPS = 3
@@ -102,23 +103,6 @@ def _evaluate_then_load(engine, batch, ckpt_dir):
     return at_save, after_load
 
 
-def _reference(tied: bool, optimizer: dict, world: int):
-    from tests.engine.workloads import global_batches, make_model
-
-    model = make_model(tie_word_embeddings=tied)
-    kind = getattr(torch.optim, optimizer["type"])
-    opt = kind(model.parameters(), **optimizer["params"])
-    data = global_batches(STEPS, 2 * world)
-    losses = []
-    for step in range(STEPS):
-        loss = model(data[step], labels=data[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.state_dict().items()}
-
-
 def test_the_first_unit_of_backward_stays_gathered_from_forward(tmp_path):
     results = run_on_ranks(_train, 2, args=(str(tmp_path),))
     for rank, rank_result in enumerate(results):
@@ -149,7 +133,7 @@ def test_the_first_unit_of_backward_stays_gathered_from_forward(tmp_path):
             assert all(held == [head] for held in run["held_after_forward"][1:])
             assert run["gathered_after_step"] == 0
 
-            losses, params = _reference(tied, OPTIMIZERS[name], 2)
+            losses, params = reference_run(STEPS, 4, OPTIMIZERS[name], tie_word_embeddings=tied)
             for got, want in zip(run["losses"], losses):
                 assert abs(got - want) <= 1e-5 * abs(want), (tied, name, run["losses"], losses)
             if rank > 0:
