@@ -35,10 +35,13 @@ def reads_no_weights(module: nn.Module) -> bool:
 class Lookups:
     """The embeddings a stage-3 coordinator looks up from the shards, ``{module: its unit}``:
     their forward is ``forward`` below until ``restore()``. ``group_of(unit)``: the group the
-    unit is sharded over; ``attach_empty(unit)``: give its parameters their shapes over 0 bytes."""
+    unit is sharded over; ``attach_empty(unit)``: give its parameters their shapes over 0 bytes;
+    ``identity_of(unit)``: what a gather of the unit is called (``collectives.Identity``, or
+    None), which the count exchange carries, so a rank that skipped the embedding (a
+    rank-dependent branch) is named as for a gather."""
 
-    def __init__(self, candidates: dict, group_of, attach_empty):
-        self._group_of, self._attach_empty = group_of, attach_empty
+    def __init__(self, candidates: dict, group_of, attach_empty, identity_of):
+        self._group_of, self._attach_empty, self._identity_of = group_of, attach_empty, identity_of
         self.units = {m: unit for m, unit in candidates.items()
                       if reads_no_weights(m) and "forward" not in vars(m)}
         self._patched = list(self.units)
@@ -51,7 +54,7 @@ class Lookups:
     def forward(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         unit = self.units.get(module)
         if unit is not None and eligible(module, unit):  # alike on every rank
-            counts = token_counts(ids, unit, self._group_of(unit))
+            counts = token_counts(ids, unit, self._group_of(unit), self._identity_of(unit))
             if worthwhile(counts, unit):
                 self._attach_empty(unit)
                 return lookup(module, ids, unit, counts, self._group_of(unit))
@@ -79,10 +82,11 @@ def eligible(module: nn.Module, unit) -> bool:
         and unit.device == unit.layout.device
 
 
-def token_counts(ids: torch.Tensor, unit, group) -> list[int]:
+def token_counts(ids: torch.Tensor, unit, group, identity=None) -> list[int]:
     """Every rank's number of token ids (ranks may differ: the last batch, other lengths)."""
     counts = torch.zeros(unit.layout.world_size, dtype=torch.long, device=ids.device)
-    collectives.all_gather_into(counts, torch.tensor([ids.numel()], device=ids.device), group=group)
+    collectives.all_gather_into(counts, torch.tensor([ids.numel()], device=ids.device), group=group,
+                                identity=identity)
     return counts.tolist()
 
 

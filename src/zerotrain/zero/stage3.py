@@ -175,7 +175,7 @@ class ParameterCoordinator:
         self._lookups = embedding_lookup.Lookups(
             {m: own[0] for m, own in self._module_units.items()
              if len(own) == 1 and own[0] not in self._unit_groups},
-            self.group_of, self._attach_empty)
+            self.group_of, self._attach_empty, self._identity)
 
     # -- gathering ----------------------------------------------------------------------
     def fetch(self, unit: FlatParamUnit) -> None:
