@@ -1,12 +1,12 @@
 """Stage 3's embedding lookup from the shards: an ``nn.Embedding`` whose table is one partitioned
 unit looks its rows up where they live instead of all-gathering the whole table.
 
-Every rank gathers every rank's token ids (a few KB), copies the rows, or parts of rows, that
+Every rank gathers every rank's token ids (8 bytes a token), copies the rows, or parts of rows, that
 fall in its own shard of the flat table into a zeroed ``[ranks x tokens, width]`` buffer, and
 a reduce-scatter sums those buffers and hands each rank its own tokens' rows. Every element is
 owned by exactly one rank, so the sum adds zeros only: the result is the table's rows, bit for
 bit. It moves ``ranks x tokens x width`` elements instead of the table (GPT-2's tied 50257 x 768
-embedding against 2 x 2048 x 768 for two ranks of 4 x 512 tokens: 9x less), and is used only
+embedding against 2 x 2048 x 768 for two ranks of 4 x 512 tokens: 12x less), and is used only
 while that stays under a quarter of the table; larger batches gather the table as before.
 
 Backward reads no weights: the gradient is the table's dense gradient, accumulated against the
