@@ -42,8 +42,7 @@ class Lookups:
 
     def __init__(self, candidates: dict, group_of, attach_empty, identity_of):
         self._group_of, self._attach_empty, self._identity_of = group_of, attach_empty, identity_of
-        self.units = {m: unit for m, unit in candidates.items()
-                      if reads_no_weights(m) and "forward" not in vars(m)}
+        self.units = {m: unit for m, unit in candidates.items() if _plain_table(m, unit)}
         self._patched = list(self.units)
         for m in self._patched:
             m.forward = functools.partial(self.forward, m)
@@ -53,7 +52,7 @@ class Lookups:
 
     def forward(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         unit = self.units.get(module)
-        if unit is not None and eligible(module, unit):  # alike on every rank
+        if unit is not None and eligible(unit):  # alike on every rank
             counts = token_counts(ids, unit, self._group_of(unit), self._identity_of(unit))
             if worthwhile(counts, unit):
                 self._attach_empty(unit)
@@ -71,15 +70,18 @@ class Lookups:
         self.units, self._patched = {}, []
 
 
-def eligible(module: nn.Module, unit) -> bool:
-    """A plain ``nn.Embedding`` (its own forward, no ``max_norm`` renormalising the table in
-    place, dense gradients) that is alone in a resharded unit whose shard is in memory on the
-    device it computes on."""
-    return type(module).forward is nn.Embedding.forward \
-        and module.max_norm is None and not module.sparse \
-        and len(unit.params) == 1 and unit.params[0] is module._parameters.get("weight") \
-        and unit.resharded and unit.param_swapper is None \
-        and unit.device == unit.layout.device
+def _plain_table(module: nn.Module, unit) -> bool:
+    """An ``nn.Embedding`` with its own forward (no other forward installed on it), no
+    ``max_norm`` renormalising the table in place, dense gradients, alone in its unit."""
+    return (reads_no_weights(module) and "forward" not in vars(module) and module.max_norm is None
+            and not module.sparse and len(unit.params) == 1
+            and unit.params[0] is module._parameters.get("weight"))
+
+
+def eligible(unit) -> bool:
+    """The unit is resharded, and its shard in memory on the device it computes on (not on
+    NVMe, not offloaded to the host): known once the stage is built, so checked at a forward."""
+    return unit.resharded and unit.param_swapper is None and unit.device == unit.layout.device
 
 
 def token_counts(ids: torch.Tensor, unit, group, identity=None) -> list[int]:
