@@ -4,6 +4,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from zerotrain.config import ConfigError, fill_auto, fill_from_training_args, load_config
 
@@ -128,3 +129,63 @@ def test_fill_auto_understands_both_stage3_spellings():
 def test_auto_inside_unimplemented_sections_is_not_an_error():
     cfg = load_config({"train_batch_size": 4, "expert_parallel": {"enabled": False, "top_k": "auto"}})
     assert cfg.expert_parallel == {"enabled": False, "top_k": "auto"}
+
+
+def _gpt2(dtype=None):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=48, n_head=2, vocab_size=64,
+                                                                 n_positions=16))
+    return model.to(dtype) if dtype is not None else model
+
+
+def test_unfilled_auto_resolves_from_the_model_and_defaults():
+    from zerotrain.config.auto import resolve_unfilled_auto
+
+    resolved, lines = resolve_unfilled_auto(AUTO_CONFIG, _gpt2(torch.bfloat16))
+    zero = resolved["zero_optimization"]
+    # transformers' rules from the hidden size (48), the precision from the parameters' dtype
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["param_persistence_threshold"]) == (48 * 48, int(0.9 * 48 * 48), 480)
+    assert resolved["bf16"] == {"enabled": True} and resolved["fp16"] == {"enabled": False}
+    # everything else takes its default: dropped, as DeepSpeed drops an "auto" nobody filled
+    assert "gradient_clipping" not in resolved and "train_batch_size" not in resolved
+    assert resolved["optimizer"]["params"] == {} and resolved["scheduler"]["params"] == {}
+    assert len(lines) == 17 and any("reduce_bucket_size=2304 (from the model)" in line for line in lines)
+    assert AUTO_CONFIG["zero_optimization"]["reduce_bucket_size"] == "auto"  # the input is not modified
+    # without a hidden size the bucket sizes take their defaults too; fp32 parameters: no 16-bit
+    plain, _ = resolve_unfilled_auto(AUTO_CONFIG, torch.nn.Linear(4, 4))
+    assert "reduce_bucket_size" not in plain["zero_optimization"]
+    assert plain["bf16"] == {"enabled": False} and plain["fp16"] == {"enabled": False}
+
+
+def test_top_level_dotted_keys_fill_the_nested_auto():
+    from zerotrain.config.auto import resolve_unfilled_auto
+
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7},
+              "zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 9}
+    resolved, lines = resolve_unfilled_auto(config)
+    assert resolved == {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1024, "stage3_prefetch_bucket_size": 7}}
+    assert "dropped" in lines[1]
+
+
+def test_initialize_resolves_unfilled_auto_and_keeps_the_batch_error(in_process_rank, caplog):
+    import zerotrain
+
+    model = _gpt2()
+    config = {**AUTO_CONFIG, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"}}
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    del config["scheduler"]
+    with caplog.at_level("INFO", logger="zerotrain"):
+        engine, optimizer, _, _ = zerotrain.initialize(model=model, config=config)
+    zero = engine.config.zero_optimization
+    assert (zero.reduce_bucket_size, zero.prefetch_bucket_size, zero.param_persistence_threshold) == (
+        48 * 48, int(0.9 * 48 * 48), 480)
+    assert engine.train_batch_size() == 2 and engine.gradient_clipping() == 1.0  # DeepSpeed's default
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # torch AdamW's own default
+    assert any('"auto" values nobody filled' in r.getMessage() for r in caplog.records)
+    engine.destroy()
+    # batch sizes nobody filled cannot be derived: the batch rule's error names them
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        zerotrain.initialize(model=model, config={**AUTO_CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

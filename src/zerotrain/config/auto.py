@@ -155,3 +155,106 @@ def _show(value: Any) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
+
+
+def resolve_unfilled_auto(config: dict[str, Any], model: Any = None) -> tuple[dict[str, Any], list[str]]:
+    """Give every "auto" nobody filled the value a user would want for `model`, as `initialize` does.
+
+    Frameworks hand `initialize` configs with "auto" left in (TRL's reference model gets the
+    accelerate plugin's config before transformers fills the model-dependent values). Returns a
+    new dict and one line per resolved key, for the caller to log:
+    - a top-level dotted key (`"zero_optimization.reduce_bucket_size": 4096`, which TRL writes meaning the
+      nested key) fills that nested "auto" and is dropped;
+    - the bucket sizes come from the model's hidden size H as transformers fills them (H*H, 0.9*H*H,
+      10*H); without a hidden size they take their defaults;
+    - `fp16.enabled` / `bf16.enabled` follow the model's parameters' dtype;
+    - any other "auto" is dropped, so the field takes its default (DeepSpeed's behaviour); batch sizes
+      are then derived by the batch rule, which still raises when they cannot be.
+    """
+    data = read_config(config)
+    lines: list[str] = []
+    for key in [k for k in data if "." in k and k.split(".", 1)[0] in data]:
+        value = data.pop(key)
+        spot = _locate(data, key)
+        if spot is not None and spot[0][spot[1]] == AUTO:
+            spot[0][spot[1]] = value
+            lines.append(f"{key}={_show(value)} (from the top-level key '{key}')")
+        else:
+            lines.append(f"top-level key '{key}' dropped ({key} is already set or absent)")
+    from .load import auto_keys  # load imports this module
+
+    remaining = auto_keys(data)
+    if not remaining:
+        return data, lines
+    derived = _derived_values(model)
+    for key in remaining:
+        parent, name = _locate_leaf(data, key)
+        value = derived.get(_canonical(key))
+        if value is not None:
+            parent[name] = value
+            lines.append(f"{key}={_show(value)} (from the model)")
+        else:
+            del parent[name]
+            lines.append(f"{key}: its default (nothing filled the 'auto')")
+    return data, lines
+
+
+def _derived_values(model: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    hidden = _hidden_size(model)
+    if hidden is not None:
+        values.update({"zero_optimization.reduce_bucket_size": hidden * hidden,
+                       "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                       "zero_optimization.stage3_param_persistence_threshold": 10 * hidden})
+    dtype = _parameter_dtype(model)
+    if dtype is not None:
+        import torch
+
+        values["fp16.enabled"] = dtype == torch.float16
+        values["bf16.enabled"] = dtype == torch.bfloat16
+    return values
+
+
+def _hidden_size(model: Any) -> Optional[int]:
+    """transformers' choice: the largest of `config.hidden_sizes`, else `config.hidden_size`."""
+    model_config = getattr(model, "config", None)
+    sizes = getattr(model_config, "hidden_sizes", None)
+    size = max(sizes) if sizes else getattr(model_config, "hidden_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _parameter_dtype(model: Any) -> Any:
+    parameters = getattr(model, "parameters", None)
+    if parameters is None:
+        return None
+    for parameter in parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return None
+
+
+def _canonical(dotted: str) -> str:
+    """One spelling per key: `bfloat16` -> `bf16`, stage-3 aliases -> their `stage3_` names."""
+    parts = dotted.split(".")
+    if parts[0] == "bfloat16":
+        parts[0] = "bf16"
+    if parts[0] == "zero_optimization" and len(parts) == 2:
+        parts[1] = STAGE3_ALIASES.get(parts[1], parts[1])
+    return ".".join(parts)
+
+
+def _locate_leaf(data: dict[str, Any], dotted: str) -> tuple[Any, Any]:
+    """(container, key or index) of a key path as `auto_keys` spells it (`a.b[2]` for list items)."""
+    node: Any = data
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        name, _, index = part.partition("[")
+        if depth == len(parts) - 1 and not index:
+            return node, name
+        node = node[name]
+        if index:
+            position = int(index.rstrip("]"))
+            if depth == len(parts) - 1:
+                return node, position
+            node = node[position]
+    raise KeyError(dotted)

@@ -9,11 +9,13 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.comm import logger as comms_logging
 from zerotrain.comm.distributed import get_local_rank, init_distributed
-from zerotrain.config import check_supported, load_config, read_config
+from zerotrain.config import ZeroTrainConfig, check_supported, load_config, read_config
+from zerotrain.config.auto import resolve_unfilled_auto
 from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
+from zerotrain.log import log_rank0
 from zerotrain.experts.autoep import apply_autoep, autoep_size
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.expert_groups import expert_parameters, refuse_unsupported_experts
@@ -65,6 +67,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         topology = build_topology(data_parallel_group, mpu)
     set_current(topology)  # what DeepSpeed's global getters (zerotrain.utils.groups) answer from
     group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
+    config, args = _resolve_unfilled_auto(config, args, model, topology)
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
     ep_size = autoep_size(cfg.expert_parallel)  # DeepSpeed's AutoEP section: HF fused experts
@@ -103,6 +106,18 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
                                  training_dataloader=loader, topology=topology)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _resolve_unfilled_auto(config, args, model, topology):
+    """The config with every "auto" nobody filled resolved for `model` (logged once), and the args
+    left to read it from (None once the config is a dict here)."""
+    if isinstance(config, ZeroTrainConfig):
+        return config, args
+    data, lines = resolve_unfilled_auto(read_config(pick_config_source(config, args)), model)
+    if not lines:
+        return config, args
+    log_rank0("config: \"auto\" values nobody filled: " + "; ".join(lines), topology=topology)
+    return data, None
 
 
 def _is_pipeline_module(model) -> bool:

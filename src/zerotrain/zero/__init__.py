@@ -14,8 +14,10 @@ from zerotrain.zero.core import StageOptions, ZeroStage
 from zerotrain.zero.strategy import STRATEGIES
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.reduce_groups import UnitReduction
+from zerotrain.zero.parameter_offload import register_external_parameter, unregister_external_parameter
 
-__all__ = ["Init", "GatheredParameters", "build_zero_stage"]
+__all__ = ["Init", "GatheredParameters", "build_zero_stage", "register_external_parameter",
+           "unregister_external_parameter"]
 
 # Without an explicit reduce_bucket_size, buckets hold 25 MiB (DDP's size): DeepSpeed's default
 # of 5e8 elements is larger than most models, which leaves nothing to overlap with backward and

@@ -23,7 +23,7 @@ from zerotrain.memory_release import ReleasePolicy
 from zerotrain.offload.aio import DiskActivity
 from zerotrain.offload.placement import Placement
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero import nvme, registry
+from zerotrain.zero import nvme, parameter_offload, registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
 from zerotrain.zero.init import full_numel, is_partitioned, materialize
@@ -207,6 +207,8 @@ class ZeroStage(StageInterface):
             self.offload.swapper.grad_swapper = self.grad_swapper
         registry.register(self.units, group, deepspeed_attributes=strategy.partitions_parameters,
                           unit_groups=self._unit_groups)
+        if self.coordinator is not None:  # DeepSpeed's hook handles, which RL trainers reach
+            parameter_offload.attach(optimizer, self.coordinator, module)
         if self.coordinator is not None and identity_checks_enabled():
             # Rank-dependent control flow raises on every rank, naming the units (stage 3 only:
             # below it, reductions launch in a fixed order and nothing is gathered in between).
@@ -506,6 +508,7 @@ class ZeroStage(StageInterface):
         if self.outside is not None:
             self.outside.close()
         if self.coordinator is not None:
+            parameter_offload.detach(self._optimizer, self.coordinator.module)
             self.coordinator.close()  # restores whole parameters and the modules' dicts
         if self.param_offload is not None:
             self.param_offload.swapper.restore_all()  # shards in memory again, then files go

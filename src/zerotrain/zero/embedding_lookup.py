@@ -52,6 +52,10 @@ class Lookups:
 
     def forward(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         unit = self.units.get(module)
+        if unit is not None and unit.gathered:
+            # Gathered already (inside GatheredParameters over the whole model, for generation
+            # with the hooks removed): read the table, exchanging nothing.
+            return nn.Embedding.forward(module, ids)
         if unit is not None and eligible(unit):  # alike on every rank
             counts = token_counts(ids, unit, self._group_of(unit), self._identity_of(unit))
             if worthwhile(counts, unit):

@@ -142,6 +142,7 @@ class FlatParamUnit:
     def expose_deepspeed_attributes(self, ids) -> None:
         """DeepSpeed's public ``ds_*`` read-outs on each parameter (see zero.registry)."""
         from zerotrain.zero.param_status import ZeroParamStatus
+        from zerotrain.zero.parameter_offload import ActiveSubModules
 
         self._status = ZeroParamStatus
         self._ds_status = True
@@ -156,6 +157,7 @@ class FlatParamUnit:
             piece = pieces.get(i)
             p.ds_tensor = (shard.narrow(0, piece.shard_start, piece.numel) if piece
                            else shard.narrow(0, 0, 0))
+            p.ds_active_sub_modules = ActiveSubModules(self)
         self._set_status(self.gathered)
 
     def _set_status(self, available: bool) -> None:

@@ -153,8 +153,9 @@ class ParameterCoordinator:
         self._inflight: dict[FlatParamUnit, object] = {}
         self._stack: list[tuple[nn.Module, set]] = []
         self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
-        self._handles = []
+        self.hook_handles: list = []  # the forward hooks of register_hooks(), removable
         self._module_units: dict[nn.Module, list[FlatParamUnit]] = {}
+        self._hooked: list[nn.Module] = []  # every module whose forward the hooks follow
         self._wrapped: list[nn.Module] = []  # modules whose _parameters gather on access
         leaf_of = leaf_of or {}
         for m in module.modules():
@@ -167,15 +168,52 @@ class ParameterCoordinator:
             own = _unique(self._unit_of.get(id(p)) for p in params)
             if own:
                 self._module_units[m] = own
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
+            self._hooked.append(m)
         self._root = module
+        self.register_hooks()
         # Embeddings alone in their unit look their rows up from the shards while that moves
         # less than the table; their forward is the lookup's until close().
         self._lookups = embedding_lookup.Lookups(
             {m: own[0] for m, own in self._module_units.items()
              if len(own) == 1 and own[0] not in self._unit_groups},
             self.group_of, self._attach_empty, self._identity)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module whose forwards this coordinator follows."""
+        return self._root
+
+    @property
+    def forward_stack(self) -> list[tuple[nn.Module, set]]:
+        """The modules whose forward is running, outermost first, each with the units it uses."""
+        return self._stack
+
+    # -- the hooks ----------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        """Follow every module's forward (gathering and releasing around it), once: handles
+        still registered are replaced."""
+        self.remove_hooks()
+        for m in self._hooked:
+            self.hook_handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.hook_handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
+
+    def remove_hooks(self) -> None:
+        """Stop following forwards: what runs then (generation inside ``GatheredParameters``
+        over the whole model) gathers nothing, and issues no collective."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+
+    @property
+    def trace_recorded(self) -> bool:
+        """Whether a forward's order of gathers is recorded, which prefetching follows."""
+        return not self._forward_order.recording
+
+    def invalidate_trace(self) -> None:
+        """Forget the recorded orders of use: the next forward and backward record them again
+        (after passes of another shape, such as generation, the record would mislead the
+        prefetch)."""
+        self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
 
     # -- gathering ----------------------------------------------------------------------
     def fetch(self, unit: FlatParamUnit) -> None:
@@ -516,9 +554,7 @@ class ParameterCoordinator:
         """Hand the module back whole: every unit gathered into parameters that own their
         storage, hooks removed, each module's plain ``_parameters`` dict and the parameters'
         attributes restored (collective: every rank must call it)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.remove_hooks()
         self._lookups.restore()
         for unit in self.units:
             self.fetch(unit)
