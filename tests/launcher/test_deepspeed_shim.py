@@ -118,6 +118,17 @@ def test_bad_values_and_the_flag(tmp_path, capsys, monkeypatch):
     args = cli.build_parser().parse_args(["launch", "--deepspeed_shim", "off", "train.py"])
     assert local_options(args).deepspeed_shim == "off"
     assert local_options(cli.build_parser().parse_args(["launch", "train.py"])).deepspeed_shim is None
+    # Every node's agent gets the flag (and decides for its own environment).
+    from zerotrain.launcher.multinode_cli import plan_launch
+
+    _write(tmp_path, "hosts", "127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    ssh = tmp_path / "bin" / "ssh"
+    _write(tmp_path, "bin/ssh", "#!/bin/sh\nexit 1\n")
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ssh.parent}{os.pathsep}{os.environ['PATH']}")
+    plan = plan_launch(cli.build_parser().parse_args(["launch", "-H", "hosts", "--launcher", "ssh",
+                                                      "--deepspeed_shim", "off", "train.py"]))
+    assert plan.agent_flags[plan.agent_flags.index("--deepspeed_shim") + 1] == "off"
 
 
 def test_failure_hint_only_for_a_missing_deepspeed():
