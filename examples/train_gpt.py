@@ -4,8 +4,9 @@
     zerotrain launch --nproc 2 examples/train_gpt.py --deepspeed_config examples/ds_config.json --resume
 
 It saves a checkpoint every ``--save_interval`` steps under ``--save_dir`` (``--resume`` goes on
-from the newest one, on any number of processes and ZeRO stage) and ends by printing a short
-sample the trained model writes.
+from the newest one, on any number of processes and ZeRO stage, and starts from step 0 when
+``--save_dir`` holds no checkpoint yet, so ``zerotrain launch --max_restarts 3 ... --resume`` is
+the one command of an elastic run) and ends by printing a short sample the trained model writes.
 
 Written exactly as a DeepSpeed script would be (swap the import for ``import deepspeed``):
 argparse with ``add_config_arguments``, ``initialize`` building the optimizer, scheduler and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -40,10 +42,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save_dir", default="checkpoints/train_gpt",
                         help="where checkpoints go ('' to save none)")
     parser.add_argument("--save_interval", type=int, default=200, help="save every N steps")
-    parser.add_argument("--resume", action="store_true", help="continue from save_dir's newest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from save_dir's newest checkpoint (from step 0 when it holds none yet)")
     parser.add_argument("--sample_bytes", type=int, default=200, help="length of the final sample")
     parser = zerotrain.add_config_arguments(parser)
     return parser.parse_args()
+
+
+def holds_checkpoint(save_dir: str) -> bool:
+    """Whether ``save_dir`` has anything a save left: its ``latest`` file or a checkpoint folder
+    (one with ``metadata.json``). An interrupted first save leaves only a hidden ``.<tag>.partial``
+    folder, which is nothing. Anything else goes to ``load_checkpoint``, whose error names what
+    is wrong (a damaged ``latest``, a checkpoint folder without ``latest``, a missing file)."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return False
+    if os.path.lexists(os.path.join(save_dir, "latest")):
+        return True
+    return any(os.path.isfile(os.path.join(save_dir, name, "metadata.json"))
+               for name in os.listdir(save_dir) if not name.endswith(".partial"))
 
 
 class _LineWriter:
@@ -71,7 +87,11 @@ def main() -> None:
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
 
     rank0 = engine.global_rank == 0
-    if args.resume:
+    if args.resume and not holds_checkpoint(args.save_dir):
+        # The first attempt of an elastic run (`--resume --max_restarts N` as its one command).
+        if rank0:
+            print(f"--resume: {args.save_dir!r} holds no checkpoint yet; starting from step 0")
+    elif args.resume:
         path, _ = engine.load_checkpoint(args.save_dir)
         if rank0:
             print(f"resumed from {path} at step {engine.global_steps}")

@@ -7,7 +7,10 @@ imported, and must not leak into this test process).
 on this one (never in the environment the tests run in): after install, seed 002's exact
 `deepspeed --num_gpus=2 train.py --deepspeed ds_config.json` and seed 003's `accelerate launch`
 run on zerotrain with no prefix and match plain PyTorch; uninstall leaves the environment's
-files exactly as before; a real DeepSpeed is refused.
+files exactly as before; a real DeepSpeed is refused. Before the install, the same seed 002
+command with `zerotrain` for `deepspeed` runs on zerotrain through the launcher's shim (and
+`TrainingArguments(use_cpu=True)` keeps the DeepSpeed path), and fails naming the fix when the
+shim is turned off.
 """
 
 from __future__ import annotations
@@ -167,6 +170,13 @@ def _files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.is_symlink()}
 
 
+# tests/hf/test_accelerate.py's SEED003_PLUGIN_YAML as `accelerate launch` flags.
+SEED003_PLUGIN_FLAGS = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--zero_stage", "2",
+                        "--gradient_accumulation_steps", "1", "--gradient_clipping", "1.0",
+                        "--offload_optimizer_device", "none", "--offload_param_device", "none",
+                        "--zero3_init_flag", "false", "--mixed_precision", "fp16"]
+
+
 def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(tmp_path):
     import importlib.util
 
@@ -175,52 +185,79 @@ def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(t
     from tests.hf.accelerate_script import plain_reference as accelerate_reference
     from tests.hf.hf_workloads import plain_reference as trainer_reference
     from tests.hf.hf_workloads import seed002_config
-    from tests.hf.test_accelerate import SEED003_PLUGIN_YAML
     from zerotrain.comm.distributed import free_port
     from zerotrain.testing import run_on_ranks
 
     env_root = tmp_path / "env"
     python, site = _scratch_env(env_root)
-    before = _files(env_root)
     bin_dir = env_root / "bin"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
            "ZEROTRAIN_REPO": str(ROOT)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                         if p and "zerotrain/hf/shim" not in p)  # no switch from outside
+    env.pop("ZEROTRAIN_DEEPSPEED_SHIM", None)
 
-    def run(*command, timeout=120):
+    def run(*command, timeout=120, **extra_env):
         return subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=timeout,
-                              cwd=tmp_path, env=env)
+                              cwd=tmp_path, env={**env, **extra_env})
 
+    def result_of(done) -> dict:
+        lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+        assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+        return json.loads(lines[0])
+
+    (tmp_path / "ds_config.json").write_text(json.dumps(seed002_config(3)))
+    (tmp_path / "train.py").write_text((ROOT / "tests/hf/seed002_train.py").read_text())
+    seed002_args = ["train.py", "--deepspeed", "ds_config.json", "--per_device_train_batch_size", "2",
+                    "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "out"]
+    plain_losses = run_on_ranks(trainer_reference, world_size=1, args=(str(tmp_path / "plain"),),
+                                timeout=240)[0][0]
+
+    # Before any install: seed 002's command with zerotrain's launcher name for `deepspeed` (its
+    # console entry point's main). The launcher sees train.py import transformers and gives the ranks
+    # zerotrain as `deepspeed`. TrainingArguments(use_cpu=True) keeps the DeepSpeed path (as with
+    # DeepSpeed itself: accelerate's DEEPSPEED type, the engine).
+    done = run(python, "-m", "zerotrain.launcher.cli", "--num_gpus=2", "--master_port", free_port(),
+               *seed002_args, "--use_cpu", timeout=300)
+    result = result_of(done)
+    assert "train.py imports transformers and DeepSpeed is not installed" in done.stderr
+    assert (result["engine"], result["stage"], result["world"], result["distributed_type"]) == (
+        "zerotrain.engine.engine.ZeroTrainEngine", 3, 2, "DistributedType.DEEPSPEED")
+    assert result["losses"] == pytest.approx(plain_losses, rel=1e-5)
+    # The off switch: transformers' own "DeepSpeed is not available", and the launcher's line naming
+    # zerotrain's fix (one rank is enough to fail).
+    done = run(python, "-m", "zerotrain.launcher.cli", "--num_gpus=1", "--master_port", free_port(),
+               *seed002_args, ZEROTRAIN_DEEPSPEED_SHIM="off")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "DeepSpeed is not available" in done.stderr
+    assert "zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: `python -m zerotrain.hf " \
+           "install`" in done.stderr
+
+    before = _files(env_root)
     assert "not installed" in run(python, "-m", "zerotrain.hf", "status").stdout
     done = run(python, "-m", "zerotrain.hf", "install")
     assert done.returncode == 0, done.stderr
     assert (bin_dir / "deepspeed").is_file() and (site / "deepspeed" / "__init__.py").is_file()
     assert "installed:" in run(python, "-m", "zerotrain.hf", "status").stdout
 
-    # Seed 002's command as written (plus a free port: other tests may hold the default one).
-    (tmp_path / "ds_config.json").write_text(json.dumps(seed002_config(3)))
-    (tmp_path / "train.py").write_text((ROOT / "tests/hf/seed002_train.py").read_text())
-    done = run("deepspeed", "--num_gpus=2", "--master_port", free_port(), "train.py", "--deepspeed",
-               "ds_config.json", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
-               "--output_dir", tmp_path / "out", timeout=300)
-    lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(lines[0])
+    # Seed 002's command as written (plus a free port: other tests may hold the default one). The
+    # installed deepspeed is zerotrain's, so the launcher adds nothing and says nothing about it.
+    done = run("deepspeed", "--num_gpus=2", "--master_port", free_port(), *seed002_args, timeout=300)
+    result = result_of(done)
+    assert "DeepSpeed is not installed" not in done.stderr
     assert (result["engine"], result["stage"], result["world"]) == (
         "zerotrain.engine.engine.ZeroTrainEngine", 3, 2)
-    plain_losses = run_on_ranks(trainer_reference, world_size=1, args=(str(tmp_path / "plain"),),
-                                timeout=240)[0][0]
     assert result["losses"] == pytest.approx(plain_losses, rel=1e-5)
 
     # Seed 003's `accelerate launch` (its CLI module is the `accelerate` command's entry point;
     # this environment has no copy of the command itself).
-    (tmp_path / "cfg.yaml").write_text(SEED003_PLUGIN_YAML)
-    done = run(python, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", "cfg.yaml",
-               "--main_process_port", free_port(), ROOT / "tests/hf/accelerate_script.py", ROOT, timeout=300)
-    lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(lines[0])
+    # Its YAML given as accelerate's command-line flags instead (--use_deepspeed --num_processes 2: the
+    # form that starts several processes on a machine without GPUs; the YAML form runs in
+    # tests/hf/test_accelerate.py).
+    done = run(python, "-m", "accelerate.commands.accelerate_cli", "launch", *SEED003_PLUGIN_FLAGS,
+               "--main_process_port", free_port(), ROOT / "tests/hf/accelerate_script.py", ROOT, timeout=300,
+               HF_HOME=tmp_path / "hf_home")  # no accelerate default_config.yaml of this machine
+    result = result_of(done)
     assert (result["engine"], result["world"]) == ("zerotrain.engine.engine", 2)
     assert result["losses"] == pytest.approx(accelerate_reference("linear"), rel=1e-3)
 

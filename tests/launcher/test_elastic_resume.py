@@ -1,4 +1,4 @@
-"""Elastic restart (issue 16 part 4): a rank is SIGKILLed mid-run; with ``--max_restarts 1`` the
+"""Elastic restart: a rank is SIGKILLed mid-run; with ``--max_restarts 1`` the
 agent restarts every rank, the script resumes from its latest checkpoint, and the run ends
 exactly as an uninterrupted one, redoing only the steps since that checkpoint. On one node, and
 on two nodes (two agents on this machine, each as a node of a multi-node launch runs it).
@@ -20,6 +20,10 @@ import pytest
 from tests.launcher.test_launcher_run import free_port, write_script
 
 STEPS, SAVE_EVERY, KILL_AFTER = 8, 2, 5
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE, EXAMPLE_CONFIG = os.path.join(ROOT, "examples", "train_gpt.py"), os.path.join(ROOT, "examples", "ds_config.json")
+EXAMPLE_ARGS = ["--steps", "2", "--save_interval", "1", "--seq_len", "32", "--n_layer", "1", "--n_embd", "32",
+                "--n_head", "2", "--text_bytes", "20000", "--sample_bytes", "4"]
 
 RESUMING_SCRIPT = """
 import json, os, signal, sys, time
@@ -89,7 +93,18 @@ def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
 
     two_nodes = ["--no_ssh", "--world", "n0:0@n1:0", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                  "--rdzv_id", "two-nodes", "--max_restarts", "1", "--no_local_rank"]
+    # examples/train_gpt.py's `--resume` as the one command of an elastic run: a fresh save_dir (with
+    # only what a first save killed before its commit leaves) starts from step 0; a save_dir with a
+    # checkpoint folder but no `latest` is not taken for fresh (load_checkpoint's error).
+    fresh, partial = tmp_path / "example" / "ckpt", tmp_path / "example_partial" / "ckpt"
+    (fresh / ".global_step1.partial").mkdir(parents=True)
+    (partial / "global_step2").mkdir(parents=True)
+    (partial / "global_step2" / "metadata.json").write_text("{}")
+    example = [EXAMPLE, "--resume", "--deepspeed_config", EXAMPLE_CONFIG, *EXAMPLE_ARGS]
     runs = {
+        "example": [("--nproc", "2", "--max_restarts", "1", "--master_port", str(free_port()), *example,
+                     "--save_dir", str(fresh))],
+        "example_partial": [("--nproc", "1", "--master_port", str(free_port()), *example, "--save_dir", str(partial))],
         "plain": [("--nproc", "2", "--master_port", str(free_port()), "--no_local_rank", *job(0, "plain"))],
         "killed": [("--nproc", "2", "--max_restarts", "1", "--master_port", str(free_port()), "--no_local_rank",
                     *job(KILL_AFTER, "killed"))],
@@ -98,12 +113,19 @@ def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
     }
     procs = {}
     for name, commands in runs.items():
-        (tmp_path / name).mkdir()
+        (tmp_path / name).mkdir(exist_ok=True)
         procs[name] = [_start(*command, cwd=tmp_path) for command in commands]
     finished = {name: [_finish(proc) for proc in group] for name, group in procs.items()}  # all, before asserting
+    code, output = finished.pop("example_partial")[0]
+    assert code == 1 and f"CheckpointError: {partial / 'latest'} does not exist" in output, output
     for name, results in finished.items():
         for code, output in results:
             assert code == 0, f"{name}: {output}"
+    output = finished.pop("example")[0][1]
+    assert f"--resume: {str(fresh)!r} holds no checkpoint yet; starting from step 0" in output, output
+    assert "done: 2 steps" in output and (fresh / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in fresh.iterdir() if p.is_dir()) == ["global_step1", "global_step2"]
+    runs = {name: runs[name] for name in finished}
     outputs = {name: {rank: _losses(tmp_path / name / f"losses{rank}.jsonl") for rank in (0, 1)} for name in runs}
     last_saved = KILL_AFTER // SAVE_EVERY * SAVE_EVERY  # global_step4: step index 4 is redone
     assert KILL_AFTER - last_saved <= SAVE_EVERY  # at most one checkpoint interval lost

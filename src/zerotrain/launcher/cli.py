@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 
 from zerotrain import __version__
 from zerotrain.launcher.allocator import ALLOCATORS
+from zerotrain.launcher.deepspeed_shim import CHOICES as DEEPSPEED_SHIM_CHOICES
 
 if TYPE_CHECKING:
     from zerotrain.launcher.launch import LaunchOptions
@@ -85,6 +86,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="the ranks' host memory allocator: tcmalloc (preloaded), system (glibc's malloc), or auto "
              "(default, or $ZEROTRAIN_ALLOCATOR): tcmalloc when the ranks run on the CPU and it is "
              "installed")
+    add("--deepspeed_shim", choices=DEEPSPEED_SHIM_CHOICES, default=None,
+        help="whether `import deepspeed` in the ranks is zerotrain when DeepSpeed is not installed: auto "
+             "(default, or $ZEROTRAIN_DEEPSPEED_SHIM): when the script imports transformers, accelerate or "
+             "deepspeed; on: for any script; off: never")
     multinode = parser.add_argument_group("multi-node options (DeepSpeed's spelling)")
     node = multinode.add_argument
     node("-H", "--hostfile", help="file of 'HOST slots=N' lines (default: /job/hostfile when it exists)")

@@ -90,4 +90,9 @@ def format_failure_report(
         lines.append(f"zerotrain: rank {rank} wrote nothing to stderr")
     if logs_kept and stderr_path:
         lines.append(f"zerotrain: rank {rank}'s full stderr: {stderr_path}")
+    from zerotrain.launcher.deepspeed_shim import failure_hint  # here: it imports LaunchError from this module
+
+    hint = failure_hint(stderr_tail)
+    if hint:
+        lines.append(hint)
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from zerotrain.launcher import affinity, allocator, ports
+from zerotrain.launcher import affinity, allocator, deepspeed_shim, ports
 from zerotrain.launcher.node_lifetime import node_lifetime
 from zerotrain.launcher.errors import LaunchError, failure_exit_code, format_failure_report
 
@@ -82,6 +82,9 @@ class LaunchOptions:
             reads it).
         allocator: the ranks' host allocator, ``auto``/``tcmalloc``/``system``; None means
             ``ZEROTRAIN_ALLOCATOR``, else ``auto`` (launcher/allocator.py).
+        deepspeed_shim: whether ``import deepspeed`` in the ranks is zerotrain when DeepSpeed is
+            not installed, ``auto``/``on``/``off``; None means ``ZEROTRAIN_DEEPSPEED_SHIM``, else
+            ``auto`` (launcher/deepspeed_shim.py).
     """
 
     script: str
@@ -106,6 +109,7 @@ class LaunchOptions:
     stop_on_stdin_eof: bool = False
     pid_file: str | None = None
     allocator: str | None = None
+    deepspeed_shim: str | None = None
 
 
 class _RecordingLogsSpecs(DefaultLogsSpecs):
@@ -314,6 +318,7 @@ def launch_local(opts: LaunchOptions) -> int:
         get_accelerator().set_visible_devices_envs(os.environ, opts.devices)
     quiet_agent_bookkeeping()
     with allocator.for_ranks(opts.allocator, _ranks_on_cpu(), note), \
+            deepspeed_shim.for_ranks(opts.deepspeed_shim, opts.script, opts.module, opts.no_python, note), \
             _log_root(opts.log_dir) as log_root, node_lifetime(opts):
         return _run_with_port_retry(opts, nproc, master_port, log_root, bind_cores)
 

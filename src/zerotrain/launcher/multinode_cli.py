@@ -31,7 +31,7 @@ def local_options(args: argparse.Namespace, **overrides) -> LaunchOptions:
         rank0_only=args.rank0_only, log_dir=args.log_dir,
         bind_cores_to_rank=args.bind_cores_to_rank or args.bind_core_list is not None,
         bind_core_list=args.bind_core_list, max_restarts=args.max_restarts,
-        allocator=args.allocator,
+        allocator=args.allocator, deepspeed_shim=args.deepspeed_shim,
     )
     fields.update(overrides)
     return LaunchOptions(**fields)
@@ -188,7 +188,7 @@ def _plan(args: argparse.Namespace, launcher: str, hosts: list[str], world: host
     for name in ("no_local_rank", "module", "no_python", "bind_cores_to_rank", "rank0_only"):
         if getattr(args, name):
             flags.append(f"--{name}")
-    for name in ("log_dir", "bind_core_list", "allocator"):
+    for name in ("log_dir", "bind_core_list", "allocator", "deepspeed_shim"):
         if getattr(args, name) is not None:
             flags += [f"--{name}", getattr(args, name)]
     if args.max_restarts:
