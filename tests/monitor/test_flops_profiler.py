@@ -185,3 +185,12 @@ def test_step_log_reports_tflops_and_mfu_after_the_profile(engine_runs):
     for line in lines[3:]:
         tflops, mfu = map(float, re.search(r"TFLOPS=([\d.e+-]+), MFU=([\d.]+)%", line).groups())
         assert mfu == pytest.approx(100 * tflops / 0.002, rel=1e-3, abs=0.006)  # as rounded in the line
+
+
+def test_the_pipeline_engine_refuses_the_section():
+    from zerotrain.config import load_config
+    from zerotrain.engine.pipeline_engine import check_pipeline_config
+
+    cfg = load_config({"train_batch_size": 2, "flops_profiler": {"enabled": True}}, world_size=1)
+    with pytest.raises(NotImplementedError, match=r"^flops_profiler.enabled=true with a PipelineModule"):
+        check_pipeline_config(cfg)
