@@ -104,11 +104,16 @@ class FlopsProfiler:
 
     def reset_profile(self) -> None:
         """Forget what was counted (``module_flops``/``module_duration`` by module name, ``""``
-        the model itself; ``forwards``: the model's forward calls)."""
+        the model itself; ``forwards``: the model's forward calls); counting goes on if it was on."""
+        counting = self._counter is not None
+        if counting:
+            self.stop_profile()
         self.module_flops: dict[str, int] = {}
         self.module_duration: dict[str, float] = {}
         self.forwards = 0
         self._global = 0
+        if counting:
+            self._attach()
 
     def end_profile(self) -> None:
         self.stop_profile()
