@@ -177,6 +177,20 @@ def test_cuda_class_answers_without_a_gpu():
     assert cuda.on_accelerator(torch.empty(1, device="meta")) is False
 
 
+def test_peak_flops_for_mfu(cpu, monkeypatch):
+    assert cpu.peak_flops(torch.bfloat16) is None  # the CPU: n/a unless flops_profiler.peak_tflops
+    cuda = CUDAAccelerator()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, dtype, tflops in (("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4),
+                                ("NVIDIA H100 PCIe", torch.float16, 756.0), ("NVIDIA H200", torch.bfloat16, 989.4),
+                                ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+                                ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 tensor cores
+                                ("NVIDIA A100-SXM4-80GB", torch.float32, None),  # fp32: depends on TF32
+                                ("NVIDIA GeForce GTX 1080", torch.float16, None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, _name=name: _name)
+        assert cuda.peak_flops(dtype) == (tflops * 1e12 if tflops else None), name
+
+
 def test_choice_from_environment_and_override(monkeypatch):
     monkeypatch.setenv("ZEROTRAIN_ACCELERATOR", "tpu")
     with pytest.raises(ValueError, match="ZEROTRAIN_ACCELERATOR='tpu'"):

@@ -21,12 +21,12 @@ from tests.source_tree import ROOT, SRC, import_base, modules as _modules
 
 #: Packages (and everything under them) that exist only to give DeepSpeed's import paths
 #: (docs/compat.md): ``deepspeed.runtime.*``, ``deepspeed.utils.*``, ``deepspeed.ops.*``,
-#: ``deepspeed.moe.*``, ``deepspeed.pipe``, ``deepspeed.compression.*`` and the installed
+#: ``deepspeed.moe.*``, ``deepspeed.pipe``, ``deepspeed.compression.*``, ``deepspeed.profiling.*`` and the installed
 #: ``deepspeed`` shim. Packages whose name DeepSpeed shares but that hold zerotrain's own
 #: implementation of the concern (accelerator, comm, checkpoint, checkpointing, monitor, launcher,
 #: zero) are not compatibility modules.
 COMPAT = ("zerotrain.runtime", "zerotrain.utils", "zerotrain.ops", "zerotrain.moe", "zerotrain.pipe",
-          "zerotrain.compression", "zerotrain.hf.shim")
+          "zerotrain.compression", "zerotrain.profiling", "zerotrain.hf.shim")
 
 #: Package-level edges allowed to close a cycle: none through these packages.
 ACYCLIC = ("zero", "offload")

@@ -40,7 +40,7 @@ _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
 # works too: each package loads its DeepSpeed-named submodules on first access, zerotrain._lazy).
 _SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher", "monitor",
                "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression", "checkpointing",
-               "checkpoint"}
+               "checkpoint", "profiling"}
 
 __all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
 

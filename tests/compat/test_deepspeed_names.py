@@ -47,6 +47,8 @@ utils.groups._get_data_parallel_group utils.groups._get_data_parallel_world_size
 utils.groups._create_expert_and_data_parallel utils.groups._get_expert_parallel_group
 utils.groups._get_expert_data_parallel_group utils.groups._get_max_expert_size_name
 runtime.progressive_layer_drop.ProgressiveLayerDrop
+profiling.flops_profiler.FlopsProfiler profiling.flops_profiler.get_model_profile
+profiling.flops_profiler.profiler.FlopsProfiler profiling.flops_profiler.profiler.get_model_profile
 """.split()}
 
 EXERCISED: set[str] = set()
@@ -408,6 +410,27 @@ def test_progressive_layer_drop_after_import_zerotrain():
     pld = zerotrain.runtime.progressive_layer_drop.ProgressiveLayerDrop(theta=0.5, gamma=0.001)
     pld.update_state(1000)
     assert pld.get_state() == {"progressive_layer_drop": True, "pld_theta": 0.5 * math.exp(-1.0) + 0.5}
+
+
+@exercises("profiling.flops_profiler.FlopsProfiler", "profiling.flops_profiler.get_model_profile",
+           "profiling.flops_profiler.profiler.FlopsProfiler", "profiling.flops_profiler.profiler.get_model_profile")
+def test_flops_profiler_after_import_zerotrain():
+    # DeepSpeed's usage, counted against the layer's two matmuls (tests/monitor/test_flops_profiler.py
+    # checks a GPT-2 against a hand count)
+    import zerotrain
+
+    profiling = zerotrain.profiling.flops_profiler
+    assert profiling.profiler.FlopsProfiler is profiling.FlopsProfiler
+    assert profiling.profiler.get_model_profile is profiling.get_model_profile
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    flops, macs, params = profiling.get_model_profile(model, input_shape=(5, 8), print_profile=False,
+                                                      as_string=False)
+    assert (flops, macs, params) == (2 * 5 * (8 * 16 + 16 * 4), 5 * (8 * 16 + 16 * 4), 8 * 16 + 16 + 16 * 4 + 4)
+    prof = profiling.FlopsProfiler(model)
+    prof.start_profile()
+    model(torch.ones(5, 8))
+    assert prof.get_total_flops() == flops and prof.get_total_params() == params
+    prof.end_profile()
 
 
 @exercises("compression.helper.recursive_getattr", "compression.helper.recursive_setattr")

@@ -239,6 +239,9 @@ RANGE_CASES = [
     ("predivide-nan", {**BATCH, "gradient_predivide_factor": math.nan}, 1, "gradient_predivide_factor", ""),
     ("recompute-negative", {**BATCH, "flops_profiler": {"recompute_fwd_factor": -1}}, 1,
      "flops_profiler.recompute_fwd_factor", ">= 0"),
+    ("peak-zero", {**BATCH, "flops_profiler": {"peak_tflops": 0}}, 1, "flops_profiler.peak_tflops", "> 0"),
+    ("comet-mode", {**BATCH, "comet": {"mode": "sometimes"}}, 1, "comet.mode", "get_or_create"),
+    ("comet-interval", {**BATCH, "comet": {"samples_log_interval": -1}}, 1, "comet.samples_log_interval", ">= 0"),
 ]
 
 IDS = [case[0] for case in RANGE_CASES]

@@ -1,4 +1,5 @@
-"""TensorBoard, CSV and MLflow monitors: what a 2-rank run writes, read back."""
+"""TensorBoard, CSV and MLflow monitors: what a 2-rank run writes, read back (wandb and Comet:
+test_wandb_comet.py)."""
 
 from __future__ import annotations
 
@@ -140,11 +141,13 @@ def test_missing_extra_names_what_to_install(monkeypatch, tmp_path):
     from zerotrain.monitor import MonitorMaster
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ImportError, match=r'"mlflow.enabled" needs the mlflow package.*pip install "zerotrain\[mlflow\]"'):
-        MonitorMaster(_config(mlflow={"enabled": True}), rank=0, world_size=1)
-    with pytest.raises(NotImplementedError, match="wandb"):
-        MonitorMaster(_config(wandb={"enabled": True}), rank=0, world_size=1)
+    absent = ("mlflow", "wandb", "comet_ml")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    for section, package, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb"),
+                                    ("comet", "comet_ml", "comet")):
+        with pytest.raises(ImportError, match=rf'"{section}.enabled" needs the {package} package.*'
+                                              rf'pip install "zerotrain\[{extra}\]"'):
+            MonitorMaster(_config(**{section: {"enabled": True}}), rank=0, world_size=1)
     assert not MonitorMaster(_config(), rank=0, world_size=1).enabled
 
 

@@ -124,6 +124,11 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def is_fp16_supported(self) -> bool: ...
 
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense peak FLOPS of one device for matmuls in ``dtype`` (MFU's denominator); None
+        where it is not known (the CPU: cores, vector units and clocks vary too much)."""
+        return None
+
     def supported_dtypes(self) -> list[torch.dtype]:
         """fp32 always, then fp16 and bf16 where this device computes them."""
         dtypes = [torch.float32]

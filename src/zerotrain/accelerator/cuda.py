@@ -12,6 +12,18 @@ import torch
 from zerotrain.accelerator.base import Accelerator
 
 
+# Dense (no sparsity) 16-bit tensor-core peaks from NVIDIA's data sheets, TFLOPS; first match
+# of the marker in torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100").
+_PEAK_16BIT_TFLOPS = (
+    ("H200", {torch.bfloat16: 989.4, torch.float16: 989.4}),
+    ("H100 PCIe", {torch.bfloat16: 756.0, torch.float16: 756.0}),
+    ("H100", {torch.bfloat16: 989.4, torch.float16: 989.4}),
+    ("A100", {torch.bfloat16: 312.0, torch.float16: 312.0}),
+    ("L40S", {torch.bfloat16: 362.05, torch.float16: 362.05}),
+    ("V100", {torch.float16: 125.0}),
+)
+
+
 class CUDAAccelerator(Accelerator):
     """DeepSpeed's CUDA accelerator on ``torch.cuda``; NCCL is the communication backend."""
 
@@ -120,6 +132,19 @@ class CUDAAccelerator(Accelerator):
     # -- dtypes --------------------------------------------------------------------------
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """The data sheet's dense bf16/fp16 tensor-core peak of this device, for the devices
+        listed in ``_PEAK_16BIT_TFLOPS``; None for others and for fp32 (whose peak depends on
+        whether TF32 is allowed)."""
+        if dtype not in (torch.float16, torch.bfloat16) or not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+        for marker, peaks in _PEAK_16BIT_TFLOPS:
+            if marker in name:
+                tflops = peaks.get(dtype)
+                return tflops * 1e12 if tflops else None
+        return None
 
     def is_fp16_supported(self) -> bool:
         """Compute capability 7.0 or newer (6.x with ``DS_ALLOW_DEPRECATED_FP16=1``), as DeepSpeed."""

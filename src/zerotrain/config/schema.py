@@ -110,12 +110,28 @@ class CSVMonitorConfig(TensorBoardConfig):
 
 
 class WandbConfig(Section):
-    """`wandb`: Weights & Biases logging."""
+    """`wandb`: Weights & Biases logging (`wandb.init(project, group, entity=team)` on the first
+    data rank)."""
 
     enabled: bool = False
     group: Optional[str] = None
     team: Optional[str] = None
     project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    """`comet`: Comet logging through `comet_ml.start(...)` on the first data rank; None values
+    fall back to Comet's own configuration (`.comet.config`, `COMET_*` environment variables)."""
+
+    enabled: bool = False
+    samples_log_interval: NonNegInt = 100
+    project: Optional[str] = None
+    workspace: Optional[str] = None
+    api_key: Optional[str] = None
+    experiment_name: Optional[str] = None
+    experiment_key: Optional[str] = None
+    online: Optional[bool] = None
+    mode: Annotated[Optional[Literal["get", "create", "get_or_create"]], BeforeValidator(lower)] = None
 
 
 class MLflowConfig(Section):
@@ -128,7 +144,7 @@ class MLflowConfig(Section):
 
 
 class FlopsProfilerConfig(Section):
-    """`flops_profiler`: profile one training step."""
+    """`flops_profiler`: profile the forward of one training step (zerotrain.monitor.flops)."""
 
     enabled: bool = False
     recompute_fwd_factor: FiniteFloat = Field(0.0, ge=0.0)
@@ -137,6 +153,8 @@ class FlopsProfilerConfig(Section):
     top_modules: PosInt = 1
     detailed: bool = True
     output_file: Optional[str] = None
+    # zerotrain only: the peak TFLOPS of one device for MFU, where the accelerator knows none
+    peak_tflops: Optional[FiniteFloat] = Field(None, gt=0.0)
 
 
 class ParallelWriteConfig(Section):
@@ -179,7 +197,7 @@ class CheckpointConfig(Section):
 FOREIGN_SECTIONS = (
     "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
     "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
-    "sparse_attention", "comet", "torch_autocast", "data_types",
+    "sparse_attention", "torch_autocast", "data_types",
     "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
 )
 
@@ -199,7 +217,6 @@ class _UnimplementedKeys(Section):
     tensor_parallel: Any = None
     eigenvalue: Any = None
     sparse_attention: Any = None
-    comet: Any = None
     torch_autocast: Any = None
     data_types: Any = None
     weight_quantization: Any = None
@@ -251,6 +268,7 @@ class ZeroTrainConfig(_UnimplementedKeys):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -20,6 +20,7 @@ from zerotrain.checkpoint import full_state_dict, save_16bit_model
 from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
+from zerotrain.engine.flops import EngineFlops
 from zerotrain.experts.stats import MoEStats
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
@@ -35,7 +36,7 @@ from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module):
+class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlops, nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
@@ -79,6 +80,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         self._window_losses: list[torch.Tensor] = []
         self._last_log = (time.perf_counter(), 0)
         self._init_pld()  # progressive layer dropping (zerotrain.pld)
+        self._init_flops_profiler()  # the flops_profiler section (zerotrain.engine.flops)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -123,11 +125,14 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         kwargs.update(self._pld_forward_kwargs())  # while training, as DeepSpeed
+        profiling = self._flops_forward_begin()
         self._timers.start(FORWARD)
         try:
             return self.module(*inputs, **kwargs)
         finally:
             self._timers.stop(FORWARD)
+            if profiling:
+                self._flops_forward_end()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step ends an accumulation window."""
@@ -180,6 +185,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
             self._pld_at_boundary()  # theta(global_steps), before the step counts
             self._take_model_step(lr_kwargs)
             self._timers.stop(STEP)
+            self._flops_step_done()  # prints the profile at the end of the profiled step
             self._log_step()
         self.micro_steps += 1
 
@@ -355,8 +361,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         rate = (self.global_samples - samples) / max(now - then, 1e-9)
         loss = float(torch.stack(losses).mean()) if losses else float("nan")
         lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
-        log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f",
-                  self.global_steps, self.skipped_steps, lr, loss, rate, topology=self.topology)
+        flops = self._flops_log_suffix((self.global_samples - samples) // self.train_batch_size(), now - then)
+        log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
+                  self.global_steps, self.skipped_steps, lr, loss, rate, flops, topology=self.topology)
         offload = describe_stats(self._zero.offload_stats())
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
             log_rank0(offload, topology=self.topology)

@@ -53,6 +53,10 @@ def check_pipeline_config(config) -> None:
     if zero.stage > 0 and not zero.ignore_unused_parameters:
         raise NotImplementedError("zero_optimization.ignore_unused_parameters=false with a PipelineModule is "
                                   "not supported (the pipeline reduces once per batch); set it to true")
+    if config.flops_profiler.enabled:
+        raise NotImplementedError("flops_profiler.enabled=true with a PipelineModule is not supported (the "
+                                  "profiler hooks engine.forward, which train_batch does not call); profile "
+                                  "the stages' layers with zerotrain.profiling.flops_profiler.get_model_profile")
 
 
 class PipelineEngine(ZeroTrainEngine):

@@ -1,9 +1,10 @@
-"""Training monitors (DeepSpeed's ``tensorboard``, ``csv_monitor`` and our ``mlflow`` sections).
+"""Training monitors (DeepSpeed's ``tensorboard``, ``csv_monitor``, ``wandb``, ``comet`` and our
+``mlflow`` sections) and the FLOPs profiler (``flops``).
 
 ``MonitorMaster`` is built by the engine from the config; it writes on global rank 0 only, with
 DeepSpeed's event names (``Train/Samples/train_loss`` ...) and ``global_samples`` as the x axis.
-TensorBoard and MLflow are optional extras (``pip install "zerotrain[tensorboard]"``,
-``"zerotrain[mlflow]"``), imported only when their section is enabled.
+TensorBoard, MLflow, wandb and Comet are optional extras (``pip install "zerotrain[tensorboard]"``,
+``"zerotrain[mlflow]"``, ``[wandb]``, ``[comet]``), imported only when their section is enabled.
 """
 
 from zerotrain._lazy import lazy_attributes
@@ -12,5 +13,5 @@ from zerotrain.monitor.monitor import Monitor, MonitorMaster, missing_extra
 __all__ = ["Monitor", "MonitorMaster", "missing_extra"]
 
 # DeepSpeed-named submodules, attributes as after ``import deepspeed`` (loaded on first access;
-# neither imports its optional extra until a monitor is built).
-__getattr__, __dir__ = lazy_attributes(__name__, ("csv_monitor", "tensorboard"))
+# none imports its optional extra until a monitor is built).
+__getattr__, __dir__ = lazy_attributes(__name__, ("csv_monitor", "tensorboard", "wandb", "comet"))

@@ -8,6 +8,15 @@ import weakref
 # zerotrain.engine.timers' phase names (DeepSpeed's), in DeepSpeed's event order
 _TIMER_EVENTS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
 
+#: config section -> ((master attribute, module, class), package it needs, extra that installs it)
+_WRITERS = {
+    "tensorboard": (("tb_monitor", "zerotrain.monitor.tensorboard", "TensorBoardMonitor"), "tensorboard", "tensorboard"),
+    "csv_monitor": (("csv_monitor", "zerotrain.monitor.csv_monitor", "CSVMonitor"), None, None),
+    "mlflow": (("mlflow_monitor", "zerotrain.monitor.mlflow", "MLflowMonitor"), "mlflow", "mlflow"),
+    "wandb": (("wandb_monitor", "zerotrain.monitor.wandb", "WandbMonitor"), "wandb", "wandb"),
+    "comet": (("comet_monitor", "zerotrain.monitor.comet", "CometMonitor"), "comet_ml", "comet"),
+}
+
 
 class Monitor:
     """A sink for ``(name, value, step)`` events."""
@@ -16,7 +25,7 @@ class Monitor:
         raise NotImplementedError
 
     def log_params(self, params: dict) -> None:
-        """Run parameters (the config), once; only MLflow records them."""
+        """Run parameters (the config), once; MLflow, wandb and Comet record them."""
 
     def close(self) -> None:
         """Flush and release files/runs; safe to call more than once."""
@@ -79,18 +88,14 @@ class MonitorMaster:
         # "Rank 0" of the monitors: the engine's first data-parallel rank, not the job's.
         self.rank = topology.data_rank if rank is None else rank
         self.world_size = topology.data_size if world_size is None else world_size
-        if config.wandb.enabled:
-            raise NotImplementedError('"wandb.enabled": the Weights & Biases monitor is not implemented; '
-                                      "use tensorboard, csv_monitor or mlflow")
-        sections = [("tensorboard", config.tensorboard, "tensorboard", "tensorboard"),
-                    ("csv_monitor", config.csv_monitor, None, None),
-                    ("mlflow", config.mlflow, "mlflow", "mlflow")]
-        on = [(name, cfg, module, extra) for name, cfg, module, extra in sections if cfg.enabled]
+        on = [(name, getattr(config, name)) for name in _WRITERS if getattr(config, name).enabled]
         self.enabled = bool(on)
-        for name, _, module, extra in on:  # on every rank, so no rank goes on alone
+        for name, _ in on:  # on every rank, so no rank goes on alone
+            module, extra = _WRITERS[name][1:]
             if module and (error := missing_extra(name, module, extra)):
                 raise error
         self.tb_monitor = self.csv_monitor = self.mlflow_monitor = None
+        self.wandb_monitor = self.comet_monitor = None
         self.monitors: list[Monitor] = []
         self._hardware = None
         if self.enabled:
@@ -99,22 +104,11 @@ class MonitorMaster:
             self._hardware = HardwareSampler(hardware_group, hardware_ranks)
         if self.enabled and self.rank == 0:
             try:
-                for name, cfg, _, _ in on:
-                    if name == "tensorboard":
-                        from zerotrain.monitor.tensorboard import TensorBoardMonitor
-
-                        self.tb_monitor = TensorBoardMonitor(cfg)
-                        self.monitors.append(self.tb_monitor)
-                    elif name == "csv_monitor":
-                        from zerotrain.monitor.csv_monitor import CSVMonitor
-
-                        self.csv_monitor = CSVMonitor(cfg)
-                        self.monitors.append(self.csv_monitor)
-                    else:
-                        from zerotrain.monitor.mlflow import MLflowMonitor
-
-                        self.mlflow_monitor = MLflowMonitor(cfg)
-                        self.monitors.append(self.mlflow_monitor)
+                for name, cfg in on:
+                    attribute, module_path, cls = _WRITERS[name][0]
+                    writer = getattr(importlib.import_module(module_path), cls)(cfg)
+                    setattr(self, attribute, writer)
+                    self.monitors.append(writer)
             except BaseException:
                 _close_all(self.monitors)
                 raise
