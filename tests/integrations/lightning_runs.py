@@ -134,6 +134,8 @@ def main():
         fit(f"stage{stage}_adam_first_epoch", f"zerotrain_stage_{stage}", "adam", epochs=1, save_to=checkpoint)
         fit(f"stage{stage}_adam_resumed", f"zerotrain_stage_{stage}", "adam", init_seed=1, ckpt_path=checkpoint)
     fit("stage2_adam_bf16", "zerotrain_stage_2", "adam", precision="bf16-mixed")
+    # fp16 with a static loss scale (the dynamic one skips steps while it finds its scale)
+    fit("stage2_adam_fp16", ZeroTrainStrategy(stage=2, loss_scale=128), "adam", precision="16-mixed")
     run = fit("stage3_sgd_configure_model", "zerotrain_stage_3", "sgd", in_configure_model=True)
     # The stage-3 checkpoint as one file (rank 0 writes it), loaded into a differently initialised
     # model by gathering each layer (load_full_weights=True): weights only, not the optimizer.

@@ -78,11 +78,17 @@ def test_checkpoint_save_and_resume(runs, stage):
                 torch.testing.assert_close(resumed["weights"][name], want, rtol=0, atol=1e-6, msg=name)
 
 
-def test_bf16_mixed(runs):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision(runs, precision):
     from tests.integrations.lightning_runs import TinyRegression
 
-    run, reference = runs("stage2_adam_bf16"), runs("ddp_adam")
-    assert run["config"]["bf16"] == {"enabled": True}  # Lightning's precision plugin's section
+    run, reference = runs(f"stage2_adam_{precision}"), runs("ddp_adam")
+    # the section Lightning's precision plugin adds for precision="bf16-mixed" / "16-mixed"
+    if precision == "bf16":
+        assert run["config"]["bf16"] == {"enabled": True} and "fp16" not in run["config"]
+    else:
+        assert run["config"]["fp16"]["enabled"] and run["config"]["fp16"]["loss_scale"] == 128
+        assert "bf16" not in run["config"]
     _assert_same_run(run, reference, rel=2e-2, atol=float("inf"))
     initial = TinyRegression("adam").state_dict()
     for name, start in initial.items():
