@@ -136,6 +136,7 @@ def main():
     fit("stage2_adam_bf16", "zerotrain_stage_2", "adam", precision="bf16-mixed")
     # fp16 with a static loss scale (the dynamic one skips steps while it finds its scale)
     fit("stage2_adam_fp16", ZeroTrainStrategy(stage=2, loss_scale=128), "adam", precision="16-mixed")
+    fit("stage3_offload_adam", "zerotrain_stage_3_offload", "adam")  # optimizer and parameters in CPU memory
     run = fit("stage3_sgd_configure_model", "zerotrain_stage_3", "sgd", in_configure_model=True)
     # The stage-3 checkpoint as one file (rank 0 writes it), loaded into a differently initialised
     # model by gathering each layer (load_full_weights=True): weights only, not the optimizer.

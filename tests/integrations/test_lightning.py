@@ -105,6 +105,13 @@ def test_lightning_deepspeed_strategy_is_stopped_only_by_its_cuda_check(runs):
                                      "is used.")
 
 
+def test_stage3_offload(runs):
+    for rank in RANKS:
+        run = runs("stage3_offload_adam", rank)
+        assert run["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+        _assert_same_run(run, runs("ddp_adam", rank))
+
+
 def test_stage3_model_built_in_configure_model(runs):
     # Lightning builds it inside strategy.model_sharded_context(), i.e. zerotrain's zero.Init
     for rank in RANKS:

@@ -39,9 +39,14 @@ import os
 import sys
 
 try:
-    import lightning.pytorch  # noqa: F401
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.strategies.ddp import DDPStrategy
+    from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("zerotrain.integrations.lightning needs Lightning: pip install 'zerotrain[lightning]'") from err
+
+__all__ = ["ZeroTrainStrategy", "convert_zero_checkpoint_to_fp32_state_dict", "use_zerotrain_for_lightning"]
 
 
 def use_zerotrain_for_lightning() -> None:
@@ -66,14 +71,6 @@ def use_zerotrain_for_lightning() -> None:
     os.environ["PYTHONPATH"] = environment()["PYTHONPATH"]
     importlib.invalidate_caches()
     importlib.import_module("deepspeed")
-
-
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator  # noqa: E402
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
-from lightning.pytorch.strategies.ddp import DDPStrategy  # noqa: E402
-from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
-
-__all__ = ["ZeroTrainStrategy", "convert_zero_checkpoint_to_fp32_state_dict", "use_zerotrain_for_lightning"]
 
 
 class ZeroTrainStrategy(DeepSpeedStrategy):
