@@ -25,7 +25,8 @@ RANKS = (0, 1)
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)  # Lightning must start the second process itself
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        env.pop(name, None)  # Lightning must start the second process itself, on a free port
     done = subprocess.run([sys.executable, str(HERE / "lightning_runs.py"), str(out)], cwd=out, env=env,
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
