@@ -31,6 +31,7 @@ initialize add_config_arguments init_distributed DeepSpeedEngine get_accelerator
 PipelineModule accelerator.get_accelerator ops.adam.FusedAdam ops.adam.DeepSpeedCPUAdam
 moe.utils.split_params_into_different_moe_groups_for_optimizer moe.utils.is_moe_param
 pipe.PipelineModule pipe.LayerSpec pipe.TiedLayerSpec utils.RepeatingLoader utils.logger utils.log_dist
+utils.logging.logger utils.logging.log_dist
 runtime.dataloader.RepeatingLoader runtime.utils.set_random_seed runtime.utils.memory_status
 runtime.utils.see_memory_usage runtime.zero.partition_parameters.ZeroParamStatus
 compression.helper.recursive_getattr compression.helper.recursive_setattr zero.Init zero.GatheredParameters
@@ -335,12 +336,14 @@ def test_pipe_specs_build_and_pipeline_module_builds_one_stage():
         PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=2)
 
 
-@exercises("logger", "log_dist", "utils.logger", "utils.log_dist")
+@exercises("logger", "log_dist", "utils.logger", "utils.log_dist", "utils.logging.logger", "utils.logging.log_dist")
 def test_logger_and_log_dist(caplog):
     import zerotrain
     from zerotrain.utils import log_dist, logger
 
     assert zerotrain.logger is logger and zerotrain.log_dist is log_dist
+    # Lightning's DeepSpeed strategy sets the level through deepspeed.utils.logging.logger
+    assert zerotrain.utils.logging.logger is logger and zerotrain.utils.logging.log_dist is log_dist
     assert isinstance(logger, logging.Logger)
     logger.propagate = True  # let caplog see it
     try:

@@ -169,7 +169,8 @@ def _destroy_and_reuse() -> dict:
 
     weight = model.wte.weight  # DeepSpeed's read-outs, which scripts test before gathering
     ds = {"status": weight.ds_status, "shape": tuple(weight.ds_shape), "numel": weight.ds_numel,
-          "ids": len({p.ds_id for p in model.parameters()}), "tensor": weight.ds_tensor.numel()}
+          "ids": len({p.ds_id for p in model.parameters()}), "tensor": weight.ds_tensor.numel(),
+          "partition_numel": weight.partition_numel()}  # DeepSpeed's method (Lightning's summary)
     with zerotrain.zero.GatheredParameters([weight]):
         ds["status_gathered"] = weight.ds_status
     ds["status_after"] = weight.ds_status
@@ -178,11 +179,12 @@ def _destroy_and_reuse() -> dict:
     assert ds["status_after"] is ZeroParamStatus.NOT_AVAILABLE
     assert ds["shape"] == tuple(make_model().wte.weight.shape) and ds["numel"] == weight.ds_numel
     assert ds["ids"] == len(list(model.parameters())) and 0 < ds["tensor"] <= ds["numel"]
+    assert ds["partition_numel"] == ds["tensor"]
     before = engine.module_state_dict()
     engine.destroy()
     out = {"plain_dicts": all(type(m._parameters) is dict for m in model.modules()),
-           "no_attrs": not any(k.startswith(("_zerotrain", "ds_")) for p in model.parameters()
-                               for k in vars(p)),
+           "no_attrs": not any(k.startswith(("_zerotrain", "ds_")) or k == "partition_numel"
+                               for p in model.parameters() for k in vars(p)),
            "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
            "state": {k: v.clone() for k, v in model.state_dict().items()},
            "before": before,

@@ -1,6 +1,6 @@
 """``deepspeed.utils`` names scripts import: ``logger``, ``log_dist``, ``RepeatingLoader``, the
 stage-3 leaf-module functions (``set_z3_leaf_modules`` and friends, zerotrain.zero.leaves) and
-``recursive_getattr`` / ``recursive_setattr``. The submodules ``timer`` and ``zero_to_fp32`` are
+``recursive_getattr`` / ``recursive_setattr``. The submodules ``timer``, ``zero_to_fp32``, ``groups`` and ``logging`` are
 attributes, as after ``import deepspeed``; they and the leaf functions load on first access.
 Everything here is a re-export (``log_dist``: zerotrain.log)."""
 
@@ -13,7 +13,7 @@ _LEAF_FUNCTIONS = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_
                    "z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")
 __all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer", "recursive_getattr", "recursive_setattr",
            *_LEAF_FUNCTIONS]
-SUBMODULES = ("timer", "zero_to_fp32", "groups")
+SUBMODULES = ("timer", "zero_to_fp32", "groups", "logging")
 
 __getattr__, __dir__ = lazy_attributes(
     __name__, SUBMODULES,

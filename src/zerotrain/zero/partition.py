@@ -158,6 +158,8 @@ class FlatParamUnit:
             p.ds_tensor = (shard.narrow(0, piece.shard_start, piece.numel) if piece
                            else shard.narrow(0, 0, 0))
             p.ds_active_sub_modules = ActiveSubModules(self)
+            # DeepSpeed's method (Lightning's stage-3 model summary calls it): this rank's part.
+            p.partition_numel = p.ds_tensor.numel
         self._set_status(self.gathered)
 
     def _set_status(self, available: bool) -> None:

@@ -6,7 +6,8 @@ registry holds parameters weakly; an engine registers its units at build and unr
 
 Stage-3 parameters also carry DeepSpeed's public read-outs, which scripts test to decide what to
 gather: ``ds_id``, ``ds_numel``, ``ds_shape``, ``ds_status`` (``ZeroParamStatus``), ``ds_tensor``
-(this rank's part of the parameter) and ``ds_active_sub_modules`` (zero/parameter_offload.py). They are set at build, ``ds_status`` is kept current by the
+(this rank's part of the parameter), ``ds_active_sub_modules`` (zero/parameter_offload.py) and the
+method ``partition_numel()`` (that part's element count). They are set at build, ``ds_status`` is kept current by the
 unit, and ``destroy()`` removes them all.
 """
 
@@ -30,7 +31,8 @@ _next_id = itertools.count()
 # Whole parameters an engine replicates over a group without units (fp32 stage 0): the group
 # ``GatheredParameters(modifier_rank=...)`` broadcasts them over.
 _replicated_over = WeakIdKeyDictionary()
-DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor", "ds_active_sub_modules")
+DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor", "ds_active_sub_modules",
+                 "partition_numel")
 
 
 def register(units: Sequence, group=None, deepspeed_attributes: bool = False,
