@@ -53,6 +53,9 @@ def check_pipeline_config(config) -> None:
     if zero.stage > 0 and not zero.ignore_unused_parameters:
         raise NotImplementedError("zero_optimization.ignore_unused_parameters=false with a PipelineModule is "
                                   "not supported (the pipeline reduces once per batch); set it to true")
+    if config.torch_autocast.enabled:
+        raise NotImplementedError("torch_autocast.enabled with a PipelineModule is not supported yet (stage "
+                                  "forwards are not autocast); use bf16 or fp16, or a non-pipeline model")
 
 
 class PipelineEngine(ZeroTrainEngine):
