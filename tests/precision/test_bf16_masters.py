@@ -36,8 +36,9 @@ def _state_bytes(opt) -> tuple[int, int]:
     return total, moments
 
 
-def _train_engines(runs):
-    """On each rank: one engine per (stage, bf16 section, optimizer); weights, state, memory."""
+def _train_engines(runs, checkpoint_dir=None):
+    """On each rank: one engine per (stage, bf16 section, optimizer); weights, state, memory;
+    then, with ``checkpoint_dir``, the checkpoint round trips of ``_resumes``."""
     import torch.distributed as dist
 
     import zerotrain
@@ -62,6 +63,37 @@ def _train_engines(runs):
             "accessors": (engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states()),
             "skipped": engine.skipped_steps,
         })
+        engine.destroy()
+    if checkpoint_dir is not None:
+        out.append(_resumes(checkpoint_dir, data, rank))
+    return out
+
+
+def _resumes(path, data, rank) -> dict:
+    """Save after 2 steps, take a third; a fresh engine loading the checkpoint takes the same
+    third step: {stage: whether the weights are bit-identical, and the reloaded state's dtypes}."""
+    import zerotrain
+
+    def step(engine, s):
+        batch = data[s, rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(engine(batch, labels=batch).loss)
+        engine.step()
+
+    out = {}
+    for stage in (1, 3):
+        engine, _, _, _ = zerotrain.initialize(model=make_model(), config=_config(stage, BF16_MASTERS, ADAMW))
+        step(engine, 0)
+        step(engine, 1)
+        engine.save_checkpoint(path, tag=f"stage{stage}")
+        step(engine, 2)
+        want = engine.module_state_dict()
+        engine.destroy()
+        engine, opt, _, _ = zerotrain.initialize(model=make_model(), config=_config(stage, BF16_MASTERS, ADAMW))
+        engine.load_checkpoint(path, tag=f"stage{stage}")
+        step(engine, 2)
+        got = engine.module_state_dict()
+        out[stage] = (all(torch.equal(got[n], v) for n, v in want.items()),
+                      {k: v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"})
         engine.destroy()
     return out
 
@@ -93,8 +125,8 @@ RUNS = [(1, BF16_MASTERS, ADAMW), (2, BF16_MASTERS, ADAMW), (3, BF16_MASTERS, AD
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_ranks(_train_engines, WORLD, args=(RUNS,))
+def results(tmp_path_factory):
+    return run_on_ranks(_train_engines, WORLD, args=(RUNS, str(tmp_path_factory.mktemp("ckpt"))))
 
 
 @pytest.mark.parametrize("run", range(4), ids=["stage1-adamw", "stage2-adamw", "stage3-adamw", "stage2-sgd"])
@@ -121,6 +153,13 @@ def test_stepped_tensors_and_state_are_bf16(results):
         plain = r[4]
         assert plain["stepped_dtypes"] == {torch.float32}
         assert plain["accessors"] == (False, False)
+
+
+def test_checkpoint_round_trip_keeps_bf16_state(results):
+    for r in results:
+        for stage, (same, dtypes) in r[len(RUNS)].items():
+            assert same, f"stage {stage}: the reloaded engine's step differs"
+            assert set(dtypes.values()) == {torch.bfloat16}
 
 
 def test_state_bytes_half_of_plain_bf16(results):
