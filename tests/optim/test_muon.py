@@ -105,7 +105,12 @@ def test_gram_matches_standard_iteration():
         assert singular.min() > 0.5 and singular.max() < 1.3  # orthogonalized (US'V^T, S' ~ 1)
 
 
-def _train_engines(runs):
+def _engine_config(stage: int, method: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": _muon(method),
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+
+
+def _train_engines(runs, checkpoint_dir):
     import torch.distributed as dist
 
     import zerotrain
@@ -116,9 +121,7 @@ def _train_engines(runs):
     out = []
     for stage, method in runs:
         model = make_model()
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": _muon(method),
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
-        engine, opt, _, _ = zerotrain.initialize(model=model, config=cfg)
+        engine, opt, _, _ = zerotrain.initialize(model=model, config=_engine_config(stage, method))
         for step in range(STEPS):
             rows = data[step, rank * MICRO:(rank + 1) * MICRO]
             engine.backward(engine(rows, labels=rows).loss)
@@ -129,6 +132,35 @@ def _train_engines(runs):
                     "momentum_numel": sum(n[0] for _, n in state),
                     "units": len(getattr(engine._zero, "units", []))})
         engine.destroy()
+    out.append(_resumes(checkpoint_dir, data, rank))
+    return out
+
+
+def _resumes(path, data, rank) -> dict:
+    """Save after 2 steps, take a third; a fresh engine loading the checkpoint takes the same
+    third step: {stage: whether the weights are bit-identical}."""
+    import zerotrain
+
+    def step(engine, s):
+        rows = data[s, rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(engine(rows, labels=rows).loss)
+        engine.step()
+
+    out = {}
+    for stage in (0, 2, 3):
+        engine, _, _, _ = zerotrain.initialize(model=make_model(), config=_engine_config(stage, "gram"))
+        step(engine, 0)
+        step(engine, 1)
+        engine.save_checkpoint(path, tag=f"stage{stage}")
+        step(engine, 2)
+        want = engine.module_state_dict()
+        engine.destroy()
+        engine, _, _, _ = zerotrain.initialize(model=make_model(), config=_engine_config(stage, "gram"))
+        engine.load_checkpoint(path, tag=f"stage{stage}")
+        step(engine, 2)
+        got = engine.module_state_dict()
+        out[stage] = all(torch.equal(got[n], v) for n, v in want.items())
+        engine.destroy()
     return out
 
 
@@ -136,8 +168,13 @@ RUNS = [(0, "gram"), (1, "gram"), (2, "gram"), (3, "gram"), (2, "standard")]
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_ranks(_train_engines, WORLD, args=(RUNS,))
+def results(tmp_path_factory):
+    return run_on_ranks(_train_engines, WORLD, args=(RUNS, str(tmp_path_factory.mktemp("ckpt"))))
+
+
+def test_checkpoint_round_trip_resumes_bit_identically(results):
+    for r in results:
+        assert r[len(RUNS)] == {0: True, 2: True, 3: True}
 
 
 @pytest.mark.parametrize("run", range(len(RUNS)), ids=[f"stage{s}-{m}" for s, m in RUNS])
