@@ -90,7 +90,7 @@ def _reference(dtype: torch.dtype, scale: float = 1.0):
     return losses, {n: v.clone() for n, v in model.state_dict().items()}
 
 
-RUNS = [(0, BF16), (1, BF16), (2, BF16), (3, BF16), (2, FP16)]
+RUNS = [(0, BF16), (1, BF16), (2, BF16), (3, BF16), (0, FP16), (2, FP16)]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_losses_and_weights_equal_autocast_reference(results, run):
 
 
 def test_accessors(results):
-    bf16, fp16 = results[0][0], results[0][4]
+    bf16, fp16 = results[0][0], results[0][5]
     assert bf16["accessors"] == (True, torch.bfloat16, ["torch.nn.modules.linear.Linear",
                                                         "torch.nn.modules.conv.Conv1d",
                                                         "torch.nn.modules.conv.Conv2d",
