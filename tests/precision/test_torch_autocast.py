@@ -61,10 +61,14 @@ def _train_engines(runs):
     return out
 
 
-def _reference(dtype: torch.dtype, scale: float = 1.0):
+def _reference(dtype: torch.dtype, scale: float = 1.0, low_precision: bool = False):
     """fp32 model and fused AdamW (what the config's "AdamW" builds), forward under autocast;
-    returns each rank's loss per step and the final weights."""
+    returns each rank's loss per step and the final weights. ``low_precision``: the gradients of
+    nn.Linear parameters (DeepSpeed's default lower-precision-safe modules; the tied output
+    layer's weight too) are reduced in ``dtype``, as ZeRO 1-3 reduce them."""
     model = make_model()
+    safe = {id(p) for m in model.modules() if type(m) is torch.nn.Linear for p in m.parameters(recurse=False)}
+    assert safe and len(safe) < len(list(model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), **ADAMW["params"], fused=True)
     data = global_batches(STEPS, MICRO * WORLD)
     params = list(model.parameters())
@@ -81,7 +85,10 @@ def _reference(dtype: torch.dtype, scale: float = 1.0):
             per_rank.append([p.grad / WORLD for p in params])
             opt.zero_grad()
         for p, *grads in zip(params, *per_rank):
-            p.grad = grads[0] + grads[1]
+            if low_precision and id(p) in safe:  # each halved gradient rounded, summed in dtype
+                p.grad = (grads[0].to(dtype) + grads[1].to(dtype)).float()
+            else:
+                p.grad = grads[0] + grads[1]
             if scale != 1.0:
                 p.grad.mul_(1.0 / scale)
         opt.step()
@@ -90,7 +97,8 @@ def _reference(dtype: torch.dtype, scale: float = 1.0):
     return losses, {n: v.clone() for n, v in model.state_dict().items()}
 
 
-RUNS = [(0, BF16), (1, BF16), (2, BF16), (3, BF16), (0, FP16), (2, FP16)]
+NO_SAFE = {**BF16, "lower_precision_safe_modules": []}
+RUNS = [(0, BF16), (1, BF16), (2, BF16), (3, BF16), (0, FP16), (2, FP16), (2, NO_SAFE)]
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +106,15 @@ def results():
     return run_on_ranks(_train_engines, WORLD, args=(RUNS,))
 
 
-@pytest.mark.parametrize("run", range(len(RUNS)), ids=[f"stage{s}-{a['dtype']}" for s, a in RUNS])
+@pytest.mark.parametrize("run", range(len(RUNS)),
+                         ids=[f"stage{s}-{a['dtype']}{'-no-safe' if a is NO_SAFE else ''}" for s, a in RUNS])
 def test_losses_and_weights_equal_autocast_reference(results, run):
     stage, autocast = RUNS[run]
     dtype = torch.float16 if autocast is FP16 else torch.bfloat16
-    # fp16 autocast scales the loss by GradScaler's initial 2**16 (a power of two: exact).
-    want_losses, want = _reference(dtype, scale=2.0**16 if dtype == torch.float16 else 1.0)
+    # fp16 autocast scales the loss by GradScaler's initial 2**16 (a power of two: exact). Stage
+    # 0 reduces every gradient in fp32 (as DeepSpeed); stages 1-3 nn.Linear's in the autocast dtype.
+    want_losses, want = _reference(dtype, scale=2.0**16 if dtype == torch.float16 else 1.0,
+                                   low_precision=stage > 0 and autocast is not NO_SAFE)
     for rank, r in enumerate(results):
         got = r[run]
         assert got["logits_dtype"] == dtype  # the forward ran under autocast

@@ -1,9 +1,8 @@
 """The ``torch_autocast`` section: fp32 parameters, the engine's forward under ``torch.autocast``.
 
 ``lower_precision_safe_modules`` names module classes (``"package.module.Class"``, matched
-exactly, not subclasses) whose parameters DeepSpeed communicates in the autocast dtype. It is
-resolved and checked at initialize; zerotrain reduces every gradient in fp32 (or
-``communication_data_type``), so the list changes no arithmetic here (docs/precision.md).
+exactly, not subclasses) whose parameters' gradients ZeRO stages 1-3 reduce in the autocast dtype
+(``zerotrain.zero.autocast_reductions``; docs/precision.md).
 """
 
 from __future__ import annotations

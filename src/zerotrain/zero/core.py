@@ -487,7 +487,7 @@ class ZeroStage(StageInterface):
             "master_parameters": masters,
             "gradients": grads,
             "optimizer_state": optimizer_state_bytes(optimizer),
-            "communication_buffers": self.reduction.staging.nbytes if self.reduction.staging else 0,
+            "communication_buffers": self.reduction.staging_nbytes,
         }
         if self.offload is not None:  # what the swapper holds in memory (disk: offload_stats)
             out["offload_buffers"] = self.offload.swapper.buffer_nbytes
