@@ -31,15 +31,19 @@ ELEMENTWISE_OPTIMIZERS = (
     "zerotrain.ops.adam.FusedAdam", "zerotrain.ops.adam.DeepSpeedCPUAdam",
 )
 
+#: Optimizers whose whole-parameter step the ZeRO core provides for (zero/muon_shards.py).
+SHARD_AWARE_OPTIMIZERS = ("zerotrain.optim.muon.MuonWithAuxAdam",)
+
 #: Optimizers known to depend on whole parameters (shape, norm, or a closure over the model):
 #: refused on flat shards even with zero_allow_untested_optimizer.
 SHAPE_DEPENDENT_OPTIMIZERS = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "FusedLamb", "LARS", "Shampoo")
 
 
 def elementwise_optimizer_classes() -> tuple[type, ...]:
-    """The classes of ELEMENTWISE_OPTIMIZERS that exist in this installation."""
+    """The classes of ELEMENTWISE_OPTIMIZERS (and SHARD_AWARE_OPTIMIZERS, which flat shards do not
+    change either) that exist in this installation."""
     found = []
-    for dotted in ELEMENTWISE_OPTIMIZERS:
+    for dotted in ELEMENTWISE_OPTIMIZERS + SHARD_AWARE_OPTIMIZERS:
         module_name, _, name = dotted.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), name, None)

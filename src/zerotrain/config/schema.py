@@ -76,6 +76,28 @@ class BF16Config(Section):
     bf16_optimizer_states: bool = False
 
 
+_AUTOCAST_DTYPES = {"torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _autocast_dtype(value: Any) -> Any:
+    if value is None:
+        return None
+    name = _AUTOCAST_DTYPES.get(str(value).strip().lower())
+    if name is None:
+        raise ValueError(f"{value!r} is not a dtype torch.autocast lowers to: use \"bfloat16\" or \"float16\"")
+    return name
+
+
+class TorchAutocastConfig(Section):
+    """`torch_autocast`: fp32 parameters, forward under `torch.autocast(device, dtype)`.
+    `dtype` None: torch.autocast's default for the device (bf16 on CPU, fp16 on CUDA)."""
+
+    enabled: bool = False
+    dtype: Annotated[Optional[Literal["fp16", "bf16"]], BeforeValidator(_autocast_dtype)] = None
+    lower_precision_safe_modules: Optional[list[str]] = None
+
+
 class CommsLoggerConfig(Section):
     """`comms_logger`: per-collective timing and size logging."""
 
@@ -197,7 +219,7 @@ class CheckpointConfig(Section):
 FOREIGN_SECTIONS = (
     "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
     "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
-    "sparse_attention", "torch_autocast", "data_types",
+    "sparse_attention", "data_types",
     "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
 )
 
@@ -217,7 +239,6 @@ class _UnimplementedKeys(Section):
     tensor_parallel: Any = None
     eigenvalue: Any = None
     sparse_attention: Any = None
-    torch_autocast: Any = None
     data_types: Any = None
     weight_quantization: Any = None
     quantize_training: Any = None
@@ -251,6 +272,7 @@ class ZeroTrainConfig(_UnimplementedKeys):
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     allgather_size: Optional[NonNegInt] = None  # only read with the legacy `"zero_optimization": true`
     gradient_clipping: Float = Field(1.0, ge=0.0)
@@ -317,6 +339,10 @@ class ZeroTrainConfig(_UnimplementedKeys):
     def _one_half_precision(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16 and bf16 cannot both be enabled; set one of fp16.enabled / bf16.enabled to false")
+        if self.torch_autocast.enabled and (self.fp16.enabled or self.bf16.enabled):
+            other = "fp16" if self.fp16.enabled else "bf16"
+            raise ValueError(f"torch_autocast.enabled and {other}.enabled cannot both be true: torch_autocast keeps "
+                             f"fp32 parameters, {other} casts them; set {other}.enabled to false")
         return self
 
     @model_validator(mode="after")

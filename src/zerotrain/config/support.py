@@ -73,6 +73,10 @@ def _fp32_stage0(c: ZeroTrainConfig) -> bool:
     return c.zero_optimization.stage == 0 and not (c.fp16.enabled or c.bf16.enabled)
 
 
+def _bf16_masters(c: ZeroTrainConfig) -> bool:
+    return c.bf16.enabled and c.bf16.bf16_master_weights_and_grads
+
+
 def _grad_accum_dtype(c: ZeroTrainConfig) -> Any:
     return c.data_types.get("grad_accum_dtype") if isinstance(c.data_types, dict) else None
 
@@ -81,9 +85,22 @@ PENDING: tuple[Pending, ...] = (
             "fp16 master weights (zerotrain always keeps fp32 masters)"),
     Pending("bf16.immediate_grad_update", lambda c: c.bf16.immediate_grad_update,
             "immediate bf16 gradient updates"),
-    Pending("bf16.bf16_master_weights_and_grads", lambda c: c.bf16.bf16_master_weights_and_grads,
-            "bf16 master weights (zerotrain always keeps fp32 masters)"),
-    Pending("bf16.bf16_optimizer_states", lambda c: c.bf16.bf16_optimizer_states, "bf16 optimizer states"),
+    Pending("bf16.bf16_master_weights_and_grads",
+            lambda c: c.bf16.bf16_master_weights_and_grads and not c.bf16.enabled,
+            "bf16.enabled: true (bf16 master weights are the bf16 parameters' shards)"),
+    Pending("bf16.bf16_master_weights_and_grads", lambda c: _bf16_masters(c) and not c.bf16.bf16_optimizer_states,
+            "bf16 master weights with fp32 optimizer states (DeepSpeed: CPU offload with DeepSpeedCPUAdam); "
+            "set bf16.bf16_optimizer_states to true as well"),
+    Pending("bf16.bf16_master_weights_and_grads", lambda c: _bf16_masters(c) and c.zero_optimization.stage == 0,
+            "a ZeRO stage: bf16 master weights work at stages 1-3 (set zero_optimization.stage)"),
+    Pending("bf16.bf16_master_weights_and_grads",
+            lambda c: _bf16_masters(c) and (c.zero_optimization.offload_optimizer_device != "none"
+                                            or c.zero_optimization.offload_param_device != "none"),
+            "bf16 master weights with optimizer or parameter offload (offload keeps fp32 masters; remove "
+            "offload_optimizer/offload_param)"),
+    Pending("bf16.bf16_optimizer_states", lambda c: c.bf16.bf16_optimizer_states and not _bf16_masters(c),
+            "bf16 master weights: set bf16.bf16_master_weights_and_grads to true as well (DeepSpeed requires "
+            "it too), with bf16.enabled"),
     Pending(f"{_Z}.offload_optimizer.device",
             lambda c: c.zero_optimization.offload_optimizer_device != "none" and c.zero_optimization.stage == 0,
             "a ZeRO stage: optimizer offload works at stages 1-3 (set zero_optimization.stage)"),
@@ -168,7 +185,6 @@ PENDING: tuple[Pending, ...] = (
     _foreign("tensor_parallel", "tensor parallelism (AutoTP)", _tensor_parallel_on),
     _foreign("eigenvalue", "eigenvalue computation"),
     _foreign("sparse_attention", "sparse attention kernels"),
-    _foreign("torch_autocast", "torch.autocast mixed precision"),
     _foreign("data_types", "data_types keys other than grad_accum_dtype", _data_types_on),
     _foreign("weight_quantization", "weight quantization"),
     _foreign("quantize_training", "quantized training"),

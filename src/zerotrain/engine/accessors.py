@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.engine.timers import ThroughputTimer
+from zerotrain.precision.autocast import safe_module_names
 
 
 def _observe_throughput(engine, inputs) -> None:
@@ -87,6 +88,20 @@ class EngineAccessors:
 
     def bf16_optimizer_states(self) -> bool:
         return self._config.bf16.bf16_optimizer_states
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The dtype forward is autocast to; when the section is off, its ``dtype`` (None if
+        unset, as in DeepSpeed)."""
+        if self.precision.autocast_dtype is not None:
+            return self.precision.autocast_dtype
+        return {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[self._config.torch_autocast.dtype]
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The section's module names, or DeepSpeed's default list (``torch.nn`` Linear and Conv1d-3d)."""
+        return safe_module_names(self._config.torch_autocast)
 
     def amp_enabled(self) -> bool:
         """Always False: apex ``amp`` is not supported (initialize rejects a config enabling it)."""

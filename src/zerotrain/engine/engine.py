@@ -29,7 +29,7 @@ from zerotrain.monitor import MonitorMaster
 from zerotrain.monitor.memory import register_engine, unregister_engine
 from zerotrain.offload import describe_stats
 from zerotrain.pld.engine import EnginePLD
-from zerotrain.precision import PrecisionPolicy, build_loss_scaler
+from zerotrain.precision import PrecisionPolicy, autocast, build_loss_scaler
 from zerotrain.topology import Topology
 from zerotrain.topology.process_wide import reset as reset_current_topology
 from zerotrain.zero import build_zero_stage
@@ -60,9 +60,12 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.precision = PrecisionPolicy.from_config(config)
+        self.precision = PrecisionPolicy.from_config(config, self.device)
         _check_device_supports(self.precision, self.device)
-        self.loss_scaler = build_loss_scaler(config)
+        if self.precision.autocast_dtype is not None:
+            autocast.check_device(self.device, self.precision.autocast_dtype)
+            autocast.resolve_safe_modules(autocast.safe_module_names(config.torch_autocast))
+        self.loss_scaler = build_loss_scaler(config, self.precision)
         # The gradient norm and the overflow decision span the data group and the ranks holding
         # distinct parameters beside it (pipeline stages, model slices).
         self._zero = build_zero_stage(config, module, optimizer, self.precision,
@@ -128,7 +131,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
         profiling = self._flops_forward_begin()
         self._timers.start(FORWARD)
         try:
-            return self.module(*inputs, **kwargs)
+            with autocast.forward_context(self.precision.autocast_dtype, self.device):
+                return self.module(*inputs, **kwargs)
         finally:
             self._timers.stop(FORWARD)
             if profiling:
@@ -382,7 +386,7 @@ def _cast_floats(tree, dtype: torch.dtype):
 
 def _check_device_supports(precision: PrecisionPolicy, device: torch.device) -> None:
     """Fail at initialize, not with NaNs later, when the device cannot compute in the dtype."""
-    if not precision.mixed:
+    if precision.param_dtype == torch.float32:
         return
     try:
         a = torch.ones(4, 4, dtype=precision.param_dtype, device=device)

@@ -87,7 +87,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     _broadcast_from_rank0(model, topology, experts)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    opt = _build_optimizer(optimizer, cfg, params)
+    opt = _build_optimizer(optimizer, cfg, params, model)
     sched = _build_scheduler(lr_scheduler, cfg, opt)
     loader = None
     # A pipeline's data is read by its first and last stage only.
@@ -179,7 +179,7 @@ def build_topology(group, mpu) -> Topology:
     return topology
 
 
-def _build_optimizer(client, cfg, params):
+def _build_optimizer(client, cfg, params, model):
     if client is not None:
         if isinstance(client, torch.optim.Optimizer):
             return client
@@ -188,7 +188,7 @@ def _build_optimizer(client, cfg, params):
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable, got {type(client)!r}")
     if cfg.optimizer is None:
         return None
-    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, params)
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, params, model.named_parameters())
 
 
 def _build_scheduler(client, cfg, optimizer):

@@ -57,6 +57,9 @@ def check_pipeline_config(config) -> None:
         raise NotImplementedError("flops_profiler.enabled=true with a PipelineModule is not supported (the "
                                   "profiler hooks engine.forward, which train_batch does not call); profile "
                                   "the stages' layers with zerotrain.profiling.flops_profiler.get_model_profile")
+    if config.torch_autocast.enabled:
+        raise NotImplementedError("torch_autocast.enabled with a PipelineModule is not supported yet (stage "
+                                  "forwards are not autocast); use bf16 or fp16, or a non-pipeline model")
 
 
 class PipelineEngine(ZeroTrainEngine):

@@ -14,10 +14,10 @@ from torch.optim import lr_scheduler as torch_schedulers
 from .cycle_schedules import LRRangeTest, OneCycle
 from .lion import Lion
 from .lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from .muon import build_muon
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion")
-DEEPSPEED_ONLY_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD",
-                             "Muon")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "Muon")
+DEEPSPEED_ONLY_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD")
 SCHEDULERS = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 # Without torch_adam, DeepSpeed builds its own FusedAdam / FusedLion, whose defaults differ from
@@ -30,7 +30,7 @@ FUSED_LION_KEYS = ("lr", "betas", "weight_decay", "set_grad_none")
 AUTO_FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def build_optimizer(opt_type, opt_params, params):
+def build_optimizer(opt_type, opt_params, params, named_parameters=None):
     """Build the optimizer of a config's ``{"type": opt_type, "params": opt_params}`` section.
 
     Args:
@@ -38,6 +38,8 @@ def build_optimizer(opt_type, opt_params, params):
         opt_params: keyword arguments; Adam/AdamW also take ``torch_adam`` (default False)
             and ``adam_w_mode`` (default True: "Adam" means decoupled weight decay).
         params: iterable of tensors or param-group dicts.
+        named_parameters: the model's ``(name, parameter)`` pairs; Muon needs them (it picks each
+            parameter's half by name, zerotrain.optim.muon).
 
     Raises:
         ValueError: unknown type or key, ``max_grad_norm`` in params, or invalid values.
@@ -48,6 +50,11 @@ def build_optimizer(opt_type, opt_params, params):
         raise ValueError("'max_grad_norm' is not an optimizer parameter; use the top-level "
                          "'gradient_clipping' config key instead")
     name = _canonical_optimizer_name(opt_type)
+    if name == "Muon":
+        if named_parameters is None:
+            raise ValueError("optimizer Muon picks Muon or AdamW for each parameter by its name: build it "
+                             "through zerotrain.initialize (or pass named_parameters=model.named_parameters())")
+        return build_muon(_normalize_params(params), list(named_parameters), kwargs)
     cls, kwargs = _optimizer_spec(name, kwargs)
     params = _normalize_params(params)
     _prefer_fused(cls, kwargs, params)
@@ -124,7 +131,7 @@ def _canonical_optimizer_name(opt_type):
         if name.lower() == lowered:
             raise NotImplementedError(f"optimizer {name!r} is DeepSpeed-only and not available in zerotrain; "
                                       f"supported: {', '.join(OPTIMIZERS)} or any torch.optim optimizer")
-    # DeepSpeed's Muon is its own Muon+AdamW hybrid, so torch.optim.Muon is no stand-in for it.
+    # DeepSpeed's Muon is its own Muon+AdamW hybrid (zerotrain.optim.muon), not torch.optim.Muon.
     shadowed = {n.lower() for n in OPTIMIZERS + DEEPSPEED_ONLY_OPTIMIZERS}
     known = list(OPTIMIZERS) + [n for n in torch_optimizer_names() if n.lower() not in shadowed]
     for name in known:

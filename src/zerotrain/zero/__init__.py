@@ -7,6 +7,7 @@ from zerotrain.config.optimizer_check import check_zero_optimizer
 from zerotrain.optim.expert_groups import expert_parameters
 from zerotrain.memory_release import ReleasePolicy, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.precision.autocast import resolve_safe_modules, safe_module_names
 from zerotrain.zero.gathered import GatheredParameters
 from zerotrain.zero.init import Init, is_partitioned, materialize
 from zerotrain.zero.leaves import leaf_modules
@@ -50,6 +51,30 @@ def expert_reductions(module, topology):
     named = dict(module.named_parameters())
     by_param = {id(named[name]): specs[size] for name, size in experts.items()}
     return lambda param: by_param.get(id(param))
+
+
+def autocast_reductions(module, config, precision: PrecisionPolicy, group):
+    """``reduce_group_of`` for the parameters of ``torch_autocast.lower_precision_safe_modules``
+    (modules of exactly those classes, as DeepSpeed matches them): reduced over the data group in
+    the autocast dtype; None when autocast is off or no module matches."""
+    if precision.autocast_dtype is None:
+        return None
+    classes = tuple(resolve_safe_modules(safe_module_names(config.torch_autocast)))
+    safe = {id(p) for m in module.modules() if type(m) in classes for p in m.parameters(recurse=False)}
+    if not safe:
+        return None
+    spec = UnitReduction.over(group, comm_dtype=precision.autocast_dtype)
+    return lambda param: spec if id(param) in safe else None
+
+
+def _first_of(*choosers):
+    """The first non-None answer of several ``reduce_group_of`` functions (None ones skipped)."""
+    choosers = [c for c in choosers if c is not None]
+    if not choosers:
+        return None
+    if len(choosers) == 1:
+        return choosers[0]
+    return lambda param: next((spec for spec in (c(param) for c in choosers) if spec is not None), None)
 
 
 def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None,
@@ -96,6 +121,9 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
         check_zero_optimizer(config, optimizer)
     from zerotrain.offload import build_placement  # offload settings -> where state lives
 
+    # Expert parameters keep their expert-data reduction; other lower-precision-safe ones travel
+    # in the autocast dtype (DeepSpeed does this at stages 1-3; stage 0 reduces in fp32).
+    reduce_group_of = _first_of(reduce_group_of, autocast_reductions(module, config, precision, group))
     stage = ZeroStage(strategy, module, optimizer, options, precision, group=group,
                       placement=build_placement(config), memory_release=release,
                       norm_group=norm_group, reduce_group_of=reduce_group_of)

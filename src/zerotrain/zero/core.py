@@ -31,6 +31,7 @@ from zerotrain.zero.interface import ShardedState, StageInterface
 from zerotrain.zero.leaves import leaf_of
 from zerotrain.zero.memory import optimizer_state_bytes, tensor_bytes
 from zerotrain.zero.module_state import load_module_state
+from zerotrain.zero.muon_shards import attach_muon
 from zerotrain.zero.partition import FlatParamUnit, outside_optimizer
 from zerotrain.zero.persistent import merge_persistent
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, global_norm, split_by_reduction
@@ -174,6 +175,9 @@ class ZeroStage(StageInterface):
             self.masters = [u.master if u.master is not None else u.shard for u in self.trained]
             for g, group_dict in enumerate(param_groups):
                 group_dict["params"] = [m for u, m in zip(self.trained, self.masters) if u.group == g]
+        if optimizer is not None and hasattr(optimizer, "attach_full_matrix"):  # Muon: whole matrices
+            attach_muon(optimizer, self.trained, self.masters, param_groups, self._reductions,
+                        offloaded=self.offload is not None or placement.master_device is not None)
         self._optimizer = optimizer
         if optimizer is not None:  # its groups now hold shards: a new group would not be one
             optimizer.add_param_group = _refuse_add_param_group
@@ -485,7 +489,7 @@ class ZeroStage(StageInterface):
             "master_parameters": masters,
             "gradients": grads,
             "optimizer_state": optimizer_state_bytes(optimizer),
-            "communication_buffers": self.reduction.staging.nbytes if self.reduction.staging else 0,
+            "communication_buffers": self.reduction.staging_nbytes,
         }
         if self.offload is not None:  # what the swapper holds in memory (disk: offload_stats)
             out["offload_buffers"] = self.offload.swapper.buffer_nbytes

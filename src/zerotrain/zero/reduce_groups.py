@@ -32,22 +32,26 @@ from zerotrain.comm import collectives
 @dataclass
 class UnitReduction:
     """Where one unit's gradients are reduced (``group``: its ``size`` ranks, this one at
-    ``rank``) and what their sum is divided by (``divide_factor``)."""
+    ``rank``), what their sum is divided by (``divide_factor``) and, when not the stage's
+    communication dtype, the dtype they travel in (``comm_dtype``: torch_autocast's
+    lower-precision-safe modules)."""
 
     group: object
     size: int
     rank: int
     divide_factor: float
+    comm_dtype: torch.dtype | None = None
 
     @classmethod
-    def over(cls, group, divide_factor: float | None = None) -> "UnitReduction":
+    def over(cls, group, divide_factor: float | None = None,
+             comm_dtype: torch.dtype | None = None) -> "UnitReduction":
         """Over ``group`` (None: the world), averaging unless ``divide_factor`` is given."""
         if dist.is_initialized():
             size, rank = dist.get_world_size(group), dist.get_rank(group)
         else:
             size, rank = 1, 0
         factor = float(size) if divide_factor is None else check_divide_factor(divide_factor)
-        return cls(group, size, rank, factor)
+        return cls(group, size, rank, factor, comm_dtype)
 
 
 def check_divide_factor(factor) -> float:

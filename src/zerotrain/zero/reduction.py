@@ -75,6 +75,13 @@ class _Reduction:
     def _free_early(self, index: int) -> None:
         pass
 
+    _pools: dict = {}  # comm dtype -> StagingPool
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes of the staging slots allocated now (every communication dtype's)."""
+        return sum(pool.nbytes for pool in self._pools.values())
+
     def abort_backward(self) -> None:
         self.grads.abort_backward()
 
@@ -121,16 +128,19 @@ class AllReduceGradients(_Reduction):
                             for b, rank in zip(self.grads.buckets, self._shard_ranks)]
         largest = max((u.layout.padded_numel for u in units), default=1)
         device = units[0].device if units else None
-        needs_cast = precision.comm_dtype != precision.grad_accum_dtype
-        communicates = any(r.size > 1 for r in self.reductions)
-        self.staging = (StagingPool(2 if overlap else 1, largest, precision.comm_dtype, device)
-                        if needs_cast and communicates else None)
+        # A unit reduced in another dtype than its gradients' goes through a staging slot of
+        # that dtype (one pool per dtype).
+        wires = [r.comm_dtype or precision.comm_dtype for r in self.reductions]
+        casts = [w != precision.grad_accum_dtype and r.size > 1 for w, r in zip(wires, self.reductions)]
+        self._pools = {w: StagingPool(2 if overlap else 1, largest, w, device)
+                       for w, cast in zip(wires, casts) if cast}
+        self._cast_pools = [self._pools[w] if cast else None for w, cast in zip(wires, casts)]
+        self.staging = next(iter(self._pools.values()), None)
         # In-place reduce-scatters of the buckets themselves (on gloo each receives the peers'
         # rows into a shard-sized temporary, freed when the reduction is waited for): the units
-        # sharded over their whole group.
-        self.scatter = scatter and self.staging is None
-        self._scatters = [self.scatter and r.size > 1 and b.layout.world_size == r.size
-                          for b, r in zip(self.grads.buckets, self.reductions)]
+        # sharded over their whole group and reduced in their gradients' dtype.
+        self._scatters = [scatter and not cast and r.size > 1 and b.layout.world_size == r.size
+                          for b, r, cast in zip(self.grads.buckets, self.reductions, casts)]
         self._scattered = False  # buckets reduce-scattered since the last zero()
         self._in_flight: list = []
 
@@ -177,11 +187,12 @@ class AllReduceGradients(_Reduction):
             if len(self._in_flight) > 2:
                 self._in_flight.pop(0).wait()
             return work
-        if self.staging is None:
+        pool = self._cast_pools[index]
+        if pool is None:
             # Dividing before the sum keeps the launch inside backward, off the critical path.
             bucket.flat.div_(spec.divide_factor)
             return collectives.all_reduce(bucket.flat, group=spec.group, async_op=True)
-        slot = self.staging.acquire()  # reduced in another dtype: cast through a slot
+        slot = pool.acquire()  # reduced in another dtype: cast through a slot
         wire = slot.flat.narrow(0, 0, bucket.flat.numel())
         wire.copy_(bucket.flat).div_(spec.divide_factor)
         work = collectives.all_reduce(wire, group=spec.group, async_op=True)
@@ -245,8 +256,12 @@ class ReduceScatterGradients(_Reduction):
                 rows_of[id(spec.group)] = collectives.reduce_scatter_scratch_rows(spec.group)
         self._scratch_rows = [rows_of.get(id(s.group), 0) if s.size > 1 else 0 for s in self.reductions]
         widest = max((s.size + rows for s, rows in zip(self.reductions, self._scratch_rows)), default=1)
-        self.staging = StagingPool(4 if overlap else 1, min(largest, max(slot_numel, widest)),
-                                   precision.comm_dtype, compute_device)
+        wires = [r.comm_dtype or precision.comm_dtype for r in self.reductions]
+        self._pools = {w: StagingPool(4 if overlap else 1, min(largest, max(slot_numel, widest)), w,
+                                      compute_device)
+                       for w in [precision.comm_dtype] + wires}  # one pool per dtype gradients travel in
+        self.staging = self._pools[precision.comm_dtype]
+        self._unit_pools = [self._pools[w] for w in wires]
 
     def _launch(self, bucket: GradientBucket):
         """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
@@ -265,11 +280,12 @@ class ReduceScatterGradients(_Reduction):
         # Gloo receives the peers' rows beside the slot's own (one row per peer): chunks shrink
         # so both fit, keeping the staging memory what it was.
         rows = self._scratch_rows[index] if self._use_reduce_scatter else 0
-        chunk = self.staging.chunk_numel(world + rows)
+        pool = self._unit_pools[index]
+        chunk = pool.chunk_numel(world + rows)
         pending = []
         for c0 in range(0, shard, chunk):
             n = min(chunk, shard - c0)
-            slot = self.staging.acquire()
+            slot = pool.acquire()
             wire = slot.flat.narrow(0, 0, n * world)
             for r in range(world):  # row r: the part of rank r's shard in this chunk, divided
                 bucket.copy_grad_range(wire.narrow(0, r * n, n), r * shard + c0,
@@ -298,7 +314,8 @@ class ReduceScatterGradients(_Reduction):
     def end_backward(self) -> None:
         super().end_backward()
         if self._frees():  # idle until the next backward's first reduction
-            self.staging.release_memory()
+            for pool in self._pools.values():
+                pool.release_memory()
 
     def _land(self, index: int, start: int, reduced: torch.Tensor, fresh: bool) -> None:
         target = self.shard_grads[index].narrow(0, start, reduced.numel())
