@@ -9,6 +9,9 @@ gloo ranks:
   single-process fp32 reference (losses and every weight), with SGD and with AdamW;
 - ``ds_active_sub_modules`` names the running modules that use a parameter, ``clear()`` empties
   it; ``ds_external_parameters()`` lists ``register_external_parameter``'s parameters;
+- ``zero.named_full_parameters`` hands out every parameter whole, equal to the consolidated
+  state dict, with at most two units gathered (the one handed out, the next in flight) and none
+  left after it ends or is closed early;
 - ``destroy()`` removes ``optimizer.parameter_offload``, the modules' method and the parameters'
   attribute.
 """
@@ -97,6 +100,19 @@ def _train(name: str, optimizer: dict) -> dict:
     result["external"] = [p is extra for _, p in block.ds_external_parameters()]
     zerotrain.zero.unregister_external_parameter(block, extra)
     result["external_after"] = len(block.ds_external_parameters())
+    coordinator = engine.zero_stage_object.parameter_coordinator
+    in_memory = []  # units gathered while each parameter is handed out
+    streamed = {}
+    for name, tensor in zerotrain.zero.named_full_parameters(engine):
+        in_memory.append(sum(u.gathered for u in coordinator.units))
+        streamed[name] = tensor.clone()
+    result["streamed"], result["streamed_in_memory"] = streamed, in_memory
+    result["gathered_after_stream"] = sum(u.gathered for u in coordinator.units)
+    early = zerotrain.zero.named_full_parameters(engine)
+    next(early)
+    early.close()  # a consumer that stops: what it gathered, or started to, is released
+    result["gathered_after_close"] = sum(u.gathered for u in coordinator.units)
+    result["names"] = [n for n, _ in model.named_parameters()]
     state = engine.module_state_dict()
     engine.destroy()
     result["state"] = {k: v.clone() for k, v in state.items()}
@@ -125,6 +141,13 @@ def test_trl_generation_hooks_round_trip_and_training_matches_reference():
             assert got["external"] == [True] and got["external_after"] == 0
             assert got["after_destroy"] == [False, False, False]
             assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for rank, runs in enumerate(ranks):  # named_full_parameters: each whole, a unit at a time
+            got = runs[name]
+            assert list(got["streamed"]) == got["names"] and len(got["names"]) > 10
+            for key, tensor in got["streamed"].items():
+                assert torch.equal(tensor, ranks[0][name]["state"][key]), (name, rank, key)
+            assert max(got["streamed_in_memory"]) == 2 and got["streamed_in_memory"][-1] == 1
+            assert got["gathered_after_stream"] == 0 and got["gathered_after_close"] == 0
         compared = ranks[0][name]["state"]
         assert set(compared) == set(state)
         for key, want in state.items():

@@ -16,8 +16,9 @@ from zerotrain.zero.strategy import STRATEGIES
 from zerotrain.zero.stage0 import ReplicatedGradients
 from zerotrain.zero.reduce_groups import UnitReduction
 from zerotrain.zero.parameter_offload import register_external_parameter, unregister_external_parameter
+from zerotrain.zero.full_parameters import named_full_parameters
 
-__all__ = ["Init", "GatheredParameters", "build_zero_stage", "register_external_parameter",
+__all__ = ["Init", "GatheredParameters", "build_zero_stage", "named_full_parameters", "register_external_parameter",
            "unregister_external_parameter"]
 
 # Without an explicit reduce_bucket_size, buckets hold 25 MiB (DDP's size): DeepSpeed's default

@@ -65,6 +65,8 @@ class GatheredParameters(contextlib.ContextDecorator):
                 self._init_params.append(p)
             elif all(p is not q for q in self._whole):
                 self._whole.append(p)
+        for unit in self._units:  # all in flight at once, then each waited for
+            unit.coordinator.start_fetch(unit)
         for unit in self._units:
             unit.coordinator.fetch(unit)
         for p in self._init_params:

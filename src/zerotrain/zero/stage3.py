@@ -250,14 +250,23 @@ class ParameterCoordinator:
             numel = unit.layout.padded_numel
             if self.max_live_numel is not None and self.live_numel + numel > self.max_live_numel:
                 return
-            if self.param_swapper is not None and not self.param_swapper.ready(unit):
-                return  # its shard is on disk with no read issued: gathering would wait for it
+            if not self.start_fetch(unit):
+                return
             budget -= numel
-            self._before_allocating(unit)
-            self._agree(unit)
-            self._count(numel)
-            self._inflight[unit] = unit.start_gather(self.group_of(unit), self._acquire(unit),
-                                                     self._identity(unit))
+
+    def start_fetch(self, unit: FlatParamUnit) -> bool:
+        """Start gathering ``unit`` without waiting for it (``fetch`` waits); False when it is
+        not started: gathered or in flight already, or its shard on disk with no read issued
+        (gathering would wait for that)."""
+        if unit.gathered or unit in self._inflight:
+            return False
+        if self.param_swapper is not None and not self.param_swapper.ready(unit):
+            return False
+        self._before_allocating(unit)
+        self._agree(unit)
+        self._count(unit.layout.padded_numel)
+        self._inflight[unit] = unit.start_gather(self.group_of(unit), self._acquire(unit), self._identity(unit))
+        return True
 
     def _before_allocating(self, unit: FlatParamUnit) -> None:
         if not in_backward():
