@@ -56,7 +56,11 @@ CLIENTS = {
     "axolotl": ("axolotl==0.19.0", "axolotl"),
     "verl": ("verl==0.9.1", "verl"),
 }
-DEEPSPEED = "deepspeed==0.19.8"  # read for its engine/optimizer/parameter attribute names
+DEEPSPEED = "deepspeed==0.19.8"
+
+#: The clients' own test helpers shipped in their wheels (accelerate's test_utils scripts,
+#: transformers' testing_utils): not a path a training run takes.
+TEST_HELPERS = re.compile(r"(^|/)(test_utils|testing|tests)/|(^|/)testing_utils\.py$")  # read for its engine/optimizer/parameter attribute names
 
 #: A receiver named like DeepSpeed's engine: ``engine``, ``model_engine``, ``ds_engine``,
 #: ``deepspeed_engine``, alone or as the last attribute (``self.deepspeed_engine_wrapped.engine``).
@@ -264,6 +268,8 @@ def scan(sources: Path, download_missing: bool) -> dict[str, dict]:
         root = folder / package
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root.parent).as_posix()
+            if TEST_HELPERS.search(rel):
+                continue
             for name, kind, line in scan_file(path, ds_names):
                 add(name, kind, client, version, f"{rel}:{line}")
         for name, kind, rel, line in _reviewed_uses(client, root.parent):

@@ -70,7 +70,10 @@ def _read_chain(root, parts):
 
 
 def _read_names(entries):
-    """Each entry's name read on zerotrain as its clients read it: {name: None or the failure}."""
+    """Each entry's name read on zerotrain as its clients read it: {name: None or the failure},
+    and what the clients do with a few of them (``facts``)."""
+    import torch
+
     import zerotrain.hf
 
     zerotrain.hf.use_zerotrain_as_deepspeed()
@@ -86,10 +89,22 @@ def _read_names(entries):
     for entry in entries:
         if entry["kind"] != "module name":
             by_stage.setdefault(entry["stage"], []).append(entry)
+    runtime, partition_parameters = deepspeed.runtime, deepspeed.runtime.zero.partition_parameters
+    facts = {  # TRL's type hint, OpenRLHF's version check, transformers' arange wrapper
+        "runtime.engine.DeepSpeedEngine": runtime.engine.DeepSpeedEngine is deepspeed.DeepSpeedEngine,
+        "version": deepspeed.version == deepspeed.__version__,
+        "partition_parameters.get_accelerator":
+            partition_parameters.get_accelerator() is deepspeed.accelerator.get_accelerator(),
+    }
     data = global_batches(1, 4)[0]
     for stage, stage_entries in sorted(by_stage.items()):
         config = adamw_config(2, zero_optimization={"stage": stage})
-        engine, _, _, _ = deepspeed.initialize(model=make_model(), config=config)
+        engine, optimizer, _, _ = deepspeed.initialize(model=make_model(), config=config)
+        # Lightning's load_checkpoint finds the optimizer in a state by this test.
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        facts[f"stage {stage}: optimizer is an Optimizer or DeepSpeedOptimizer"] = isinstance(
+            optimizer, (torch.optim.Optimizer, DeepSpeedOptimizer))
         rank = engine.get_data_parallel_rank()
         batch = data[2 * rank:2 * rank + 2]
         engine.backward(engine(batch, labels=batch).loss)
@@ -99,15 +114,16 @@ def _read_names(entries):
             owner, *parts = entry["name"].split(".")
             found[entry["name"]] = _read_chain(roots[owner], parts)
         engine.destroy()
-    return found
+    return found, facts
 
 
 def test_inventory_statuses_hold_on_zerotrain():
-    found = run_on_ranks(_read_names, 2, args=(ENTRIES,))
-    assert found[0] == found[1]
+    (found, facts), other_rank = run_on_ranks(_read_names, 2, args=(ENTRIES,))
+    assert (found, facts) == other_rank
+    assert [what for what, holds in facts.items() if not holds] == []
     wrong = []
     for entry in ENTRIES:
-        failure = found[0][entry["name"]]
+        failure = found[entry["name"]]
         if entry["status"] == "supported" and failure is not None:
             wrong.append(f"supported but missing: {failure}")
         elif entry["status"] == "refused" and failure is None:
