@@ -171,14 +171,21 @@ def _deepspeed_bindings(tree: ast.Module) -> dict[str, str]:
     return bound
 
 
+def _keywords(node: ast.AST, calls: dict[int, ast.Call]) -> tuple[str, ...]:
+    """The keyword arguments ``node`` is called with (``x.save_checkpoint(d, tag=t)`` -> ("tag",))."""
+    call = calls.get(id(node))
+    return tuple(k.arg for k in call.keywords if k.arg) if call is not None else ()
+
+
 def scan_file(path: Path, ds_names: dict[str, set[str]]):
-    """Yield (name, kind, line) for every use in one file."""
+    """Yield (name, kind, line, keyword arguments) for every use in one file."""
     try:
         text = path.read_text()
         tree = ast.parse(text)
     except (SyntaxError, UnicodeDecodeError):
         return
     bound = _deepspeed_bindings(tree)
+    calls = {id(node.func): node for node in ast.walk(tree) if isinstance(node, ast.Call)}
     # Engine/optimizer receivers count only in code that deals with DeepSpeed at all (verl's
     # own "engine" classes are not DeepSpeed's).
     deepspeed_code = "deepspeed" in text.lower()
@@ -186,19 +193,21 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "deepspeed" or alias.name.startswith("deepspeed."):
-                    yield alias.name, "module name", node.lineno
+                    yield alias.name, "module name", node.lineno, ()
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and bound and (
                 node.module == "deepspeed" or node.module.startswith("deepspeed.")):
             for alias in node.names:
-                yield f"{node.module}.{alias.name}", "module name", node.lineno
+                yield f"{node.module}.{alias.name}", "module name", node.lineno, ()
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "import_module" and node.args
               and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("deepspeed")):
-            yield node.args[0].value, "module name", node.lineno
+            yield node.args[0].value, "module name", node.lineno, ()
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in bound:
+            yield bound[node.func.id], "module name", node.lineno, _keywords(node.func, calls)
     for node in _outermost_attributes(tree):
         chain = _chain(node)
         if chain and chain[0] in bound and isinstance(node.ctx, ast.Load):
-            yield ".".join([bound[chain[0]], *chain[1:]]), "module name", node.lineno
+            yield ".".join([bound[chain[0]], *chain[1:]]), "module name", node.lineno, _keywords(node, calls)
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
@@ -210,7 +219,7 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
             continue
         receiver = ".".join(chain[:-1])
         if deepspeed_code and ENGINE_RECEIVER.match(receiver) and chain[-1] in ds_names["engine"]:
-            yield f"engine.{chain[-1]}", "engine attr", node.lineno
+            yield f"engine.{chain[-1]}", "engine attr", node.lineno, _keywords(node, calls)
     for node in ast.walk(tree):  # hasattr(p, "ds_numel"), getattr(p, "ds_id", None)
         if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("hasattr", "getattr")
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
@@ -222,7 +231,8 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
             continue
         for i in range(1, len(chain) - 1):
             if ENGINE_RECEIVER.match(".".join(chain[:i])) and chain[i] == "optimizer":
-                yield "engine.optimizer." + ".".join(chain[i + 1:]), "optimizer attr", node.lineno
+                yield ("engine.optimizer." + ".".join(chain[i + 1:]), "optimizer attr", node.lineno,
+                       _keywords(node, calls))
                 break
 
 
@@ -233,7 +243,7 @@ MODULE_DS_ATTRS = {"ds_external_parameters", "ds_grads_remaining", "ds_model_gra
 def _ds_attribute(attr: str, line: int):
     kind = "module attr" if attr in MODULE_DS_ATTRS else "param attr"
     owner = "module" if kind == "module attr" else "param"
-    yield f"{owner}.{attr}", kind, line
+    yield f"{owner}.{attr}", kind, line, ()
 
 
 def _reviewed_uses(client: str, root: Path):
@@ -243,12 +253,16 @@ def _reviewed_uses(client: str, root: Path):
         for entry_client, rel, pattern in entries:
             if entry_client != client:
                 continue
-            lines = (root / rel).read_text().splitlines()
-            hits = [i + 1 for i, line in enumerate(lines) if re.search(pattern, line)]
+            text = (root / rel).read_text()
+            hits = [i + 1 for i, line in enumerate(text.splitlines()) if re.search(pattern, line)]
             if not hits:
                 raise SystemExit(f"reviewed use {name!r} no longer found in {client} {rel} ({pattern!r})")
+            method = name.rsplit(".", 1)[1]
             for line in hits:
-                yield name, kind, rel, line
+                keywords = {k.arg for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)
+                            and node.lineno == line and getattr(node.func, "attr", None) == method
+                            for k in node.keywords if k.arg}
+                yield name, kind, rel, line, tuple(keywords)
 
 
 def scan(sources: Path, download_missing: bool) -> dict[str, dict]:
@@ -256,8 +270,9 @@ def scan(sources: Path, download_missing: bool) -> dict[str, dict]:
     ds_names = deepspeed_attribute_names(ds_root)
     found: dict[str, dict] = {}
 
-    def add(name, kind, client, version, where):
-        entry = found.setdefault(name, {"name": name, "kind": kind, "clients": []})
+    def add(name, kind, client, version, where, keywords):
+        entry = found.setdefault(name, {"name": name, "kind": kind, "clients": [], "keywords": set()})
+        entry["keywords"].update(keywords)
         use = {"client": client, "version": version, "where": where}
         if use not in entry["clients"]:
             entry["clients"].append(use)
@@ -270,10 +285,10 @@ def scan(sources: Path, download_missing: bool) -> dict[str, dict]:
             rel = path.relative_to(root.parent).as_posix()
             if TEST_HELPERS.search(rel):
                 continue
-            for name, kind, line in scan_file(path, ds_names):
-                add(name, kind, client, version, f"{rel}:{line}")
-        for name, kind, rel, line in _reviewed_uses(client, root.parent):
-            add(name, kind, client, version, f"{rel}:{line}")
+            for name, kind, line, keywords in scan_file(path, ds_names):
+                add(name, kind, client, version, f"{rel}:{line}", keywords)
+        for name, kind, rel, line, keywords in _reviewed_uses(client, root.parent):
+            add(name, kind, client, version, f"{rel}:{line}", keywords)
     return found
 
 
@@ -338,7 +353,7 @@ REVIEWED: list[tuple[str, str, list[tuple[str, str, str]]]] = [
 ]
 
 
-ENTRY_KEYS = ("name", "kind", "stage", "status", "reason", "clients")
+ENTRY_KEYS = ("name", "kind", "stage", "status", "reason", "keywords", "clients")
 
 
 def _where_key(where: str):
@@ -363,6 +378,9 @@ def merge(found: dict[str, dict], previous: dict[str, dict]) -> list[dict]:
     entries = []
     for name in sorted(found):
         entry = dict(found[name])
+        entry["keywords"] = sorted(entry["keywords"])
+        if not entry["keywords"]:
+            del entry["keywords"]
         old = previous.get(name, {})
         for key in ("kind", "status", "reason", "stage"):
             if key in old:

@@ -8,7 +8,8 @@ each name with the files and lines that use it, and a status:
   resolves through the DeepSpeed alias (``zerotrain.hf.use_zerotrain_as_deepspeed``) by attribute
   access from ``import deepspeed``; an ``engine.*`` chain on an engine that trained one step at
   the entry's ZeRO stage; ``param.ds_*`` on one of its parameters and ``module.ds_*`` on its
-  module (stage 3);
+  module (stage 3); and a callable takes every keyword argument the clients pass it
+  (``keywords``: ``save_checkpoint(..., exclude_frozen_parameters=...)``);
 - ``refused``: with a ``reason``; the name is checked to be absent (or to raise when read), so
   the list stays true as names are added: adding one fails here until its entry is flipped.
 
@@ -58,14 +59,23 @@ def test_inventory_entries_are_well_formed():
     assert bad == []
 
 
-def _read_chain(root, parts):
-    """``root.parts[0].parts[1]...``; ``None`` when every read succeeds, else what failed."""
+def _read_chain(root, parts, keywords=()):
+    """``root.parts[0].parts[1]...``; ``None`` when every read succeeds and the object takes the
+    keyword arguments the clients pass it, else what failed."""
+    import inspect
+
     obj = root
     for i, part in enumerate(parts):
         try:
             obj = getattr(obj, part)
         except Exception as exc:  # a refused name may raise anything naming itself
             return f"{'.'.join(parts[:i + 1])}: {type(exc).__name__}: {exc}"
+    if keywords:
+        parameters = inspect.signature(obj).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            refused = sorted(set(keywords) - set(parameters))
+            if refused:
+                return f"{'.'.join(parts)} takes no keyword argument {refused}"
     return None
 
 
@@ -84,7 +94,8 @@ def _read_names(entries):
     found = {}
     for entry in entries:
         if entry["kind"] == "module name":
-            found[entry["name"]] = _read_chain(deepspeed, entry["name"].split(".")[1:])
+            parts = entry["name"].split(".")[1:]
+            found[entry["name"]] = _read_chain(deepspeed, parts, entry.get("keywords", ()))
     by_stage = {}
     for entry in entries:
         if entry["kind"] != "module name":
@@ -112,7 +123,7 @@ def _read_names(entries):
         roots = {"engine": engine, "param": next(engine.module.parameters()), "module": engine.module}
         for entry in stage_entries:
             owner, *parts = entry["name"].split(".")
-            found[entry["name"]] = _read_chain(roots[owner], parts)
+            found[entry["name"]] = _read_chain(roots[owner], parts, entry.get("keywords", ()))
         engine.destroy()
     return found, facts
 
