@@ -343,6 +343,9 @@ REVIEWED: list[tuple[str, str, list[tuple[str, str, str]]]] = [
                                          r"model\.backward\(tensor"),
                                         ("openrlhf", _ORLHF, r"^        model\.backward\(loss\)")]),
     ("engine.step", "engine attr", [("openrlhf", _ORLHF, r"^        model\.step\(\)")]),
+    # Fabric steps the optimizer deepspeed.initialize returned, not the engine.
+    ("engine.optimizer.step", "optimizer attr", [("lightning", "lightning/fabric/plugins/precision/deepspeed.py",
+                                                  r"return optimizer\.step\(\*\*kwargs\)")]),
     ("engine.get_global_grad_norm", "engine attr", [("openrlhf", _ORLHF, r"model\.get_global_grad_norm\(\)")]),
     ("engine.zero_optimization_stage", "engine attr",
      [("openrlhf", _ORLHF_UTILS, r"model\.zero_optimization_stage\(\)")]),
@@ -353,7 +356,7 @@ REVIEWED: list[tuple[str, str, list[tuple[str, str, str]]]] = [
 ]
 
 
-ENTRY_KEYS = ("name", "kind", "stage", "status", "reason", "keywords", "clients")
+ENTRY_KEYS = ("name", "kind", "stage", "status", "reason", "note", "keywords", "clients")
 
 
 def _where_key(where: str):
@@ -382,7 +385,7 @@ def merge(found: dict[str, dict], previous: dict[str, dict]) -> list[dict]:
         if not entry["keywords"]:
             del entry["keywords"]
         old = previous.get(name, {})
-        for key in ("kind", "status", "reason", "stage"):
+        for key in ("kind", "status", "reason", "note", "stage"):
             if key in old:
                 entry[key] = old[key]
         entry.setdefault("status", "new")
