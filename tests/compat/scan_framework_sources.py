@@ -58,9 +58,10 @@ CLIENTS = {
 }
 DEEPSPEED = "deepspeed==0.19.8"
 
-#: The clients' own test helpers shipped in their wheels (accelerate's test_utils scripts,
-#: transformers' testing_utils): not a path a training run takes.
-TEST_HELPERS = re.compile(r"(^|/)(test_utils|testing|tests)/|(^|/)testing_utils\.py$")  # read for its engine/optimizer/parameter attribute names
+#: Files a training run does not execute: the clients' own test helpers shipped in their wheels
+#: (accelerate's test_utils scripts, transformers' testing_utils) and transformers' modular_*.py
+#: (templates its modeling_*.py files are generated from).
+TEST_HELPERS = re.compile(r"(^|/)(test_utils|testing|tests)/|(^|/)testing_utils\.py$|(^|/)modular_\w+\.py$")  # read for its engine/optimizer/parameter attribute names
 
 #: A receiver named like DeepSpeed's engine: ``engine``, ``model_engine``, ``ds_engine``,
 #: ``deepspeed_engine``, alone or as the last attribute (``self.deepspeed_engine_wrapped.engine``).
