@@ -5,13 +5,19 @@ paths and attributes under ``deepspeed``, and the engine / optimizer / parameter
 DeepSpeed code paths touch), each with the files and lines that use it. This script downloads
 the clients' wheels with pip (so it needs a package index and is not run by the tests), reads
 them with ``ast`` and rewrites the ``clients`` lists of the inventory, keeping each entry's
-``kind``/``status``/``reason``/``stage`` (a new name gets ``status: "new"`` for a person to judge;
-the test refuses that status, so a regeneration cannot pass unreviewed).
+``kind``/``status``/``reason``/``note``/``stage`` (a new name gets ``status: "new"`` for a person
+to judge; the test refuses that status, so a regeneration cannot pass unreviewed). Each entry
+also gets the keyword arguments the clients pass it, which the test checks signatures against.
+Files a run never executes (the clients' shipped test helpers, transformers' ``modular_*.py``)
+are skipped.
 
 Run from the repository root::
 
     python tests/compat/scan_framework_sources.py              # download into /tmp/framework-sources
     python tests/compat/scan_framework_sources.py --sources DIR --no-download
+
+(A fresh download reproduces the committed file exactly; the client versions are pinned in
+``CLIENTS`` below, DeepSpeed's in ``DEEPSPEED``.)
 
 What counts as a use:
 
