@@ -50,6 +50,7 @@ utils.groups._get_expert_data_parallel_group utils.groups._get_max_expert_size_n
 runtime.progressive_layer_drop.ProgressiveLayerDrop
 profiling.flops_profiler.FlopsProfiler profiling.flops_profiler.get_model_profile
 profiling.flops_profiler.profiler.FlopsProfiler profiling.flops_profiler.profiler.get_model_profile
+runtime.engine.DeepSpeedEngine runtime.zero.partition_parameters.get_accelerator
 """.split()}
 
 EXERCISED: set[str] = set()
@@ -403,6 +404,20 @@ def test_zero_param_status_has_deepspeeds_values():
     from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
 
     assert {s.name: s.value for s in ZeroParamStatus} == {"AVAILABLE": 1, "NOT_AVAILABLE": 2, "INFLIGHT": 3}
+
+
+@exercises("runtime.engine.DeepSpeedEngine", "runtime.zero.partition_parameters.get_accelerator")
+def test_engine_class_and_accelerator_under_deepspeeds_module_paths():
+    # TRL types the engine as deepspeed.runtime.engine.DeepSpeedEngine; transformers reads
+    # get_accelerator from partition_parameters. Both are zerotrain's own objects, by attribute too.
+    import zerotrain
+    from zerotrain.accelerator import get_accelerator
+    from zerotrain.runtime.engine import DeepSpeedEngine
+    from zerotrain.runtime.zero.partition_parameters import get_accelerator as from_partition_parameters
+
+    assert DeepSpeedEngine is zerotrain.ZeroTrainEngine is zerotrain.runtime.engine.DeepSpeedEngine
+    assert from_partition_parameters is get_accelerator
+    assert from_partition_parameters() is zerotrain.get_accelerator()
 
 
 @exercises("runtime.progressive_layer_drop.ProgressiveLayerDrop")

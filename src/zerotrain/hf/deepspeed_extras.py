@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zerotrain.hf.switch import DEEPSPEED_VERSION
+
 MISSING = object()
 
 # deepspeed.launcher.runner: accelerate's launcher writes a multi-node environment file by this name.
@@ -18,6 +20,14 @@ DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 # deepspeed.runtime.lr_schedules: accelerate recognises a DeepSpeed scheduler object by its class
 # name in this list (zerotrain's schedules carry the same class names).
 VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+class DeepSpeedOptimizer:
+    """``deepspeed.runtime.base_optimizer``: the base class of DeepSpeed's optimizer wrappers (its
+    ZeRO optimizers), empty in DeepSpeed too. Lightning's ``load_checkpoint`` imports it to find
+    optimizers in a state with ``isinstance(item, (Optimizer, DeepSpeedOptimizer))``; zerotrain's
+    ``initialize`` returns the torch optimizer itself, which the first class matches, so no
+    zerotrain object derives from this one."""
 
 
 def clone_tensors_for_torch_save(item, device=torch.device("cpu")):
@@ -78,6 +88,9 @@ _OVERRIDES: dict[str, dict[str, object]] = {
 }
 
 _EXTRAS: dict[str, dict[str, object]] = {
+    # DeepSpeed's version string under its second name (OpenRLHF compares ``deepspeed.version``).
+    "deepspeed": {"version": DEEPSPEED_VERSION},
+    "deepspeed.runtime.base_optimizer": {"DeepSpeedOptimizer": DeepSpeedOptimizer},
     "deepspeed.runtime.lr_schedules": {"VALID_LR_SCHEDULES": VALID_LR_SCHEDULES},
     "deepspeed.checkpoint.utils": {"clone_tensors_for_torch_save": clone_tensors_for_torch_save},
     "deepspeed.launcher.runner": {"DEEPSPEED_ENVIRONMENT_NAME": DEEPSPEED_ENVIRONMENT_NAME},

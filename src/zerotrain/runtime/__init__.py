@@ -7,6 +7,6 @@ As after ``import deepspeed``, the submodules are attributes of the package
 from zerotrain._lazy import lazy_attributes
 
 #: DeepSpeed-named submodules (``import deepspeed`` loads each of them).
-SUBMODULES = ("dataloader", "lr_schedules", "pipe", "progressive_layer_drop", "utils", "zero")
+SUBMODULES = ("dataloader", "engine", "lr_schedules", "pipe", "progressive_layer_drop", "utils", "zero")
 
 __getattr__, __dir__ = lazy_attributes(__name__, SUBMODULES)
