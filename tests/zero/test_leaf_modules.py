@@ -89,7 +89,7 @@ def _runs(cases: dict) -> dict:
         hooked = {type(m).__name__ for m in coordinator._module_units}
         state = engine.module_state_dict()
         out[name] = {"losses": losses, "units": len(engine._zero.units), "hooked": hooked,
-                     "hooks": len(coordinator._handles), "skipped": engine.skipped_steps,
+                     "hooks": len(coordinator.hook_handles), "skipped": engine.skipped_steps,
                      "params": {n: v.float().clone() for n, v in state.items()}}
         engine.destroy()
         out[name]["plain_parameters"] = all(type(m._parameters) is dict for m in model.modules())
