@@ -67,8 +67,10 @@ def _train(config: dict, how: str, steps: int = STEPS) -> dict:
 
 
 def _config(stage: int, gas: int, optimizer: dict, precision: str | None = None, **fp16) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-           "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+           "gradient_clipping": 0.0, "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    if stage == 3:  # partition every parameter of the tiny model (none is below the threshold)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":

@@ -21,6 +21,7 @@ from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
 from zerotrain.engine.plain_backward import PlainBackward
+from zerotrain.engine.state_offload import EngineStateOffload
 from zerotrain.experts.stats import MoEStats
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
@@ -36,7 +37,7 @@ from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module):
+class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
@@ -127,6 +128,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         kwargs.update(self._pld_forward_kwargs())  # while training, as DeepSpeed
         self._plain_backward.settle()
+        self._require_states("engine forward", forward=True)
         self._timers.start(FORWARD)
         try:
             # Outputs whose backward the engine notices when it did not start it.
@@ -151,6 +153,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         on the engine's outputs does the same (engine/plain_backward.py)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
+        self._require_states("engine.backward()")
         factor = self._backward_factor(scale_wrt_gas=scale_wrt_gas)
         scaled = loss if factor == 1.0 else loss.float() * factor
         self._plain_backward.begin_explicit()
@@ -201,6 +204,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
                 "reduced across ranks; leave the no_sync() block before stepping")
         self._step_applied = False
         self._plain_backward.settle()
+        self._require_states("engine.step()")
         if self.is_gradient_accumulation_boundary():
             self._timers.start(STEP)
             self._pld_at_boundary()  # theta(global_steps), before the step counts
@@ -287,8 +291,12 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, nn.Module
         return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, counted from the tensors actually held."""
-        return self._zero.memory_breakdown(self.module, self.optimizer)
+        """Bytes this rank holds, by category, counted from the tensors actually held
+        (``offloaded_states``: host buffers of ``offload_states()``, while there are any)."""
+        out = self._zero.memory_breakdown(self.module, self.optimizer)
+        if self._offloaded_nbytes():
+            out["offloaded_states"] = self._offloaded_nbytes()
+        return out
 
     def wall_clock_breakdown(self) -> dict[str, float]:
         """Milliseconds per phase since the last report (with ``wall_clock_breakdown: true``)."""

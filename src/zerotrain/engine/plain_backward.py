@@ -104,6 +104,7 @@ class PlainBackward:
     def _begin(self, task: int) -> None:
         engine = self._engine()
         self.settle()
+        engine._require_states("loss.backward()")
         scaler = engine.loss_scaler
         prescaled = self.prescaled_task == task
         if scaler.dynamic and not prescaled:
