@@ -78,6 +78,14 @@ def _differences(want: dict, got: dict) -> list[str]:
             for k in want if not torch.equal(got[k], want[k])]
 
 
+def _outcome(call) -> str:
+    try:
+        call()
+        return "accepted"
+    except RuntimeError as error:
+        return str(error)
+
+
 def _storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
@@ -96,49 +104,33 @@ def _round_trips() -> dict:
         cfg = _config(stage, optimizer, precision)
         want = _train(cfg, 4)
 
-        def offload_everything(engine, i, phase, key=key):
-            if (i, phase) != (3, "before"):  # mid-window: the window's first gradients are held
-                return
-            before = engine.memory_breakdown()
-            tensors = engine.zero_stage_object.state_tensors(engine.module, engine.optimizer)
-            engine.offload_states()
-            after = engine.memory_breakdown()
-            seen[key] = {"before": before, "after": after,
-                         "left": {k: _storage_bytes(v) for k, v in tensors.items()}}
-            try:
-                engine(batch_of(engine))
-                seen[key]["forward"] = "accepted"
-            except RuntimeError as error:
-                seen[key]["forward"] = str(error)
-            engine.reload_states()
-
-        def batch_of(engine):
-            return global_batches(1, MICRO)[0].to(engine.device)
-
-        got = _train(cfg, 4, offload_everything)
-        failures += [f"{key}: {d}" for d in _differences(want, got)]
-
         # Optimizer state (and separate fp32 masters) only, as between generation and
         # training: forward still runs.
         include = [OffloadStateTypeEnum.optim_states]
         if precision and stage < 3:
             include.append(OffloadStateTypeEnum.hp_params)
 
-        def offload_optimizer(engine, i, phase, include=include):
-            if (i, phase) == (4, "before"):  # a window boundary: between optimizer steps
+        def offload(engine, i, phase, key=key, include=include):
+            batch = global_batches(1, MICRO)[0].to(engine.device)
+            if (i, phase) == (3, "before"):  # mid-window: the window's first gradients are held
+                before = engine.memory_breakdown()
+                tensors = engine.zero_stage_object.state_tensors(engine.module, engine.optimizer)
+                engine.offload_states()  # everything
+                after = engine.memory_breakdown()
+                seen[key] = {"before": before, "after": after,
+                             "left": {k: _storage_bytes(v) for k, v in tensors.items()}}
+                seen[key]["forward"] = _outcome(lambda: engine(batch))
+                engine.reload_states()
+            elif (i, phase) == (4, "before"):  # a window boundary: between optimizer steps
                 engine.offload_states(include=include, device=OffloadDeviceEnum.cpu,
                                       pin_memory=True)
                 with torch.no_grad():
-                    engine(batch_of(engine))
-                try:
-                    engine.step()
-                    seen[key]["step"] = "accepted"
-                except RuntimeError as error:
-                    seen[key]["step"] = str(error)
+                    engine(batch)
+                seen[key]["step"] = _outcome(engine.step)
                 engine.reload_states(non_blocking=True)
 
-        got = _train(cfg, 4, offload_optimizer)
-        failures += [f"{key} optim_states: {d}" for d in _differences(want, got)]
+        got = _train(cfg, 4, offload)
+        failures += [f"{key}: {d}" for d in _differences(want, got)]
 
     # empty_partition_cache at stage 3: after a forward (the output layer's unit is kept for
     # backward) and after a step (the pool); then training goes on exactly.

@@ -94,6 +94,8 @@ class PlainBackward:
         return alias
 
     def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._engine() is None:
+            return grad  # outputs outliving their engine: nothing to begin
         if self.explicit or _explicit:
             return grad  # engine.backward() scaled the loss (this engine's, or another's backward)
         task = _current_task()
