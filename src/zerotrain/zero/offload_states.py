@@ -60,11 +60,12 @@ class StateOffloader:
         self._accelerator = accelerator
         self._device = device  # the engine's compute device: what is moved off it
         self._moved: dict[str, list[_Moved]] = {}
+        self._kinds: set[str] = set()  # offloaded since the last reload (storages may be shared)
 
     @property
     def offloaded(self) -> frozenset:
-        """The kinds currently offloaded."""
-        return frozenset(kind for kind, moved in self._moved.items() if moved)
+        """The kinds offloaded now."""
+        return frozenset(self._kinds)
 
     def holds_any(self, tensors) -> bool:
         """Whether the storage of any of ``tensors`` is offloaded now."""
@@ -86,6 +87,7 @@ class StateOffloader:
                              "OffloadDeviceEnum.cpu (NVMe is for zero_optimization.offload_*)")
         if device == OffloadDeviceEnum.none:
             return
+        self._kinds.update(kinds)
         pin = pin_memory and self._device.type != "cpu"  # pinning is for copies to a device
         seen = {m.storage._cdata for moved in self._moved.values() for m in moved}
         for kind in kinds:
@@ -105,6 +107,7 @@ class StateOffloader:
 
     def reload(self, non_blocking: bool) -> None:
         """Every offloaded storage back at its size on its device, with its bytes."""
+        self._kinds.clear()
         for kind in list(self._moved):
             for moved in self._moved.pop(kind):
                 moved.storage.resize_(moved.nbytes)
