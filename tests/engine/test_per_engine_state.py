@@ -3,7 +3,7 @@
 Engine A (stage 2, ``memory_release: "off"``) and engine B (stage 3, ``"eager"``) are built side
 by side on 2 ranks: each follows its own policy whichever was built last, A's weights equal A
 trained alone, the memory report counts both, an engine left mid-backward and destroyed does not
-make the other accept a plain ``loss.backward()``, and each NVMe engine's ``io_busy_s`` counts its
+make the other accept a backward it did not see begin, and each NVMe engine's ``io_busy_s`` counts its
 own swap I/O only. Trims are counted through a stand-in for the C library; the I/O clock is a
 counter (no wall-clock windows).
 """
@@ -102,7 +102,8 @@ def _policies_and_reports() -> dict:
                      "sum": {k: held_a.get(k, 0) + held_b.get(k, 0) for k in held_a | held_b},
                      "line": printed.getvalue().splitlines()[-1]}
 
-    # an engine left in backward, then destroyed: A must still refuse a plain loss.backward()
+    # an engine left in backward, then destroyed: A must still refuse a backward it cannot see
+    # begin (a forward through engine_a.module, not through the engine's outputs)
     batch = global_batches(1, 2)[0]
     engine_b.destroy()
     model_e = make_model(seed=4)
@@ -110,7 +111,7 @@ def _policies_and_reports() -> dict:
     engine_e.zero_stage_object.begin_backward(True, False)  # never ended
     engine_e.destroy()
     try:
-        engine_a(batch, labels=batch).loss.backward()
+        engine_a.module(batch, labels=batch).loss.backward()
         out["plain_backward"] = "accepted"
     except RuntimeError as error:
         out["plain_backward"] = str(error)

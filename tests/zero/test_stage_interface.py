@@ -103,6 +103,7 @@ def test_both_implementations_implement_every_abstract_member():
     assert {"stage", "begin_backward", "end_backward", "abort_backward", "grad_norm", "step",
             "zero_grad", "load_module_state", "parameter_coordinator", "sharded_state",
             "memory_breakdown", "offload_stats", "close", "set_gradient_divide_factor",
+            "state_tensors", "empty_partition_cache",
             "accumulated_grad"} == set(abstract)
     assert interface_members() == set(abstract)
     for cls in (ReplicatedGradients, ZeroStage):

@@ -21,6 +21,8 @@ from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
 from zerotrain.engine.flops import EngineFlops
+from zerotrain.engine.plain_backward import PlainBackward
+from zerotrain.engine.state_offload import EngineStateOffload
 from zerotrain.experts.stats import MoEStats
 from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
                                      StepTimers)
@@ -36,7 +38,8 @@ from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlops, nn.Module):
+class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, EngineFlops,
+                      nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
@@ -84,6 +87,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
         self._last_log = (time.perf_counter(), 0)
         self._init_pld()  # progressive layer dropping (zerotrain.pld)
         self._init_flops_profiler()  # the flops_profiler section (zerotrain.engine.flops)
+        # loss.backward() on the forward's outputs (engine/plain_backward.py)
+        self._plain_backward = PlainBackward(self)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -128,11 +133,14 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         kwargs.update(self._pld_forward_kwargs())  # while training, as DeepSpeed
+        self._plain_backward.settle()
+        self._require_states("engine forward", forward=True)
         profiling = self._flops_forward_begin()
         self._timers.start(FORWARD)
         try:
             with autocast.forward_context(self.precision.autocast_dtype, self.device):
-                return self.module(*inputs, **kwargs)
+                # Outputs whose backward the engine notices when it did not start it.
+                return self._plain_backward.wrap_outputs(self.module(*inputs, **kwargs))
         finally:
             self._timers.stop(FORWARD)
             if profiling:
@@ -151,31 +159,52 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
                  release_loss: bool = False) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by the accumulation steps); gradients are reduced
-        across ranks during this call when it ends an accumulation window."""
+        across ranks during this call when it ends an accumulation window. ``loss.backward()``
+        on the engine's outputs does the same (engine/plain_backward.py)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
-        # One factor: the loss scale (undone at the step) over the accumulation steps.
-        factor = self.loss_scaler.loss_scale
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            factor /= self.gradient_accumulation_steps()
+        self._require_states("engine.backward()")
+        factor = self._backward_factor(scale_wrt_gas=scale_wrt_gas)
         scaled = loss if factor == 1.0 else loss.float() * factor
-        self._timers.start(BACKWARD)
-        self._zero.begin_backward(self.is_gradient_accumulation_boundary(), self._in_no_sync)
-        self._timers.start(BACKWARD_INNER)
+        self._plain_backward.begin_explicit()
         try:
-            scaled.backward(retain_graph=retain_graph)
-        except BaseException:
-            self._zero.abort_backward()
-            raise
-        self._timers.stop(BACKWARD_INNER)
-        self._timers.start(BACKWARD_REDUCE)
-        self._zero.end_backward()
-        self._timers.stop(BACKWARD_REDUCE)
-        self._timers.stop(BACKWARD)
+            self._timers.start(BACKWARD)
+            self._zero.begin_backward(self.is_gradient_accumulation_boundary(), self._in_no_sync)
+            self._timers.start(BACKWARD_INNER)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self._zero.abort_backward()
+                raise
+            self._timers.stop(BACKWARD_INNER)
+            self._timers.start(BACKWARD_REDUCE)
+            self._zero.end_backward()
+            self._timers.stop(BACKWARD_REDUCE)
+            self._timers.stop(BACKWARD)
+        finally:
+            self._plain_backward.end_explicit()
         self._window_losses.append(loss.detach())
         # release_loss: hand back a loss that keeps no graph (DeepSpeed accepts the flag and
         # does nothing with it; with retain_graph=True this lets the caller drop the graph).
         return loss.detach() if release_loss else loss
+
+    def _backward_factor(self, scale_wrt_gas: bool = True, loss_scaled: bool = False) -> float:
+        """What a backward multiplies the loss by: the loss scale (undone at the step; not when
+        ``engine.scale`` applied it already) over the accumulation steps."""
+        factor = 1.0 if loss_scaled else self.loss_scaler.loss_scale
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            factor /= self.gradient_accumulation_steps()
+        return factor
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp32/bf16: ``loss`` itself), for a manual
+        ``engine.scale(loss).backward()``: the engine's outputs still divide by the accumulation
+        steps, so it equals ``engine.backward(loss)``. Needed with dynamic fp16 loss scaling,
+        where a bare ``loss.backward()`` raises."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.scale(loss) needs a scalar loss tensor")
+        self._window_losses.append(loss.detach())
+        return self._plain_backward.scale(loss)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Update the weights at an accumulation boundary; otherwise only count the micro-step."""
@@ -184,6 +213,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
                 "engine.step() was called inside engine.no_sync(): gradients there are not "
                 "reduced across ranks; leave the no_sync() block before stepping")
         self._step_applied = False
+        self._plain_backward.settle()
+        self._require_states("engine.step()")
         if self.is_gradient_accumulation_boundary():
             self._timers.start(STEP)
             self._pld_at_boundary()  # theta(global_steps), before the step counts
@@ -233,6 +264,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
 
     def zero_grad(self) -> None:
         """Zero the gradients (they stay in their flat buffers)."""
+        self._plain_backward.settle()
         self._zero.zero_grad()
 
     @contextlib.contextmanager
@@ -270,8 +302,12 @@ class ZeroTrainEngine(EngineCheckpointing, EngineAccessors, EnginePLD, EngineFlo
         return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, counted from the tensors actually held."""
-        return self._zero.memory_breakdown(self.module, self.optimizer)
+        """Bytes this rank holds, by category, counted from the tensors actually held
+        (``offloaded_states``: host buffers of ``offload_states()``, while there are any)."""
+        out = self._zero.memory_breakdown(self.module, self.optimizer)
+        if self._offloaded_nbytes():
+            out["offloaded_states"] = self._offloaded_nbytes()
+        return out
 
     def wall_clock_breakdown(self) -> dict[str, float]:
         """Milliseconds per phase since the last report (with ``wall_clock_breakdown: true``)."""

@@ -23,7 +23,7 @@ from zerotrain.memory_release import ReleasePolicy
 from zerotrain.offload.aio import DiskActivity
 from zerotrain.offload.placement import Placement
 from zerotrain.precision import PrecisionPolicy
-from zerotrain.zero import nvme, parameter_offload, registry
+from zerotrain.zero import nvme, offload_states, parameter_offload, registry
 from zerotrain.zero.agreement import CollectiveAgreement, checking_enabled
 from zerotrain.zero.divergence import UnitIdentities, identity_checks_enabled
 from zerotrain.zero.init import full_numel, is_partitioned, materialize
@@ -469,6 +469,14 @@ class ZeroStage(StageInterface):
             self.reduction.zero()
         if self.outside is not None:
             self.outside.zero_grad()
+
+    # -- offload_states / empty_partition_cache ----------------------------------------------
+    def state_tensors(self, module: nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
+        return offload_states.core_state_tensors(self, optimizer)
+
+    def empty_partition_cache(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.empty_cache()
 
     # -- accounting ---------------------------------------------------------------------
     def offload_stats(self) -> dict:

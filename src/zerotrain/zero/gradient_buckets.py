@@ -26,7 +26,7 @@ from zerotrain.zero.flat import FlatLayout
 # parameters while another engine runs backward (a GAN's generator loss flowing through the
 # discriminator) accumulates there until that engine's zero_grad/step, as in DeepSpeed. An engine
 # that leaves a backward unfinished stops counting once it is closed (``destroy()``), so it cannot
-# make another engine accept gradients from a plain ``loss.backward()``; held weakly, the set
+# make another engine accept gradients from a backward no engine began; held weakly, the set
 # keeps no engine alive.
 _in_backward: "weakref.WeakSet[BucketedGradients]" = weakref.WeakSet()
 
@@ -151,9 +151,10 @@ class BucketedGradients:
                 bucket.adopt(index)
                 return
             raise RuntimeError(
-                "a gradient was computed outside engine.backward(): call engine.backward(loss) "
-                "instead of loss.backward(), so gradients are reduced across ranks"
-            )
+                "a gradient reached the engine's parameters outside engine.backward() and not "
+                "through the engine's outputs (a forward through engine.module?): run the forward "
+                "as engine(...), then loss.backward() or engine.backward(loss), so gradients are "
+                "reduced across ranks")
         if bucket.launched:
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} received a second gradient after its "

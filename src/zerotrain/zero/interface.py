@@ -99,6 +99,20 @@ class StageInterface(ABC):
     def sharded_state(self) -> ShardedState:
         """The units, shard rank and swapper checkpoints read and write (``ShardedState``)."""
 
+    # -- offload_states / empty_partition_cache --------------------------------------------
+    @abstractmethod
+    def state_tensors(self, module: nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
+        """This rank's training state by ``OffloadStateTypeEnum`` value (``optim_states``,
+        ``hp_params``, ``lp_params``, ``lp_grads``, ``contiguous_grad_buffer``): the tensors
+        whose storages ``engine.offload_states`` moves (zero/offload_states.py). Raises where
+        the state lives in NVMe swap files."""
+
+    @abstractmethod
+    def empty_partition_cache(self) -> None:
+        """Release every gathered full parameter buffer kept beyond its use (stage 3: the unit
+        kept from forward into backward, prefetched units, the buffer pool); a no-op below
+        stage 3. Not during a backward."""
+
     # -- accounting and teardown ---------------------------------------------------------
     @abstractmethod
     def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:

@@ -23,11 +23,14 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor in ``optimizer.state`` (moments, momentum buffers, step counters)."""
+    if optimizer is None:
+        return []
+    return [value for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor)]
+
+
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` (moments, momentum buffers, step counters)."""
-    if optimizer is None:
-        return 0
-    return tensor_bytes(
-        value for state in optimizer.state.values() for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
+    return tensor_bytes(optimizer_state_tensors(optimizer))

@@ -16,7 +16,7 @@ from zerotrain.zero import registry
 from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.interface import ShardedState, StageInterface
-from zerotrain.zero.memory import tensor_bytes, optimizer_state_bytes
+from zerotrain.zero.memory import optimizer_state_bytes, optimizer_state_tensors, tensor_bytes
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, counted_in_norm, global_norm
 
 
@@ -145,6 +145,15 @@ class ReplicatedGradients(StageInterface):
         """No units: the module's own parameters (and the optimizer's state keyed by them) are
         the training state (expert parameters too: zerotrain.checkpoint.experts names them)."""
         return ShardedState()
+
+    def state_tensors(self, module: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
+        """The module's own parameters are what the optimizer steps: hp and lp are the same."""
+        params = list(module.parameters())
+        return {"optim_states": optimizer_state_tensors(optimizer), "hp_params": params,
+                "lp_params": params, "lp_grads": self.grads.flats(), "contiguous_grad_buffer": []}
+
+    def empty_partition_cache(self) -> None:
+        """Nothing is partitioned: nothing is gathered."""
 
     def offload_stats(self) -> dict:
         return {}  # nothing is offloaded at fp32 stage 0

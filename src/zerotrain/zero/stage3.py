@@ -357,6 +357,20 @@ class ParameterCoordinator:
         for unit in self.units:
             self.release(unit)
 
+    def empty_cache(self) -> None:
+        """Release every gathered unit (the one kept from forward into backward, prefetched
+        ones) and drop the pooled buffers: ``engine.empty_partition_cache()``. Safe between a
+        forward and its backward: a released unit whose buffer autograd saved views of is
+        refilled in place when backward gathers it again."""
+        if in_backward():
+            raise RuntimeError("empty_partition_cache() during a backward pass: call it between "
+                               "training steps or between a forward and its backward")
+        self._held = None
+        for unit in list(self._inflight):
+            self.release(unit)
+        self.release_all()
+        self._drop_pool()
+
     def _count(self, numel: int) -> None:
         self.live_numel += numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)

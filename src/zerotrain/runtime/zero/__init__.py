@@ -1,5 +1,5 @@
-"""DeepSpeed's ``deepspeed.runtime.zero`` module path (``partition_parameters``, ``stage3``,
-``stage_1_and_2``); zerotrain's ZeRO implementation lives in ``zerotrain.zero``.
+"""DeepSpeed's ``deepspeed.runtime.zero`` module path (``offload_config``, ``partition_parameters``,
+``stage3``, ``stage_1_and_2``); zerotrain's ZeRO implementation lives in ``zerotrain.zero``.
 
 As in DeepSpeed (where ``deepspeed.zero`` is this package), ``Init``, ``GatheredParameters`` and
 ``ZeroParamStatus`` are names here too; everything loads on first access.
@@ -7,7 +7,7 @@ As in DeepSpeed (where ``deepspeed.zero`` is this package), ``Init``, ``Gathered
 
 from zerotrain._lazy import lazy_attributes
 
-SUBMODULES = ("partition_parameters", "stage3", "stage_1_and_2")
+SUBMODULES = ("offload_config", "partition_parameters", "stage3", "stage_1_and_2")
 
 __getattr__, __dir__ = lazy_attributes(
     __name__, SUBMODULES, names={"Init": "zerotrain.zero", "GatheredParameters": "zerotrain.zero",
