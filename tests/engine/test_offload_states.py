@@ -122,12 +122,13 @@ def _round_trips() -> dict:
                 seen[key]["forward"] = _outcome(lambda: engine(batch))
                 engine.reload_states()
             elif (i, phase) == (4, "before"):  # a window boundary: between optimizer steps
-                engine.offload_states(include=include, device=OffloadDeviceEnum.cpu,
-                                      pin_memory=True)
+                # through the optimizer, as OpenRLHF calls them (DeepSpeed's ZeRO optimizer has them)
+                engine.optimizer.offload_states(include=include, device=OffloadDeviceEnum.cpu,
+                                                pin_memory=True)
                 with torch.no_grad():
                     engine(batch)
                 seen[key]["step"] = _outcome(engine.step)
-                engine.reload_states(non_blocking=True)
+                engine.optimizer.reload_states(non_blocking=True)
 
         got = _train(cfg, 4, offload)
         failures += [f"{key}: {d}" for d in _differences(want, got)]

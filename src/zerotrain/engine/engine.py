@@ -89,6 +89,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self._init_flops_profiler()  # the flops_profiler section (zerotrain.engine.flops)
         # loss.backward() on the forward's outputs (engine/plain_backward.py)
         self._plain_backward = PlainBackward(self)
+        self._expose_on_optimizer()  # optimizer.offload_states / reload_states (engine/state_offload.py)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -379,6 +380,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         module keeps the training dtype. The engine cannot train afterwards."""
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
+        self._remove_from_optimizer()
         self.monitor.close()
         if self._moe_stats is not None:
             self._moe_stats.close()

@@ -5,8 +5,13 @@ The moving itself is zerotrain.zero.offload_states; this mixin is the engine's s
 from __future__ import annotations
 
 import gc
+import weakref
 
 from zerotrain.zero.offload_states import OffloadDeviceEnum, StateOffloader
+
+# DeepSpeed's ZeRO optimizer has these too, and RL frameworks call them there (OpenRLHF:
+# ``engine.optimizer.offload_states(...)``); the engine puts them on its optimizer.
+OPTIMIZER_METHODS = ("offload_states", "reload_states")
 
 class EngineStateOffload:
     """The engine's ``offload_states`` / ``reload_states`` / ``empty_partition_cache``."""
@@ -41,6 +46,24 @@ class EngineStateOffload:
         self._zero.empty_partition_cache()
         gc.collect()
         self.accelerator.empty_cache()
+
+    def _expose_on_optimizer(self) -> None:
+        """``engine.optimizer.offload_states`` / ``reload_states``: the engine's, held weakly
+        (the optimizer outlives no engine through them); removed by ``destroy()``."""
+        if self.optimizer is None:
+            return
+        engine = weakref.ref(self)
+        for name in OPTIMIZER_METHODS:
+            def call(*args, _name=name, **kwargs):
+                return getattr(engine(), _name)(*args, **kwargs)
+            call.__name__ = name
+            call.__doc__ = getattr(type(self), name).__doc__
+            vars(self.optimizer)[name] = call
+
+    def _remove_from_optimizer(self) -> None:
+        if self.optimizer is not None:
+            for name in OPTIMIZER_METHODS:
+                vars(self.optimizer).pop(name, None)
 
     def _require_states(self, action: str, forward: bool = False) -> None:
         """Refuse ``action`` while state it reads is offloaded: a forward, the parameters'
