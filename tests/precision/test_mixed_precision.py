@@ -28,7 +28,7 @@ def _train(precision: dict | None, stage: int, steps: int, inject_on_rank1=()):
     cfg = adamw_config(2, zero_optimization={"stage": stage}, **(precision or {}))
     engine, opt, _, _ = zerotrain.initialize(model=model, config=cfg)
     data = global_batches(steps, 2 * world)
-    losses, scales, skipped, unchanged = [], [], [], []
+    losses, scales, skipped, unchanged, overflow = [], [], [], [], []
     for step in range(steps):
         batch = data[step, rank * 2:rank * 2 + 2]
         before = _snapshot(model, opt) if step in inject_on_rank1 else None
@@ -39,13 +39,19 @@ def _train(precision: dict | None, stage: int, steps: int, inject_on_rank1=()):
         engine.backward(loss)
         engine.step()
         skipped.append(not engine.was_step_applied())
+        overflow.append(opt.overflow)  # DeepSpeed's ZeRO optimizer flag, read by accelerate
         if before is not None:
             unchanged.append(_same(before, _snapshot(model, opt)))
         total = loss.detach().float().clone() if not skipped[-1] else torch.zeros(())
         dist.all_reduce(total)
         losses.append(total.item() / world)
     masters = [p.dtype for g in opt.param_groups for p in g["params"]]
-    return {"losses": losses, "scales": scales, "skipped": skipped, "unchanged": unchanged,
+    try:
+        engine._consolidated_16bit_state_dict()
+        consolidated = "returned"
+    except ValueError:
+        consolidated = "ValueError"  # DeepSpeed's answer below stage 3 without tensor parallelism
+    return {"losses": losses, "overflow": overflow, "consolidated": consolidated, "scales": scales, "skipped": skipped, "unchanged": unchanged,
             "skipped_steps": engine.skipped_steps, "param_dtypes": {p.dtype for p in model.parameters()},
             "master_dtypes": set(masters), "memory": engine.memory_breakdown(),
             "trainable": sum(p.numel() for p in model.parameters()),
@@ -73,7 +79,8 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(stage):
     expected_scales = reference_scales(expected_skips, 2.0**8, 4, 2, 16)
     assert 16 in expected_scales  # the run reaches min_loss_scale and stays there while overflowing
     for r in results:
-        assert r["skipped"] == expected_skips
+        assert r["skipped"] == expected_skips and r["overflow"] == expected_skips
+        assert r["consolidated"] == "ValueError"
         assert r["scales"] == expected_scales
         assert r["skipped_steps"] == len(INJECT)
         assert r["unchanged"] == [True] * len(INJECT)  # weights, masters, Adam state bit-identical

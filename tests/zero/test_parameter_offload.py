@@ -114,6 +114,9 @@ def _train(name: str, optimizer: dict) -> dict:
     result["gathered_after_close"] = sum(u.gathered for u in coordinator.units)
     result["names"] = [n for n, _ in model.named_parameters()]
     state = engine.module_state_dict()
+    consolidated = engine._consolidated_16bit_state_dict()  # DeepSpeed's general name (accelerate, OpenRLHF)
+    result["consolidated"] = None if consolidated is None else all(
+        torch.equal(consolidated[k], v) for k, v in state.items()) and consolidated.keys() == state.keys()
     engine.destroy()
     result["state"] = {k: v.clone() for k, v in state.items()}
     result["after_destroy"] = [hasattr(opt, "parameter_offload"),
@@ -140,6 +143,7 @@ def test_trl_generation_hooks_round_trip_and_training_matches_reference():
             assert got["active_in_forward"] == (1, True) and got["active_between"] == 0
             assert got["external"] == [True] and got["external_after"] == 0
             assert got["after_destroy"] == [False, False, False]
+            assert got["consolidated"] is (True if rank == 0 else None)
             assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for rank, runs in enumerate(ranks):  # named_full_parameters: each whole, a unit at a time
             got = runs[name]

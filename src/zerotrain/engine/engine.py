@@ -90,6 +90,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         # loss.backward() on the forward's outputs (engine/plain_backward.py)
         self._plain_backward = PlainBackward(self)
         self._expose_on_optimizer()  # optimizer.offload_states / reload_states (engine/state_offload.py)
+        self._set_overflow(False)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -245,6 +246,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self._zero.step(self.optimizer, grad_scale)
         self._zero.zero_grad()
         self.loss_scaler.update(overflow=False)
+        self._set_overflow(False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = True
@@ -253,10 +255,17 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """Gradients overflowed on some rank: drop them, keep weights, optimizer and LR."""
         self._zero.zero_grad()
         self.loss_scaler.update(overflow=True)
+        self._set_overflow(True)
         self.skipped_steps += 1
         self._global_grad_norm = None
         log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
                   self.global_steps, scale, self.loss_scaler.loss_scale, topology=self.topology)
+
+    def _set_overflow(self, overflow: bool) -> None:
+        """``optimizer.overflow``: whether the last step was skipped, as DeepSpeed's ZeRO optimizer
+        says (accelerate's ``step_was_skipped`` reads it); removed by ``destroy()``."""
+        if self.optimizer is not None:
+            vars(self.optimizer)["overflow"] = overflow
 
     @property
     def loss_scale(self) -> float:
@@ -350,6 +359,15 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         first = self.topology.is_first("data")  # of this engine's group
         return state if first else None
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's general name for the gathered weights (accelerate, OpenRLHF): stage 3's
+        ``_zero3_consolidated_16bit_state_dict``; ValueError otherwise, as DeepSpeed without
+        tensor parallelism."""
+        if self._zero.parameter_coordinator is None:
+            raise ValueError("_consolidated_16bit_state_dict applies where weights are partitioned (ZeRO stage 3); "
+                             "below it use engine.module_state_dict()")
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load whole-model weights (``module_state_dict()`` keys, or this engine's
         ``state_dict()`` keys with their ``module.`` prefix) into the training state on every
@@ -381,6 +399,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
         self._remove_from_optimizer()
+        if self.optimizer is not None:
+            vars(self.optimizer).pop("overflow", None)
         self.monitor.close()
         if self._moe_stats is not None:
             self._moe_stats.close()
