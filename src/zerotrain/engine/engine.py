@@ -243,7 +243,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 grad_scale *= coef
-        self._zero.step(self.optimizer, grad_scale)
+        self._stepping_optimizer = True
+        try:
+            self._zero.step(self.optimizer, grad_scale)
+        finally:
+            self._stepping_optimizer = False
         self._zero.zero_grad()
         self.loss_scaler.update(overflow=False)
         self._set_overflow(False)
