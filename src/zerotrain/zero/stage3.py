@@ -38,48 +38,7 @@ from zerotrain.zero import embedding_lookup
 from zerotrain.zero.embedding_lookup import reads_no_weights
 from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class _UseOrder:
-    """The recorded order of unit uses in one kind of pass, and where the current pass is."""
-
-    def __init__(self):
-        self.order: list[FlatParamUnit] = []
-        self.recording = True
-        self.pos = 0
-
-    def start(self) -> None:
-        self.pos = 0
-
-    def see(self, unit: FlatParamUnit) -> bool:
-        """Note a use; True when it matches the record (so prefetching ahead is meaningful)."""
-        if self.recording:
-            if unit not in self.order:
-                self.order.append(unit)
-            return False
-        if self.pos < len(self.order) and self.order[self.pos] is unit:
-            self.pos += 1
-            return True
-        if unit in self.order[:self.pos]:
-            return True  # a repeated use (module called twice): the record still holds
-        self.order, self.recording, self.pos = [unit], True, 0  # new path: record it again
-        return False
-
-    def finish(self) -> None:
-        if self.recording and self.order:
-            self.recording = False
-
-    def upcoming(self):
-        return self.order[self.pos:]
-
-    @property
-    def at_end(self) -> bool:
-        """The recorded pass has no use left."""
-        return not self.recording and self.pos >= len(self.order)
+from zerotrain.zero.passes import UseOrder, before_backward_of, in_backward, output_tensors, unique
 
 
 class _GatheringParameters(dict):
@@ -152,7 +111,7 @@ class ParameterCoordinator:
             u.coordinator = self
         self._inflight: dict[FlatParamUnit, object] = {}
         self._stack: list[tuple[nn.Module, set]] = []
-        self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
+        self._forward_order, self._backward_order = UseOrder(), UseOrder()
         self.hook_handles: list = []  # the forward hooks of register_hooks(), removable
         self._module_units: dict[nn.Module, list[FlatParamUnit]] = {}
         self._hooked: list[nn.Module] = []  # every module whose forward the hooks follow
@@ -165,7 +124,7 @@ class ParameterCoordinator:
             params = unit_parameters(m, leaf_of)
             if params is None:
                 continue  # inside a leaf: the leaf's hooks gather and release its whole subtree
-            own = _unique(self._unit_of.get(id(p)) for p in params)
+            own = unique(self._unit_of.get(id(p)) for p in params)
             if own:
                 self._module_units[m] = own
             self._hooked.append(m)
@@ -213,7 +172,7 @@ class ParameterCoordinator:
         """Forget the recorded orders of use: the next forward and backward record them again
         (after passes of another shape, such as generation, the record would mislead the
         prefetch)."""
-        self._forward_order, self._backward_order = _UseOrder(), _UseOrder()
+        self._forward_order, self._backward_order = UseOrder(), UseOrder()
 
     # -- gathering ----------------------------------------------------------------------
     def fetch(self, unit: FlatParamUnit) -> None:
@@ -238,7 +197,7 @@ class ParameterCoordinator:
         """The group ``unit`` is sharded (and gathered) over."""
         return self._unit_groups.get(unit, self.group)
 
-    def _prefetch(self, order: _UseOrder) -> None:
+    def _prefetch(self, order: UseOrder) -> None:
         # The window counts what is already in flight: without that, every use started another
         # full window and the whole model ended up gathered ahead of use.
         budget = self.prefetch_numel - sum(u.layout.padded_numel for u in self._inflight)
@@ -425,17 +384,17 @@ class ParameterCoordinator:
         backward = in_backward()
         held = None
         if used and torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in output_tensors(output) if t.requires_grad]
             if tensors:
                 if not backward:
                     held = self._first_of_backward(used)
                 # Gathered in a fixed order: a set iterates in id order, which differs between
                 # ranks, and the gathers are collectives every rank must issue alike.
                 ordered = tuple(sorted(used, key=self._position.__getitem__))
-                _before_backward_of(
+                before_backward_of(
                     tensors, lambda units=ordered, m=module: self._pre_backward(units, m))
                 frozen = tuple(u for u in ordered if not u.trained)
-                inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
                 tied = tuple(u for u in ordered if u.trained and self._users.get(u))
                 if tied and inputs and not backward:
                     register_multi_grad_hook(
@@ -594,29 +553,6 @@ class ParameterCoordinator:
         self._pool, self.pool_numel, self._own_storage, self._held = {}, 0, {}, None
 
 
-def _before_backward_of(tensors, hook) -> None:
-    """Call ``hook()`` once per backward pass, when autograd is about to run the first of the
-    nodes that made ``tensors`` (a module's outputs): the module's backward starts there.
-
-    A node pre-hook, not a tensor hook: autograd runs a node's tensor hooks first, and those
-    include the release hooks of the module that consumed these outputs (registered on its
-    inputs), so that module's frozen units are released before this one's are gathered (with a
-    leaf block of a LoRA model, the other order held two blocks whole)."""
-    fired = {"task": None}
-
-    def once(*_):
-        task = torch._C._current_graph_task_id()
-        if fired["task"] != task:
-            fired["task"] = task
-            hook()
-
-    for node in _unique(t.grad_fn for t in tensors):
-        node.register_prehook(once)
-    leaves = [t for t in tensors if t.grad_fn is None]  # outputs that are leaf tensors
-    if leaves:
-        register_multi_grad_hook(leaves, once, mode="any")
-
-
 def _key(buf: torch.Tensor) -> tuple:
     return buf.numel(), buf.dtype, buf.device
 
@@ -627,19 +563,3 @@ def _sole_owner(buf: torch.Tensor) -> bool:
     if use_count is None:
         return False  # cannot tell: never reuse
     return use_count(buf.untyped_storage()._cdata) <= 2  # ``buf`` + the temporary storage object
-
-
-def _unique(items) -> list:
-    out = []
-    for item in items:
-        if item is not None and all(item is not o for o in out):
-            out.append(item)
-    return out
-
-
-def _tensors(output):
-    from torch.utils._pytree import tree_leaves
-
-    if hasattr(output, "__dataclass_fields__") or hasattr(output, "to_tuple"):
-        output = output.to_tuple() if hasattr(output, "to_tuple") else vars(output)
-    return [t for t in tree_leaves(output) if torch.is_tensor(t)]
