@@ -162,10 +162,14 @@ def test_top_level_dotted_keys_fill_the_nested_auto():
     from zerotrain.config.auto import resolve_unfilled_auto
 
     config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7},
-              "zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 9}
-    resolved, lines = resolve_unfilled_auto(config)
+              "zero_optimization.reduce_bucket_size": 1024.0, "zero_optimization.stage3_prefetch_bucket_size": 9}
+    resolved, _ = resolve_unfilled_auto(config)
     assert resolved == {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1024, "stage3_prefetch_bucket_size": 7}}
-    assert "dropped" in lines[1]
+    # TRL's reference model: its unrounded 0.9*H*H gives way to the model's int(0.9*H*H)
+    trl = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+           "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 48 * 48}
+    resolved, _ = resolve_unfilled_auto(trl, _gpt2())
+    assert resolved["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 48 * 48) == 2073
 
 
 def test_initialize_resolves_unfilled_auto_and_keeps_the_batch_error(in_process_rank, caplog):
@@ -189,3 +193,12 @@ def test_initialize_resolves_unfilled_auto_and_keeps_the_batch_error(in_process_
     # batch sizes nobody filled cannot be derived: the batch rule's error names them
     with pytest.raises(ConfigError, match="train_batch_size"):
         zerotrain.initialize(model=model, config={**AUTO_CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_config_reads_like_deepspeeds_dict():
+    # DeepSpeed's engine.config is the config dict: transformers calls .get, OpenRLHF subscripts it
+    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg.get("zero_optimization")["stage"] == 2 and "zero_optimization" in cfg and "fp16" not in cfg
+    with pytest.raises(KeyError):
+        cfg["fp16"]

@@ -5,11 +5,12 @@ GRPO (beta 0.1: a reference model, generation with ``ds3_gather_for_generation``
 default) one after another in one 2-rank launch, on a tiny GPT-2 and a character tokenizer built in
 memory, 3 optimizer steps of 2 x 2 x 2 samples each; SFT and GRPO with AdamW, DPO and KTO with SGD.
 
-- DDP: ``torchrun`` with ``use_cpu=True`` (the Trainer's DDP over gloo through accelerate);
-- ZeRO-2: ``python -m zerotrain.hf torchrun ...`` with transformers' docs' ZeRO-2 config, every
-  value it leaves to the Trainer "auto", given as ``TrainingArguments(deepspeed=PATH)``;
-- ZeRO-3: ``python -m zerotrain.hf accelerate launch --config_file`` with TRL's own
-  ``accelerate_configs/zero3.yaml`` (8 processes -> 2, bf16 -> "no").
+- DDP: ``torchrun`` with ``use_cpu=True`` (the Trainer's DDP over gloo through accelerate), all four;
+- at ZeRO-2 and at ZeRO-3, each trainer once, half of them with each kind of config:
+  transformers' docs' config (every value it leaves to the Trainer "auto"), given as
+  ``TrainingArguments(deepspeed=PATH)`` under ``python -m zerotrain.hf torchrun``, and TRL's own
+  ``accelerate_configs/zeroN.yaml`` (8 processes -> 2, bf16 -> "no") under
+  ``python -m zerotrain.hf accelerate launch --config_file``.
 
 Every logged number (losses, rewards, margins, KL, log-probs, entropies, gradient norms) equals
 DDP's to rel 1e-4 (observed <= 3e-7), and so do the trained weights: each parameter's norm to rel
@@ -17,9 +18,9 @@ DDP's to rel 1e-4 (observed <= 3e-7), and so do the trained weights: each parame
 update of a parameter whose gradient is rounding noise (GPT-2's key bias, which softmax ignores) is
 +-lr whatever the noise.
 
-Not here: TRL's ZeRO-2 yaml and the docs' config with ``offload_optimizer`` (accelerate then
-replaces a torch SGD by DeepSpeedCPUAdam, as it does for DeepSpeed, so SGD runs would compare
-Adam with SGD; offload with the Trainer is tests/hf/test_trainer.py's).
+The docs' configs are used without their ``offload_optimizer``/``offload_param``: under optimizer
+offload accelerate replaces a torch SGD by DeepSpeedCPUAdam (as it does for DeepSpeed), so SGD runs
+would compare Adam with SGD; offload with the Trainer is tests/hf/test_trainer.py's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from zerotrain.comm.distributed import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/hf/trl_flows.py"
 TRAINERS = "sft,dpo,kto,grpo"
-ZERO2_JSON = ROOT / "tests/hf/fixtures/hf_docs_zero2_auto.json"
+ZERO_JSON = {2: ROOT / "tests/hf/fixtures/hf_docs_zero2_auto.json", 3: ROOT / "tests/hf/fixtures/hf_docs_zero3_auto.json"}
 
 
 def _trl_yaml(name: str) -> str:
@@ -54,12 +55,17 @@ def _trl_yaml(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run(command: list[str], cwd: Path) -> dict:
+def _run(command: list[str], cwd: Path, count: int = 4) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=420, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and len(results) == 4, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode == 0 and len(results) == count, done.stdout[-3000:] + done.stderr[-6000:]
     return {result["trainer"]: result for result in results}
+
+
+# Each stage with both configs, each config at both stages, every trainer at both stages: the
+# DeepSpeed launches split the trainers (a launch's start costs as much as two trainers).
+LAUNCHES = {(2, "json"): "sft,dpo", (2, "yaml"): "kto,grpo", (3, "json"): "kto,grpo", (3, "yaml"): "sft,dpo"}
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +74,30 @@ def runs(tmp_path_factory):
     model_dir = root / "init"
     subprocess.run([sys.executable, str(SCRIPT), "save", str(model_dir)], check=True, capture_output=True,
                    timeout=120, cwd=root)
-    config = root / "zero3.yaml"
-    config.write_text(_trl_yaml("zero3.yaml"))
-    torchrun = ["torchrun", "--nproc_per_node", "2"]
-    return {
-        "ddp": _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                     str(free_port()), str(SCRIPT), TRAINERS, str(root / "ddp"), str(model_dir), "ddp"], root),
-        "zero2": _run([sys.executable, "-m", "zerotrain.hf", *torchrun, "--master_port", str(free_port()),
-                       str(SCRIPT), TRAINERS, str(root / "z2"), str(model_dir), str(ZERO2_JSON)], root),
-        "zero3": _run([sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
-                       "--main_process_port", str(free_port()), str(SCRIPT), TRAINERS, str(root / "z3"),
-                       str(model_dir)], root),
-    }
+    out = {"ddp": _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(SCRIPT), TRAINERS, str(root / "ddp"), str(model_dir), "ddp"], root)}
+    for (stage, form), trainers in LAUNCHES.items():
+        where = str(root / f"z{stage}{form}")
+        if form == "json":  # transformers' docs' config, given to the Trainer, under torchrun
+            config = ZERO_JSON[stage]
+            command = [sys.executable, "-m", "zerotrain.hf", "torchrun", "--nproc_per_node", "2", "--master_port",
+                       str(free_port()), str(SCRIPT), trainers, where, str(model_dir), str(config)]
+        else:  # TRL's own accelerate file, through accelerate launch
+            config = root / f"zero{stage}.yaml"
+            config.write_text(_trl_yaml(f"zero{stage}.yaml"))
+            command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
+                       "--main_process_port", str(free_port()), str(SCRIPT), trainers, where, str(model_dir)]
+        for trainer, result in _run(command, root, len(trainers.split(","))).items():
+            out[(stage, trainer)] = {**result, "form": form}
+    return out
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trl_trainers_match_ddp(runs, stage):
-    ddp, zero = runs["ddp"], runs[f"zero{stage}"]
+    forms = {runs[(stage, trainer)]["form"] for trainer in TRAINERS.split(",")}
+    assert forms == {"json", "yaml"}
     for trainer in TRAINERS.split(","):
-        want, got = ddp[trainer], zero[trainer]
+        want, got = runs["ddp"][trainer], runs[(stage, trainer)]
         assert want["engine"] == "torch.nn.parallel.distributed" and want["world"] == 2
         assert (got["engine"], got["stage"], got["world"]) == ("zerotrain.engine.engine", stage, 2)
         assert len(want["logs"]) == len(got["logs"]) == 3, trainer

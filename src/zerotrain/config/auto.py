@@ -163,40 +163,42 @@ def resolve_unfilled_auto(config: dict[str, Any], model: Any = None) -> tuple[di
     Frameworks hand `initialize` configs with "auto" left in (TRL's reference model gets the
     accelerate plugin's config before transformers fills the model-dependent values). Returns a
     new dict and one line per resolved key, for the caller to log:
-    - a top-level dotted key (`"zero_optimization.reduce_bucket_size": 4096`, which TRL writes meaning the
-      nested key) fills that nested "auto" and is dropped;
-    - the bucket sizes come from the model's hidden size H as transformers fills them (H*H, 0.9*H*H,
-      10*H); without a hidden size they take their defaults;
+    - the bucket sizes come from the model's hidden size H as transformers fills them (H*H,
+      int(0.9*H*H), 10*H);
+    - a top-level dotted key (`"zero_optimization.reduce_bucket_size": 4096`, which TRL writes meaning
+      the nested key) is dropped, and fills that nested "auto" where the model gives no value;
+      without either the bucket sizes take their defaults;
     - `fp16.enabled` / `bf16.enabled` follow the model's parameters' dtype;
     - any other "auto" is dropped, so the field takes its default (DeepSpeed's behaviour); batch sizes
       are then derived by the batch rule, which still raises when they cannot be.
     """
     data = read_config(config)
     lines: list[str] = []
+    dotted: dict[str, Any] = {}  # canonical nested key -> the top-level dotted key's value
     for key in [k for k in data if "." in k and k.split(".", 1)[0] in data]:
-        value = data.pop(key)
-        spot = _locate(data, key)
-        if spot is not None and spot[0][spot[1]] == AUTO:
-            spot[0][spot[1]] = value
-            lines.append(f"{key}={_show(value)} (from the top-level key '{key}')")
-        else:
-            lines.append(f"top-level key '{key}' dropped ({key} is already set or absent)")
+        dotted[_canonical(key)] = data.pop(key)
+        lines.append(f"top-level key '{key}' read as the nested key it names")
     from .load import auto_keys  # load imports this module
 
-    remaining = auto_keys(data)
-    if not remaining:
-        return data, lines
     derived = _derived_values(model)
-    for key in remaining:
+    for key in auto_keys(data):
         parent, name = _locate_leaf(data, key)
-        value = derived.get(_canonical(key))
-        if value is not None:
-            parent[name] = value
-            lines.append(f"{key}={_show(value)} (from the model)")
+        canonical = _canonical(key)
+        # The model's own value first: TRL writes 0.9*H*H unrounded, transformers int(0.9*H*H).
+        if derived.get(canonical) is not None:
+            parent[name] = derived[canonical]
+            lines.append(f"{key}={_show(parent[name])} (from the model)")
+        elif canonical in dotted:
+            parent[name] = _whole_if_integral(dotted[canonical])
+            lines.append(f"{key}={_show(parent[name])} (from the top-level key)")
         else:
             del parent[name]
             lines.append(f"{key}: its default (nothing filled the 'auto')")
     return data, lines
+
+
+def _whole_if_integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _derived_values(model: Any) -> dict[str, Any]:

@@ -374,6 +374,14 @@ class ZeroTrainConfig(_UnimplementedKeys):
         code written for it (transformers' Trainer) reads it as ``engine.config.get(...)``."""
         return self._raw.get(key, default)
 
+    def __getitem__(self, key: str) -> Any:
+        """``raw[key]``, for code that subscripts DeepSpeed's config dict (OpenRLHF:
+        ``engine.config["zero_optimization"]["offload_optimizer"]["device"]``)."""
+        return self._raw[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
 
 STRICT_ENV = "ZEROTRAIN_STRICT_CONFIG"
 
