@@ -85,6 +85,25 @@ def train_steps(engine, steps: int) -> list[float]:
     return losses
 
 
+def recorded_steps(engine, steps: int, micro: int) -> tuple[list[float], list[float], list[int]]:
+    """Train ``steps`` steps of one micro-batch each on this rank's rows; each step's loss (this
+    rank's), learning rate and the engine's global samples after it: what monitors log."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = global_batches(steps, micro * world)
+    losses, lrs, samples = [], [], []
+    for step in range(steps):
+        batch = data[step, rank * micro:(rank + 1) * micro]
+        loss = engine(batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        lrs.append(engine.get_lr()[0])
+        samples.append(engine.global_samples)
+    return losses, lrs, samples
+
+
 def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0,
                          model_kwargs: dict | None = None) -> dict:
     """Single-process fp32 training on the full global batch each step."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.workloads import adamw_config, global_batches, make_model
+from tests.engine.workloads import adamw_config, make_model, recorded_steps
 from zerotrain.testing import run_on_ranks
 
 STEPS, MICRO, WORLD = 3, 2, 2
@@ -29,24 +29,12 @@ def _monitor_config(out: str, mlflow: bool) -> dict:
 
 
 def _train(out: str, mlflow: bool):
-    import torch.distributed as dist
-
     import zerotrain
     from zerotrain.runtime.utils import peak_rss_bytes
 
     model = make_model()
     engine, _, _, _ = zerotrain.initialize(model=model, config=_monitor_config(out, mlflow))
-    rank = dist.get_rank()
-    data = global_batches(STEPS, MICRO * WORLD)
-    losses, lrs, samples = [], [], []
-    for step in range(STEPS):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        lrs.append(engine.get_lr()[0])
-        samples.append(engine.global_samples)
+    losses, lrs, samples = recorded_steps(engine, STEPS, MICRO)
     writers = len(engine.monitor.monitors)
     engine.destroy()  # closes the writers (the exit test covers scripts that never call it)
     return {"losses": losses, "lrs": lrs, "samples": samples, "writers": writers,

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from tests.engine.workloads import adamw_config, global_batches, make_model
+from tests.engine.workloads import adamw_config, make_model, recorded_steps
 from zerotrain.testing import run_on_ranks
 
 STEPS, MICRO, WORLD = 4, 2, 2
@@ -23,25 +23,13 @@ pytestmark = pytest.mark.skipif(not (HAS_WANDB and HAS_COMET),
 
 
 def _train(out: str):
-    import torch.distributed as dist
-
     import zerotrain
 
     cfg = adamw_config(MICRO, wandb={"enabled": True, "project": "zt-proj", "group": "zt-group", "team": "zt-team"},
                        comet={"enabled": True, "online": False, "project": "zt-proj", "workspace": "zt-ws",
                               "experiment_name": "zt-exp", "samples_log_interval": COMET_INTERVAL})
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=cfg)
-    rank = dist.get_rank()
-    data = global_batches(STEPS, MICRO * WORLD)
-    losses, lrs, samples = [], [], []
-    for step in range(STEPS):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        lrs.append(engine.get_lr()[0])
-        samples.append(engine.global_samples)
+    losses, lrs, samples = recorded_steps(engine, STEPS, MICRO)
     writers = [type(m).__name__ for m in engine.monitor.monitors]
     engine.destroy()  # finishes the wandb run, ends (and zips) the Comet experiment
     return {"losses": losses, "lrs": lrs, "samples": samples, "writers": writers}
