@@ -21,6 +21,7 @@ from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpointing import EngineCheckpointing
 from zerotrain.engine.flops import EngineFlops
+from zerotrain.engine.optimizer_surface import OptimizerSurface
 from zerotrain.engine.plain_backward import PlainBackward
 from zerotrain.engine.state_offload import EngineStateOffload
 from zerotrain.experts.stats import MoEStats
@@ -89,8 +90,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self._init_flops_profiler()  # the flops_profiler section (zerotrain.engine.flops)
         # loss.backward() on the forward's outputs (engine/plain_backward.py)
         self._plain_backward = PlainBackward(self)
-        self._expose_on_optimizer()  # optimizer.offload_states / reload_states (engine/state_offload.py)
-        self._set_overflow(False)
+        # offload_states, step, overflow on the optimizer, as on DeepSpeed's (engine/optimizer_surface.py)
+        self._optimizer_surface = OptimizerSurface(self, optimizer)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -243,14 +244,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 grad_scale *= coef
-        self._stepping_optimizer = True
-        try:
+        with self._optimizer_surface.engine_step():
             self._zero.step(self.optimizer, grad_scale)
-        finally:
-            self._stepping_optimizer = False
         self._zero.zero_grad()
         self.loss_scaler.update(overflow=False)
-        self._set_overflow(False)
+        self._optimizer_surface.set_overflow(False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = True
@@ -259,17 +257,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """Gradients overflowed on some rank: drop them, keep weights, optimizer and LR."""
         self._zero.zero_grad()
         self.loss_scaler.update(overflow=True)
-        self._set_overflow(True)
+        self._optimizer_surface.set_overflow(True)
         self.skipped_steps += 1
         self._global_grad_norm = None
         log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
                   self.global_steps, scale, self.loss_scaler.loss_scale, topology=self.topology)
-
-    def _set_overflow(self, overflow: bool) -> None:
-        """``optimizer.overflow``: whether the last step was skipped, as DeepSpeed's ZeRO optimizer
-        says (accelerate's ``step_was_skipped`` reads it); removed by ``destroy()``."""
-        if self.optimizer is not None:
-            vars(self.optimizer)["overflow"] = overflow
 
     @property
     def loss_scale(self) -> float:
@@ -319,8 +311,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """Bytes this rank holds, by category, counted from the tensors actually held
         (``offloaded_states``: host buffers of ``offload_states()``, while there are any)."""
         out = self._zero.memory_breakdown(self.module, self.optimizer)
-        if self._offloaded_nbytes():
-            out["offloaded_states"] = self._offloaded_nbytes()
+        offloaded = self._offloaded_nbytes()
+        if offloaded:
+            out["offloaded_states"] = offloaded
         return out
 
     def wall_clock_breakdown(self) -> dict[str, float]:
@@ -402,9 +395,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         module keeps the training dtype. The engine cannot train afterwards."""
         self.wait_for_checkpoint()  # an asynchronous save still writing
         self._zero.close()
-        self._remove_from_optimizer()
-        if self.optimizer is not None:
-            vars(self.optimizer).pop("overflow", None)
+        self._optimizer_surface.remove()
         self.monitor.close()
         if self._moe_stats is not None:
             self._moe_stats.close()

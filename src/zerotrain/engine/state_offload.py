@@ -5,13 +5,9 @@ The moving itself is zerotrain.zero.offload_states; this mixin is the engine's s
 from __future__ import annotations
 
 import gc
-import weakref
 
 from zerotrain.zero.offload_states import OffloadDeviceEnum, StateOffloader
 
-# DeepSpeed's ZeRO optimizer has these too, and RL frameworks call them there (OpenRLHF:
-# ``engine.optimizer.offload_states(...)``); the engine puts them on its optimizer.
-OPTIMIZER_METHODS = ("offload_states", "reload_states")
 
 class EngineStateOffload:
     """The engine's ``offload_states`` / ``reload_states`` / ``empty_partition_cache``."""
@@ -46,49 +42,6 @@ class EngineStateOffload:
         self._zero.empty_partition_cache()
         gc.collect()
         self.accelerator.empty_cache()
-
-    def _expose_on_optimizer(self) -> None:
-        """``engine.optimizer.offload_states`` / ``reload_states``: the engine's, held weakly
-        (the optimizer outlives no engine through them), and ``step``; removed by ``destroy()``."""
-        if self.optimizer is None:
-            return
-        engine = weakref.ref(self)
-        for name in OPTIMIZER_METHODS:
-            def call(*args, _name=name, **kwargs):
-                return getattr(engine(), _name)(*args, **kwargs)
-            call.__name__ = name
-            call.__doc__ = getattr(type(self), name).__doc__
-            vars(self.optimizer)[name] = call
-
-        # optimizer.step() called by anyone but the engine (Lightning Fabric's DeepSpeed plugin
-        # steps the optimizer initialize returns) is engine.step(): at stages 1-3 the
-        # optimizer's parameters are the engine's shards, whose gradients only engine.step()
-        # sets, so the optimizer's own step would change nothing.
-        own_step = self.optimizer.step
-        self._optimizer_step_before = vars(self.optimizer).get("step")  # an LR scheduler's wrapper
-
-        def step(closure=None):
-            current = engine()
-            if current is None or current._stepping_optimizer:
-                return own_step() if closure is None else own_step(closure)
-            if closure is not None:
-                raise ValueError("optimizer.step(closure) on an engine's optimizer: the engine computes the "
-                                 "gradients; call engine.backward(loss) and then engine.step()")
-            current.step()
-            return None
-
-        vars(self.optimizer)["step"] = step
-
-    _stepping_optimizer = False  # the engine's own optimizer.step() is running
-
-    _optimizer_step_before = None
-
-    def _remove_from_optimizer(self) -> None:
-        if self.optimizer is not None:
-            for name in OPTIMIZER_METHODS + ("step",):
-                vars(self.optimizer).pop(name, None)
-            if self._optimizer_step_before is not None:
-                vars(self.optimizer)["step"] = self._optimizer_step_before
 
     def _require_states(self, action: str, forward: bool = False) -> None:
         """Refuse ``action`` while state it reads is offloaded: a forward, the parameters'
