@@ -325,9 +325,7 @@ class ParameterCoordinator:
             raise RuntimeError("empty_partition_cache() during a backward pass: call it between "
                                "training steps or between a forward and its backward")
         self._held = None
-        for unit in list(self._inflight):
-            self.release(unit)
-        self.release_all()
+        self.release_all()  # in-flight ones too: release() waits for their gather
         self._drop_pool()
 
     def _count(self, numel: int) -> None:
