@@ -54,6 +54,12 @@ def use_zerotrain_as_deepspeed() -> None:
             "decided then that DeepSpeed is not installed. Call it first in the script (before importing "
             "transformers or accelerate), start the script with `python -m zerotrain.hf python train.py`, or run "
             "`python -m zerotrain.hf install` once to make `import deepspeed` zerotrain in this environment.")
+    put_shim_first()
+
+
+def put_shim_first() -> None:
+    """The shim first on ``sys.path`` and on ``PYTHONPATH`` (for child processes), then
+    ``import deepspeed``: zerotrain from now on, whatever imports it."""
     if SHIM_DIR not in sys.path:
         sys.path.insert(0, SHIM_DIR)
     os.environ["PYTHONPATH"] = _with_shim(os.environ.get("PYTHONPATH", ""))

@@ -34,8 +34,6 @@ Needs the ``lightning`` extra (``pip install 'zerotrain[lightning]'``). See docs
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 
 try:
@@ -56,7 +54,7 @@ def use_zerotrain_for_lightning() -> None:
     Unlike ``zerotrain.hf.use_zerotrain_as_deepspeed`` this does not refuse after transformers or
     accelerate were imported: Lightning asks for DeepSpeed only when its strategy is built. A real
     DeepSpeed already imported is refused (it would be the one Lightning's code calls)."""
-    from zerotrain.hf.switch import SHIM_DIR, environment, is_active
+    from zerotrain.hf.switch import is_active, put_shim_first
 
     if is_active():
         return
@@ -66,11 +64,7 @@ def use_zerotrain_for_lightning() -> None:
             f"the real DeepSpeed is already imported ({getattr(current, '__file__', current)}): ZeroTrainStrategy "
             "runs Lightning's DeepSpeed code on zerotrain and needs `deepspeed` to be zerotrain in this process; "
             "use Lightning's DeepSpeedStrategy for the real DeepSpeed, or build ZeroTrainStrategy before importing it")
-    if SHIM_DIR not in sys.path:
-        sys.path.insert(0, SHIM_DIR)
-    os.environ["PYTHONPATH"] = environment()["PYTHONPATH"]
-    importlib.invalidate_caches()
-    importlib.import_module("deepspeed")
+    put_shim_first()
 
 
 class ZeroTrainStrategy(DeepSpeedStrategy):
