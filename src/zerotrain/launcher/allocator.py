@@ -27,7 +27,7 @@ import glob
 import os
 from typing import Callable, Iterator
 
-from zerotrain.launcher.errors import LaunchError
+from zerotrain.launcher.errors import LaunchError, flag_or_env
 
 ALLOCATORS = ("auto", "tcmalloc", "system")
 ENV_VAR = "ZEROTRAIN_ALLOCATOR"
@@ -42,11 +42,7 @@ _ALTERNATIVES = ("tcmalloc", "jemalloc", "mimalloc")
 
 def resolve(choice: str | None, environ=os.environ) -> str:
     """The flag's value, else ``ZEROTRAIN_ALLOCATOR``, else ``auto``; one line for anything else."""
-    name = choice or environ.get(ENV_VAR) or "auto"
-    if name not in ALLOCATORS:
-        source = "--allocator" if choice else ENV_VAR
-        raise LaunchError(source, f"unknown allocator {name!r}; choose one of {', '.join(ALLOCATORS)}")
-    return name
+    return flag_or_env(choice, "--allocator", ENV_VAR, ALLOCATORS, "allocator", environ)
 
 
 def find_tcmalloc(environ=os.environ) -> str | None:

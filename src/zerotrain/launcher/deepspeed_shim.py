@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from zerotrain.launcher.errors import LaunchError
+from zerotrain.launcher.errors import flag_or_env
 
 CHOICES = ("auto", "on", "off")
 ENV_VAR = "ZEROTRAIN_DEEPSPEED_SHIM"
@@ -50,11 +50,7 @@ def shim_dir() -> str:
 
 def resolve(choice: str | None, environ=os.environ) -> str:
     """The flag's value, else ``ZEROTRAIN_DEEPSPEED_SHIM``, else ``auto``; one line for anything else."""
-    name = choice or environ.get(ENV_VAR) or "auto"
-    if name not in CHOICES:
-        source = "--deepspeed_shim" if choice else ENV_VAR
-        raise LaunchError(source, f"unknown value {name!r}; choose one of {', '.join(CHOICES)}")
-    return name
+    return flag_or_env(choice, "--deepspeed_shim", ENV_VAR, CHOICES, "value", environ)
 
 
 def imported_packages(source: str) -> set[str]:

@@ -20,6 +20,17 @@ class LaunchError(Exception):
         self.message = message
 
 
+def flag_or_env(choice: str | None, flag: str, env_var: str, choices, what: str = "value",
+                environ=os.environ) -> str:
+    """A launcher flag's value, else its environment variable's, else ``auto``; anything not in
+    ``choices`` is one line naming where it came from."""
+    name = choice or environ.get(env_var) or "auto"
+    if name not in choices:
+        raise LaunchError(flag if choice else env_var,
+                          f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
+    return name
+
+
 def describe_exit(failure: ProcessFailure) -> str:
     """'exit code 3' or 'signal 9 (SIGKILL)'."""
     if failure.exitcode < 0:
