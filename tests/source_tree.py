@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zerotrain._lazy import public_name
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "zerotrain"
 
 
 def module_name(path: Path) -> str:
-    """``src/zerotrain/zero/core.py`` -> ``zerotrain.zero.core`` (a package is its ``__init__``)."""
+    """``src/zerotrain/zero/core.py`` -> ``zerotrain.zero.core`` (a package is its ``__init__``).
+
+    A file under ``deepspeed_paths/`` gets the name it is imported by, DeepSpeed's path:
+    ``src/zerotrain/deepspeed_paths/runtime/utils.py`` -> ``zerotrain.runtime.utils``."""
     parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return public_name(".".join(parts))
 
 
 def modules() -> dict[str, Path]:
@@ -29,4 +34,4 @@ def import_base(node, package: str) -> str:
         anchor = package.split(".")
         anchor = anchor[:len(anchor) - (node.level - 1)]
         base = ".".join(anchor + ([base] if base else []))
-    return base
+    return public_name(base)

@@ -1,9 +1,12 @@
 """The dependency rule of docs/design.md ("Dependency rule"), checked on the source with ``ast``.
 
-- The DeepSpeed-named compatibility modules (``COMPAT``) hold re-exports and aliases only, and no
-  module outside them imports from them.
+- The DeepSpeed-named compatibility modules (``COMPAT``: everything under ``deepspeed_paths/``, imported
+  as ``zerotrain.runtime``, ``zerotrain.moe``, ...) hold re-exports and aliases only, and no module
+  outside them imports from them.
 - The package-level import graph has no cycle through ``zero`` or ``offload`` (zero uses offload,
   never the other way), and none at all once the root namespace (``zerotrain/__init__``) is left out.
+- The module-level import graph (imports that run when a module is imported, not those inside
+  functions) has no cycle at all: a cycle there is an import that can fail half-initialized.
 - The README's "Layout" block lists every folder under src/zerotrain.
 
 Every import counts, lazy ones inside functions included (a function-level import is a dependency
@@ -15,18 +18,23 @@ zerotrain module that is a dict value (``lazy_attributes(names={...})``, ``zerot
 from __future__ import annotations
 
 import ast
+import importlib
+import pickle
 import re
+import subprocess
+import sys
 
 from tests.source_tree import ROOT, SRC, import_base, modules as _modules
+from zerotrain._lazy import DEEPSPEED_NAMED, DEEPSPEED_PATHS, public_name
 
 #: Packages (and everything under them) that exist only to give DeepSpeed's import paths
-#: (docs/compat.md): ``deepspeed.runtime.*``, ``deepspeed.utils.*``, ``deepspeed.ops.*``,
-#: ``deepspeed.moe.*``, ``deepspeed.pipe``, ``deepspeed.compression.*``, ``deepspeed.profiling.*`` and the installed
+#: (docs/compat.md): the files under ``deepspeed_paths/`` (``deepspeed.runtime.*``, ``deepspeed.utils.*``,
+#: ``deepspeed.ops.*``, ``deepspeed.moe.*``, ``deepspeed.pipe``, ``deepspeed.compression.*``,
+#: ``deepspeed.profiling.*``, ``deepspeed.checkpointing``), imported under those names, and the installed
 #: ``deepspeed`` shim. Packages whose name DeepSpeed shares but that hold zerotrain's own
-#: implementation of the concern (accelerator, comm, checkpoint, checkpointing, monitor, launcher,
-#: zero) are not compatibility modules.
-COMPAT = ("zerotrain.runtime", "zerotrain.utils", "zerotrain.ops", "zerotrain.moe", "zerotrain.pipe",
-          "zerotrain.compression", "zerotrain.profiling", "zerotrain.hf.shim")
+#: implementation of the concern (accelerator, comm, checkpoint, monitor, launcher, zero) are not
+#: compatibility modules.
+COMPAT = (DEEPSPEED_PATHS, *(f"zerotrain.{name}" for name in DEEPSPEED_NAMED), "zerotrain.hf.shim")
 
 #: Package-level edges allowed to close a cycle: none through these packages.
 ACYCLIC = ("zero", "offload")
@@ -37,7 +45,7 @@ MODULES = _modules()
 
 def _resolve(name: str) -> str | None:
     """The zerotrain module ``name`` imports (its longest prefix that is a module)."""
-    parts = name.split(".")
+    parts = public_name(name).split(".")
     while parts:
         candidate = ".".join(parts)
         if candidate in MODULES:
@@ -79,6 +87,119 @@ def imports_of(module: str) -> set[str]:
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             add(node.args[0].value)
     return found
+
+
+def _runs_at_import(body):
+    """The statements of ``body`` that run when the module is imported: all but function bodies
+    and ``if TYPE_CHECKING:`` blocks (class bodies, ``if``/``try``/``with`` blocks included)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _runs_at_import(node.orelse)
+            continue
+        yield node
+        for block in ("body", "orelse", "finalbody"):
+            yield from _runs_at_import(getattr(node, block, []) or [])
+        for handler in getattr(node, "handlers", []) or []:
+            yield from _runs_at_import(handler.body)
+
+
+def import_time_imports_of(module: str) -> set[str]:
+    """The zerotrain modules that importing ``module`` runs first: its module-level imports, each
+    with the packages above it (``import a.b.c`` runs ``a/__init__`` and ``a/b/__init__``), but not
+    ``module``'s own packages (already running) or the root namespace."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        target = _resolve(name)
+        if target is None:
+            return
+        parts = target.split(".")
+        for end in range(2, len(parts) + 1):
+            step = ".".join(parts[:end])
+            if step in MODULES and step != module and not module.startswith(step + "."):
+                found.add(step)
+
+    for node in _runs_at_import(tree.body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = import_base(node, package)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                add(full if _resolve(full) == public_name(full) else base)
+    return found
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``a -> b -> ... -> a``) per strongly connected component with more than one module
+    (or a module importing itself), found by depth-first search."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(root: str) -> None:  # iterative Tarjan: the graph has a few hundred modules
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph[node]:
+                    components.append(component)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    cycles = []
+    for component in components:  # a shortest way back to the component's first module
+        members, start = set(component), min(component)
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for node in frontier:
+                for child in sorted(graph[node] & members):
+                    if child == start:
+                        cycles.append(paths[node] + [start])
+                        nxt = []
+                        frontier = []
+                        break
+                    if child not in paths:
+                        paths[child] = paths[node] + [child]
+                        nxt.append(child)
+                else:
+                    continue
+                break
+            frontier = nxt if frontier else []
+    return cycles
 
 
 def _in(module: str, packages) -> bool:
@@ -191,6 +312,65 @@ def test_package_graph_is_acyclic_but_for_the_root_namespace():
                                   for c in cycles)
 
 
+def test_no_import_cycle_between_modules_at_import_time():
+    graph = {m: import_time_imports_of(m) for m in MODULES}
+    cycles = module_cycles(graph)
+    assert not cycles, "modules that import each other when imported (make one import lazy, or move " \
+        "the shared piece below both):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_module_cycle_check_finds_a_cycle_and_its_path():
+    # The checker itself, on a made-up graph: a -> b -> c -> a beside an acyclic d -> a.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert sorted(module_cycles(graph)) == [["a", "b", "c", "a"], ["e", "e"]]
+    # And the scanner: a module-level import counts with its packages, a function-level one does not.
+    assert "zerotrain.engine.engine" in import_time_imports_of("zerotrain.engine.pipeline_engine")
+    # ``from zerotrain.recompute import settings`` in recompute/recompute.py: the submodule counts, its
+    # own package does not (it is already running when the module is).
+    assert "zerotrain.recompute.settings" in import_time_imports_of("zerotrain.recompute.recompute")
+    assert "zerotrain.recompute" not in import_time_imports_of("zerotrain.recompute.recompute")
+    assert "zerotrain.offload" not in import_time_imports_of("zerotrain.zero")  # inside functions only
+
+
+def test_deepspeed_paths_are_one_module_per_file_under_their_public_names():
+    on_disk = {p.stem if p.suffix == ".py" else p.name for p in (SRC / "deepspeed_paths").iterdir()
+               if p.name != "__init__.py" and p.name != "__pycache__"}
+    assert on_disk == set(DEEPSPEED_NAMED)  # the finder's list is the folder's contents
+    # and no real module at the top level has one of these names (the finder would hide it).
+    assert not any((SRC / name / "__init__.py").exists() or (SRC / f"{name}.py").exists()
+                   for name in DEEPSPEED_NAMED)
+    # In a fresh interpreter, each name and its deepspeed_paths name are the same module object.
+    script = (
+        "import pickle, sys\n"
+        "import zerotrain as deepspeed\n"
+        "import zerotrain.runtime.zero.stage3, zerotrain.deepspeed_paths.runtime.zero.stage3 as alias\n"
+        "assert alias is sys.modules['zerotrain.runtime.zero.stage3'] is deepspeed.runtime.zero.stage3\n"
+        "assert alias.__name__ == alias.__spec__.name == 'zerotrain.runtime.zero.stage3'\n"
+        "from zerotrain.moe.layer import MoE\n"
+        "from zerotrain.deepspeed_paths.moe.layer import MoE as MoE2\n"
+        "from zerotrain.experts.layer import MoE as MoE3\n"
+        "assert MoE is MoE2 is MoE3 and pickle.loads(pickle.dumps(MoE)) is MoE\n"
+        "import zerotrain.checkpointing, zerotrain.recompute\n"
+        "assert zerotrain.checkpointing.checkpoint is zerotrain.recompute.checkpoint\n"
+        "assert deepspeed.pipe.PipelineModule is __import__('zerotrain.pipeline').pipeline.PipelineModule\n"
+        "import zerotrain.deepspeed_paths.utils.groups as groups\n"
+        "assert deepspeed.utils.groups is groups and groups.__name__ == 'zerotrain.utils.groups'\n"
+        "files = {}\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    if name.startswith('zerotrain') and getattr(module, '__file__', None):\n"
+        "        assert files.setdefault(module.__file__, module) is module, name\n"
+        "try:\n"
+        "    import zerotrain.runtime.no_such_module\n"
+        "except ModuleNotFoundError as error:\n"
+        "    assert error.name == 'zerotrain.runtime.no_such_module', error.name\n"
+        "else:\n"
+        "    raise AssertionError('imported a module that does not exist')\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(SRC.parent)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_readme_layout_lists_every_folder():
     block = layout_block()
     listed = set(re.findall(r"^  ([A-Za-z_]\w*)/", block, re.M))
@@ -201,4 +381,5 @@ def test_readme_layout_lists_every_folder():
 def test_the_checks_see_lazy_and_function_level_imports():
     # The scanner itself: a lazy loader's target and an import inside a function both count.
     assert "zerotrain.zero.leaves" in imports_of("zerotrain.utils")  # lazy_attributes(names={...})
+    assert "zerotrain.utils" in MODULES and "zerotrain.deepspeed_paths.utils" not in MODULES  # public names
     assert "zerotrain.offload" in imports_of("zerotrain.zero")  # inside _placement()/build_zero_stage

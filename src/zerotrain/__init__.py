@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import importlib
 
+from zerotrain._lazy import install_deepspeed_paths
+
+# zerotrain.runtime, zerotrain.moe, ... (DeepSpeed's paths) live in deepspeed_paths/.
+install_deepspeed_paths()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

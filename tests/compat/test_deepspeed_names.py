@@ -104,8 +104,10 @@ print(json.dumps({"torch_after_import": torch_after_import, "missing": missing})
 
 def _zerotrain_modules():
     import zerotrain
+    from zerotrain._lazy import public_name
 
-    return ["zerotrain"] + [m.name for m in pkgutil.walk_packages(zerotrain.__path__, "zerotrain.")]
+    # The DeepSpeed-named files sit in deepspeed_paths/; each is imported under its public name.
+    return ["zerotrain"] + [public_name(m.name) for m in pkgutil.walk_packages(zerotrain.__path__, "zerotrain.")]
 
 
 def _deepspeed_name(zerotrain_name):

@@ -46,7 +46,7 @@ SUPPORTED = [
     {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100,
                            "leaf_module": {"classes": "my.Block", "names": ["h.0"], "name_suffixes": "moe"}}},
     {"strict": True},
-    # zerotrain.checkpointing reads the section (tests/checkpointing)
+    # zerotrain.recompute (deepspeed.checkpointing) reads the section (tests/recompute)
     {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 4,
                                   "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True, "profile": True}},
 ]

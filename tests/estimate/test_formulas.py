@@ -138,12 +138,12 @@ def test_largest_micro_batch_is_the_boundary():
 
 def test_seed_000_rules_of_thumb_rows():
     rows = {r.method.split(" (")[0].split(",")[0]: r for r in fine_tuning_rows()}
-    assert rows["full fine-tuning"].seed_bits_per_param == 12 * 8
+    assert rows["full fine-tuning"].rule_bits_per_param == 12 * 8
     assert rows["full fine-tuning"].refined_bits_per_param == 16 * 8
-    assert rows["LoRA"].seed_bits_per_param == pytest.approx(17.6)
-    assert rows["QLoRA"].seed_bits_per_param == pytest.approx(5.6)
+    assert rows["LoRA"].rule_bits_per_param == pytest.approx(17.6)
+    assert rows["QLoRA"].rule_bits_per_param == pytest.approx(5.6)
     load = rows["load 16-bit weights"]
-    assert load.seed_bytes(7e9) == 14e9  # "2 x params (B) = GB": 7B -> 14 GB
+    assert load.rule_bytes(7e9) == 14e9  # "2 x params (B) = GB": 7B -> 14 GB
     text = estimate(from_params(7_000_000_000)).text()
     assert "rule    84.00 GB | refined   112.00 GB" in text
 

@@ -167,7 +167,7 @@ def test_activation_checkpointing_replays_cuda_dropout(in_cpu, reentrant):
     """Recomputation replays the device RNG (the same dropout masks), so gradients equal the
     uncheckpointed ones; with ``checkpoint_in_cpu`` the saved inputs go to the host and back."""
     import zerotrain.checkpointing as ckpt
-    from zerotrain.checkpointing import settings
+    from zerotrain.recompute import settings
 
     settings._unconfigure_for_tests()
     ckpt.reset_profile_totals()

@@ -90,7 +90,7 @@ def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None)
 
 def _all_cases():
     import zerotrain.checkpointing as ckpt
-    from zerotrain.checkpointing import settings
+    from zerotrain.recompute import settings
 
     out = {}
     for stage in STAGES:

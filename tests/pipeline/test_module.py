@@ -82,7 +82,7 @@ def test_activation_checkpoint_blocks_match_deepspeed_and_change_no_number():
 
     def recording_checkpoint(function, *args):
         calls.append(len(args))
-        from zerotrain.checkpointing import checkpoint
+        from zerotrain.recompute import checkpoint
         return checkpoint(function, *args)
 
     specs = [LayerSpec(nn.Linear, 4, 6), nn.Tanh(), _half, _half, LayerSpec(nn.Linear, 6, 3)]

@@ -1,4 +1,4 @@
-"""What ``initialize`` applies from outside the engine before building it (issue 15).
+"""What ``initialize`` applies from outside the engine before building it.
 
 - the config's ``activation_checkpointing`` section configures ``zerotrain.checkpointing``
   (unless the script called ``configure`` itself; docs/activation_checkpointing.md);
@@ -12,7 +12,7 @@ from torch import nn
 
 def before_engine(model: nn.Module, cfg) -> None:
     """Apply the checks and settings above for ``model`` under the loaded config ``cfg``."""
-    from zerotrain.checkpointing.settings import configure_from_engine_config
+    from zerotrain.recompute.settings import configure_from_engine_config
     from zerotrain.lora import check_quantized_base
 
     check_quantized_base(model, cfg.zero_optimization.stage)

@@ -98,7 +98,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.total_loss = None
         self.agg_train_loss = None
         self.dp_group_loss = None
-        # Seed 001's idle time ("pipeline": {"timeline": true}): per-stage events of the last batch.
+        # Where time went, idle included ("pipeline": {"timeline": true}): per-stage events of the last batch.
         self._clock = None
         self._last_timeline: list = []
         self._last_bubble: dict | None = None
@@ -211,7 +211,7 @@ class PipelineEngine(ZeroTrainEngine):
         self._log_pipeline_step(time.perf_counter() - started)
         return loss
 
-    # -- seed 001's idle time ---------------------------------------------------------------
+    # -- where time went, idle included ------------------------------------------------------------
     def _begin_timeline(self) -> None:
         """Every stage starts its clock at one moment: right after a barrier over the pipe group."""
         if self._clock is None:

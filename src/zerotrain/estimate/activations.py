@@ -2,7 +2,7 @@
 
 From a transformer's shape, Korthikanti et al.'s per-layer count ("Reducing activation
 recomputation in large transformer models", 2022): ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in
-16-bit (dropout masks take one byte per element). Seed 001 writes the 32-bit form
+16-bit (dropout masks take one byte per element), and its 32-bit form for n layers
 ``n·b·l·h·(67 + 9·m·l/h)``; both are used as written. Attention that never materialises the
 ``a·s²`` score matrix (flash / SDPA kernels) keeps only the ``34 s·b·h`` part; the formula's
 ``a·s²`` term is the conservative (eager attention) count.
@@ -51,7 +51,7 @@ UNKNOWN = ActivationBytes(0, 0, "unknown: no model shape (give --hf-config, --mo
 
 def korthikanti_layer_bytes(seq: int, batch: int, hidden: int, heads: int, element_size: int,
                             flash_attention: bool = False) -> int:
-    """Bytes one transformer layer keeps for backward (seed 001's ``M_activation`` / n)."""
+    """Bytes one transformer layer keeps for backward (the whole model's ``M_activation`` / n)."""
     if element_size not in KORTHIKANTI:
         raise ValueError(f"activation element size {element_size}: the formula covers 2 (fp16/bf16) and 4 (fp32)")
     linear, quadratic = KORTHIKANTI[element_size]

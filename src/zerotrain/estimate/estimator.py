@@ -69,7 +69,7 @@ class Estimate:
                           per_node_nvme=r.nvme_per_node, fits_gpu=r.fits_gpu, fits_cpu=r.fits_cpu,
                           fits=r.fits)
                 for r in self.rows]
-        thumbs = [ThumbReport(method=t.method, seed_bytes=t.seed_bytes(s.params),
+        thumbs = [ThumbReport(method=t.method, rule_bytes=t.rule_bytes(s.params),
                               refined_bytes=t.refined_bytes(s.params), note=t.note)
                   for t in fine_tuning_rows()]
         alt = rec.offload_alternative

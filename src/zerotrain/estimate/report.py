@@ -77,7 +77,7 @@ class SetupReport(_Strict):
 
 class ThumbReport(_Strict):
     method: str
-    seed_bytes: float
+    rule_bytes: float
     refined_bytes: float
     note: str
 
@@ -140,10 +140,10 @@ def render_text(report: EstimateReport) -> str:
                    f"{_fit(r.fits_cpu):>4} | {_g(r.per_node_nvme):>9}")
     out.append("* offload rows follow DeepSpeed's ZeRO-Offload/Infinity placement; zerotrain runs "
                "offload with gradients on the device until the step, so they are not recommended")
-    out += ["", "Fine-tuning rules of thumb (seed 000) vs this estimator (whole model, one GPU, "
+    out += ["", "Fine-tuning rules of thumb vs this estimator (whole model, one GPU, "
             "activations excluded):"]
     for t in report.fine_tuning_rules_of_thumb:
-        out.append(f"  {t.method:<42} rule {t.seed_bytes / 1e9:8.2f} GB | refined "
+        out.append(f"  {t.method:<42} rule {t.rule_bytes / 1e9:8.2f} GB | refined "
                    f"{t.refined_bytes / 1e9:8.2f} GB  ({t.note})")
     rec = report.recommendation
     out += ["", "Recommendation:"]

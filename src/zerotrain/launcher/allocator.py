@@ -5,7 +5,7 @@ differently-sized allocations cut it into holes: a training step's pattern (gath
 full-size gradients, activations of several sizes) grows the resident size well past what is
 live, or, handed back to the OS, is zero-filled again by the kernel page by page on the next step.
 tcmalloc keeps freed memory in size classes it reuses as they are, so neither happens (GPT-2,
-2 gloo ranks on CPU, docs/benchmarks.md "Session 16": DDP's step 0.73-0.94x of glibc's, ZeRO-3's
+2 gloo ranks on CPU, docs/benchmarks.md, "the ranks' allocator": DDP's step 0.73-0.94x of glibc's, ZeRO-3's
 0.60-0.73x, each at a lower peak). torch's own CPU launcher (``python -m torch.backends.xeon.run_cpu``) preloads it
 the same way, by default.
 

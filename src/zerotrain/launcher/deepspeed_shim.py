@@ -4,8 +4,8 @@ transformers' Trainer and accelerate reach DeepSpeed through ``import deepspeed`
 stop with "DeepSpeed is not available => pip3 install deepspeed". zerotrain.hf's shim folder (a
 ``deepspeed`` package that becomes an alias of zerotrain, and its package metadata: docs/hf.md)
 answers that import. The launcher puts it first on the ranks' ``PYTHONPATH``, as
-``python -m zerotrain.hf`` does, so seed 002's ``deepspeed --num_gpus=2 train.py --deepspeed
-ds_config.json`` runs with zerotrain's launcher name alone.
+``python -m zerotrain.hf`` does, so a DeepSpeed command line (``deepspeed --num_gpus=2 train.py
+--deepspeed ds_config.json``) runs with zerotrain's launcher name alone.
 
 - ``auto`` (the default; ``ZEROTRAIN_DEEPSPEED_SHIM`` sets another): when the script (or
   ``--module`` target) imports ``transformers``, ``accelerate`` or ``deepspeed`` anywhere in its

@@ -1,6 +1,6 @@
 """``DummyOptim`` / ``DummyScheduler``: stand-ins that let the config build the real ones.
 
-Seed 003's convention (accelerate's ``DummyOptim``/``DummyScheduler``) for
+accelerate's convention (its ``DummyOptim``/``DummyScheduler``), for
 ``zerotrain.initialize`` without accelerate: the script keeps its shape, the config's
 ``optimizer``/``scheduler`` sections say what to build, and the values given to the stand-ins
 fill that section's ``"auto"`` values::

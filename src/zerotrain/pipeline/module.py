@@ -19,8 +19,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from zerotrain.checkpointing import checkpoint as _default_checkpoint
-from zerotrain.checkpointing import non_reentrant_checkpoint
+from zerotrain.recompute import checkpoint as _default_checkpoint
+from zerotrain.recompute import non_reentrant_checkpoint
 from zerotrain.pipeline.layer_files import LayerFiles
 from zerotrain.pipeline.partition import (VIRTUAL_LAYOUTS, partition_balanced, partition_uniform,
                                           rank_virtual_stages)

@@ -1,4 +1,4 @@
-"""Seed 001's view of idle time for the pipeline engine: per stage, when it computed (forward,
+"""Where the pipeline engine's time went, idle included: per stage, when it computed (forward,
 backward, weight steps) during one ``train_batch`` and when it waited, beside the schedule's ideal
 bubble (``ideal_bubble``: (P-1)/(M+P-1) for GPipe/1F1B, (P-1)/(V*M+P-1) with V chunks per rank
 for interleaved 1F1B and looped BFS at M >= P, none for the split-backward schedules).

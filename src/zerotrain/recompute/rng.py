@@ -91,7 +91,7 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 
 
 def _tensor_parallel_rank() -> int:
-    from zerotrain.checkpointing import settings
+    from zerotrain.recompute import settings
 
     mpu = settings.current().mpu
     for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):

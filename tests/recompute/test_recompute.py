@@ -1,4 +1,5 @@
-"""zerotrain.checkpointing in one process: options, errors, gradients and RNG replay."""
+"""Activation recompute (zerotrain.recompute, DeepSpeed's ``deepspeed.checkpointing``) in one
+process: options, errors, gradients and RNG replay."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import logging
 import pytest
 import torch
 
-import zerotrain.checkpointing as ckpt
+import zerotrain.recompute as ckpt
 from zerotrain.accelerator import get_accelerator
-from zerotrain.checkpointing import recompute as ckpt_impl
-from zerotrain.checkpointing import settings
 from zerotrain.config import ConfigError
+from zerotrain.recompute import recompute as ckpt_impl
+from zerotrain.recompute import settings
 
 
 @pytest.fixture(autouse=True)

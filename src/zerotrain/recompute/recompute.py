@@ -31,9 +31,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from zerotrain.accelerator import get_accelerator
-from zerotrain.checkpointing import settings as _settings
-from zerotrain.checkpointing.rng import get_cuda_rng_tracker
 from zerotrain.log import log_rank0
+from zerotrain.recompute import settings as _settings
+from zerotrain.recompute.rng import get_cuda_rng_tracker
 
 _totals = {"forward_calls": 0, "forward_seconds": 0.0, "recompute_calls": 0, "recompute_seconds": 0.0,
            "inputs_to_host_bytes": 0}
