@@ -18,8 +18,6 @@ zerotrain module that is a dict value (``lazy_attributes(names={...})``, ``zerot
 from __future__ import annotations
 
 import ast
-import importlib
-import pickle
 import re
 import subprocess
 import sys
