@@ -1,11 +1,10 @@
 """Host-side exchanges of small Python objects, with the same timeout and hang diagnosis as
 every other zerotrain collective.
 
-``torch.distributed.all_gather_object`` and ``new_group`` fail after the group's timeout with
-a bare backend error (and ``new_group`` without ``timeout=`` waits torch's 30 minutes whatever
-the default group's timeout is). Here each call takes the next sequence number of its group, a
-new group gets ``default_timeout()`` (``ZEROTRAIN_COMM_TIMEOUT``), and a timeout or a dead peer
+``torch.distributed.all_gather_object`` fails after the group's timeout with a bare backend
+error. Here each call takes the next sequence number of its group, and a timeout or a dead peer
 raises ``CollectiveError`` naming the ranks that had not arrived (``zerotrain.comm.hang``).
+Groups are created by ``zerotrain.topology.groups.new_group`` (the same diagnosis).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import time
 import torch.distributed as dist
 
 from zerotrain.comm.collectives import _next_seq
-from zerotrain.comm.distributed import default_timeout
 from zerotrain.comm.hang import diagnose
 
 
@@ -33,23 +31,4 @@ def all_gather_object(value, group=None, op: str = "all_gather_object") -> list:
     return out
 
 
-def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
-    """``torch.distributed.new_group`` with ``default_timeout()`` for the group's collectives and
-    a ``CollectiveError`` naming the absent ranks if they do not all create it (it is a collective
-    of the default group: every rank must call it, in the same order).
-
-    ``within``: an existing group holding exactly ``ranks``; then only those ranks create the new
-    group (torch's ``use_local_synchronization``: ranks outside take no part), and the creation
-    counts as a collective of ``within`` for the error naming an absent rank."""
-    seq = _next_seq(within)
-    started = time.monotonic()
-    try:
-        if within is None:
-            return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
-        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout(),
-                              use_local_synchronization=True)
-    except RuntimeError as exc:
-        raise diagnose(exc, op, 0, seq, within, started) from exc
-
-
-__all__ = ["all_gather_object", "new_group"]
+__all__ = ["all_gather_object"]
