@@ -9,14 +9,14 @@ for all of them:
   outlive the interpreter's teardown ("terminate called without an active exception"). A
   ``DeviceMesh`` keeps its groups in ``_pg_registry`` (a cache torch.compile reads); the meshes
   made here get a weak one (``weak_mesh``).
-- a new group gets ``default_timeout()`` (``ZEROTRAIN_COMM_TIMEOUT``; torch's default for a new
-  group is 30 minutes whatever the default group's timeout is), and a creation that a rank never
-  joins raises ``CollectiveError`` naming the absent ranks (``zerotrain.comm.hang``).
+- a new group (``new_group``) gets ``default_timeout()`` (``ZEROTRAIN_COMM_TIMEOUT``; torch's
+  default for a new group is 30 minutes whatever the default group's timeout is), and a creation
+  that a rank never joins raises ``CollectiveError`` naming the absent ranks (``zerotrain.comm.hang``),
+  through the ``CreationWatch`` zerotrain.comm attaches.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
@@ -42,34 +42,55 @@ class GroupRef:
         return group
 
 
+class CreationWatch:
+    """What a group's creation runs under: the new group's timeout and the error a failed creation
+    raises. ``zerotrain.comm`` attaches its own (``watch_group_creation``): ``default_timeout()``
+    and the hang diagnosis naming the ranks that never came. Attached from comm, not imported
+    from it, because comm's logging asks this package for the process's rank (comm depends on
+    topology, never the reverse). Without comm: torch's timeout and torch's error."""
+
+    def timeout(self):
+        """The new group's timeout; None: torch's default."""
+
+    def begin(self, within):
+        """Called before a creation that counts as a collective of ``within`` (None: the world);
+        returns what ``failed`` gets as ``token``."""
+
+    def failed(self, error: RuntimeError, op: str, within, token) -> BaseException:
+        return error
+
+
+_watch = [CreationWatch()]
+
+
+def watch_group_creation(watch: CreationWatch) -> None:
+    """Run every group creation under ``watch`` (zerotrain.comm attaches its diagnosis)."""
+    _watch[0] = watch
+
+
 def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
-    """``torch.distributed.new_group`` with ``default_timeout()`` for the group's collectives and
-    a ``CollectiveError`` naming the absent ranks if they do not all create it (it is a collective
-    of the default group: every rank must call it, in the same order).
+    """``torch.distributed.new_group`` with the watch's timeout (comm's ``default_timeout()``) for
+    the group's collectives and its error (comm's ``CollectiveError`` naming the absent ranks) if
+    they do not all create it (it is a collective of the default group: every rank must call it,
+    in the same order).
 
     ``within``: an existing group holding exactly ``ranks``; then only those ranks create the new
     group (torch's ``use_local_synchronization``: ranks outside take no part), and the creation
     counts as a collective of ``within`` for the error naming an absent rank."""
-    from zerotrain.comm.collectives import _next_seq
-    from zerotrain.comm.distributed import default_timeout
-    from zerotrain.comm.hang import diagnose
-
-    seq = _next_seq(within)
-    started = time.monotonic()
+    watch = _watch[0]
+    token = watch.begin(within)
     try:
         if within is None:
-            return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
-        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout(),
+            return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout())
+        return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout(),
                               use_local_synchronization=True)
     except RuntimeError as exc:
-        raise diagnose(exc, op, 0, seq, within, started) from exc
+        raise watch.failed(exc, op, within, token) from exc
 
 
 def own_rank_group():
-    """A group of this rank alone (the group of a mesh axis of size 1), created by this rank only."""
-    from zerotrain.comm.distributed import default_timeout
-
-    return dist.new_group(ranks=[dist.get_rank()], timeout=default_timeout(), use_local_synchronization=True)
+    """A group of this rank alone (the group of an axis of size 1), created by this rank only."""
+    return dist.new_group(ranks=[dist.get_rank()], timeout=_watch[0].timeout(), use_local_synchronization=True)
 
 
 def weak_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -108,5 +129,5 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str):
     return mesh.get_group(name)
 
 
-__all__ = ["GroupRef", "new_group", "own_rank_group", "weak_mesh", "mesh_over_world", "mesh_from_groups",
-           "split_axis", "flatten_axes"]
+__all__ = ["GroupRef", "CreationWatch", "watch_group_creation", "new_group", "own_rank_group", "weak_mesh",
+           "mesh_over_world", "mesh_from_groups", "split_axis", "flatten_axes"]

@@ -20,8 +20,9 @@ Three ways to build one:
   part of the world; ``initialize(data_parallel_group=...)``).
 - ``Topology.from_grid(process_topology)``: DeepSpeed's ``ProcessTopology`` layout.
 
-Building creates process groups: every rank of the world (``from_group``: of the group) must
-build the same topologies in the same order, as with ``torch.distributed.new_group``.
+Building a grid creates process groups: every rank of the world must build the same topologies in
+the same order, as with ``torch.distributed.new_group``. ``from_group`` creates none (its mesh, on
+first use, adds a group of each rank alone, made by that rank only).
 """
 
 from __future__ import annotations
@@ -83,13 +84,15 @@ def _device_type() -> str:
 class Topology:
     """The ranks and groups of one engine. Build with ``build``, ``from_group`` or ``from_grid``."""
 
-    def __init__(self, grid: ProcessTopology, members: list[int], mesh=None, distinct_group=None):
+    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None, mesh=None,
+                 distinct_group=None):
         self.grid = grid              # DeepSpeed's ProcessTopology over positions 0..n-1 of ``members``
         self.members = list(members)  # global ranks, in grid order
-        self.distributed = mesh is not None  # False: a single process without torch.distributed
+        self.distributed = groups is not None  # False: a single process without torch.distributed
         self._mesh = mesh
-        # axis -> the mesh's group along it through this rank, weakly (zerotrain.topology.groups).
-        self._groups = {axis: GroupRef(mesh.get_group(axis)) for axis in MESH_AXES} if mesh is not None else {}
+        # axis -> the group along it through this rank (the mesh's), weakly (topology/groups.py);
+        # axes of size 1 without one share a group of this rank alone, made on first use.
+        self._groups = {axis: GroupRef(g) for axis, g in (groups or {}).items()}
         self._distinct = GroupRef(distinct_group)
         self._expert: dict[int, ExpertGroups] = {}
         self._agreement: dict[tuple[int, ...], weakref.ref] = {}
@@ -106,7 +109,7 @@ class Topology:
     @classmethod
     def single(cls) -> "Topology":
         """One process and no process group (torch.distributed not initialized): no mesh."""
-        return cls(ProcessTopology(list(AXES), [1, 1, 1]), [0])
+        return cls(ProcessTopology(list(AXES), [1, 1, 1]), [0], None)
 
     @classmethod
     def build(cls, pipe: int = 1, model: int = 1, data: int | None = None) -> "Topology":
@@ -154,12 +157,13 @@ class Topology:
         # Ranks with the same data coordinate hold distinct parameters (pipeline stages, model
         # slices): the gradient norm sums over them. Every rank creates every group, in order.
         distinct = flatten_axes(mesh, DISTINCT_AXES, "distinct") if pipe * model > 1 else None
-        return cls(full, order, mesh, distinct)
+        return cls(full, order, {axis: mesh.get_group(axis) for axis in MESH_AXES}, mesh, distinct)
 
     @classmethod
     def from_group(cls, group) -> "Topology":
-        """The ranks of ``group`` as the data axis (the other axes of size 1: a group of this rank
-        alone, created by this rank only); None is the world. Only the group's ranks call this."""
+        """The ranks of ``group`` as the data axis (the other axes of size 1); None is the world.
+        Creates no group: its mesh is built over ``group`` and a group of this rank alone (created
+        by this rank only) when first asked for. Only the group's ranks call this."""
         if not dist.is_initialized():
             return cls.single()
         if group is None:
@@ -168,10 +172,7 @@ class Topology:
         if dist.get_rank() not in ranks:
             raise ValueError("initialize(data_parallel_group=...): this rank is not a member of the group; "
                              "build the engine only on the group's ranks")
-        alone = group if len(ranks) == 1 else own_rank_group()
-        groups = [group if axis == "data" else alone for axis in MESH_AXES]
-        mesh = mesh_from_groups(_device_type(), groups, torch.tensor(ranks).view(1, len(ranks), 1, 1), MESH_AXES)
-        return cls(ProcessTopology(list(AXES), [1, len(ranks), 1]), ranks, mesh)
+        return cls(ProcessTopology(list(AXES), [1, len(ranks), 1]), ranks, {"data": group})
 
     # -- the axes -------------------------------------------------------------------------
     def size(self, axis: str) -> int:
@@ -189,6 +190,11 @@ class Topology:
         axis = _axis(axis)
         if not self.distributed:
             return None
+        if axis not in self._groups:  # an axis of size 1 built without a group
+            if "alone" not in self._groups:
+                data = self.group("data")
+                self._groups["alone"] = GroupRef(data if self.data_size == 1 else own_rank_group())
+            self._groups[axis] = self._groups["alone"]
         return self._groups[axis].get()
 
     def collective_group(self, axis: str):
@@ -201,8 +207,12 @@ class Topology:
     @property
     def mesh(self):
         """The topology as torch's ``DeviceMesh`` (dims ``MESH_AXES``: pipe, data, sequence,
-        model), built with the topology and holding its groups weakly: the mesh DTensor and FSDP2
-        code uses. None without torch.distributed."""
+        model), holding its groups weakly: the mesh DTensor and FSDP2 code uses. One per topology,
+        kept: a grid's is built with it (it creates the groups), a group's on first use over its
+        groups. None without torch.distributed."""
+        if self._mesh is None and self.distributed:
+            ranks = torch.tensor(self.members).view(*(self.size(axis) for axis in MESH_AXES))
+            self._mesh = mesh_from_groups(_device_type(), [self.group(axis) for axis in MESH_AXES], ranks, MESH_AXES)
         return self._mesh
 
     def axis_ranks(self, axis: str) -> list[int]:
@@ -293,9 +303,9 @@ class Topology:
             raise NotImplementedError("expert groups need a topology over the whole world, not "
                                       "initialize(data_parallel_group=...)")
         if data_before_expert:
-            mesh = split_axis(self._mesh, "data", (ep_size, dp // ep_size), ("expert", "expert_data"))
+            mesh = split_axis(self.mesh, "data", (ep_size, dp // ep_size), ("expert", "expert_data"))
         else:
-            mesh = split_axis(self._mesh, "data", (dp // ep_size, ep_size), ("expert_data", "expert"))
+            mesh = split_axis(self.mesh, "data", (dp // ep_size, ep_size), ("expert_data", "expert"))
         ep_group, edp_group = mesh.get_group("expert"), mesh.get_group("expert_data")
         groups = ExpertGroups(f"ep_size_{ep_size}", GroupRef(ep_group), GroupRef(edp_group),
                               ep_group.rank(), ep_group.size(), edp_group.rank(), edp_group.size(), mesh)
