@@ -82,9 +82,13 @@ def _rank(out_dir):
     with torch.no_grad():
         engine(torch.randn(TOKENS, 8, generator=g))  # not counted
     engine.train()
+    # initialize handed the layers the engine's topology: their group is its ep_size_2 group
+    ep_group = engine.topology.expert_groups(2).expert_group
+    given = [(m._topology is engine.topology, m.deepspeed_moe.ep_group is ep_group) for m in (model.moe_a, model.moe_b)]
+    del ep_group
     engine.destroy()
     hooks = sum(len(m._forward_hooks) for m in model.modules())  # forward (post) hooks: the statistics' only
-    return {"mine": mine, "events": events, "lines": lines, "hooks": hooks}
+    return {"mine": mine, "events": events, "lines": lines, "hooks": hooks, "given": given}
 
 
 def _figures(per_rank_steps, name):
@@ -97,6 +101,7 @@ def _figures(per_rank_steps, name):
 def test_step_log_and_monitors_report_expert_counts_drops_and_l_aux(tmp_path):
     out = run_on_ranks(_rank, world_size=2, args=(str(tmp_path),), timeout=240)
     assert all(o["hooks"] == 0 for o in out)  # destroy() removed the statistics hooks
+    assert all(o["given"] == [(True, True), (True, True)] for o in out)
     events = {}
     for tag, value, step in out[0]["events"]:
         events.setdefault(tag, []).append((step, value))

@@ -10,6 +10,7 @@ from zerotrain.comm.collectives import (ReduceOp, all_gather_into, all_reduce, b
 from zerotrain.comm.distributed import (destroy_distributed, get_local_rank, get_rank,
                                         get_world_size, init_distributed)
 from zerotrain.comm.hang import CollectiveError
+from zerotrain.comm import objects as _objects  # noqa: F401  (attaches the diagnosis to group creation)
 from zerotrain.comm.logger import (comms_logger, configure, log_summary, start_profiling_comms,
                                    start_profiling_op, stop_profiling_comms, stop_profiling_op)
 

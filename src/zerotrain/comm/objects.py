@@ -1,11 +1,11 @@
 """Host-side exchanges of small Python objects, with the same timeout and hang diagnosis as
 every other zerotrain collective.
 
-``torch.distributed.all_gather_object`` and ``new_group`` fail after the group's timeout with
-a bare backend error (and ``new_group`` without ``timeout=`` waits torch's 30 minutes whatever
-the default group's timeout is). Here each call takes the next sequence number of its group, a
-new group gets ``default_timeout()`` (``ZEROTRAIN_COMM_TIMEOUT``), and a timeout or a dead peer
+``torch.distributed.all_gather_object`` fails after the group's timeout with a bare backend
+error. Here each call takes the next sequence number of its group, and a timeout or a dead peer
 raises ``CollectiveError`` naming the ranks that had not arrived (``zerotrain.comm.hang``).
+Groups are created by ``zerotrain.topology.groups.new_group``; this module attaches the same
+timeout and diagnosis to their creation (``_DiagnosedCreation``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from zerotrain.comm.collectives import _next_seq
 from zerotrain.comm.distributed import default_timeout
 from zerotrain.comm.hang import diagnose
+from zerotrain.topology.groups import CreationWatch, watch_group_creation
 
 
 def all_gather_object(value, group=None, op: str = "all_gather_object") -> list:
@@ -33,23 +34,22 @@ def all_gather_object(value, group=None, op: str = "all_gather_object") -> list:
     return out
 
 
-def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
-    """``torch.distributed.new_group`` with ``default_timeout()`` for the group's collectives and
-    a ``CollectiveError`` naming the absent ranks if they do not all create it (it is a collective
-    of the default group: every rank must call it, in the same order).
+class _DiagnosedCreation(CreationWatch):
+    """Group creation (zerotrain.topology.groups) under comm's timeout and hang diagnosis: a new
+    group's collectives time out after ``default_timeout()``, and a creation a rank never joins
+    raises ``CollectiveError`` naming it, counted as a collective of the group it is made within."""
 
-    ``within``: an existing group holding exactly ``ranks``; then only those ranks create the new
-    group (torch's ``use_local_synchronization``: ranks outside take no part), and the creation
-    counts as a collective of ``within`` for the error naming an absent rank."""
-    seq = _next_seq(within)
-    started = time.monotonic()
-    try:
-        if within is None:
-            return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout())
-        return dist.new_group(ranks=ranks, backend=backend, timeout=default_timeout(),
-                              use_local_synchronization=True)
-    except RuntimeError as exc:
-        raise diagnose(exc, op, 0, seq, within, started) from exc
+    def timeout(self):
+        return default_timeout()
+
+    def begin(self, within):
+        return _next_seq(within), time.monotonic()
+
+    def failed(self, error, op, within, token):
+        seq, started = token
+        return diagnose(error, op, 0, seq, within, started)
 
 
-__all__ = ["all_gather_object", "new_group"]
+watch_group_creation(_DiagnosedCreation())
+
+__all__ = ["all_gather_object"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 
 import torch.distributed as dist
 
@@ -15,12 +14,6 @@ from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, resol
 from zerotrain.checkpoint.layout import data_rank
 from zerotrain.checkpoint.load import load_into
 from zerotrain.checkpoint.save import PendingSave, RankSnapshot, capture, check_tag, prepare
-from zerotrain.comm.objects import new_group
-
-# One gloo group per set of ranks and default group, shared by the engines on those ranks: torch
-# names a locally synchronized group after its ranks, so a second one over the same ranks could
-# not be created. A process-wide cache of torch's own process-wide objects (docs/checkpoint.md).
-_AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref]] = {}
 
 
 class EngineCheckpointing:
@@ -148,28 +141,10 @@ class EngineCheckpointing:
             if not topology.is_world:
                 raise NotImplementedError("save_checkpoint of a pipeline engine on part of the job's ranks "
                                           "is not supported: build the PipelineModule over the whole world")
-            return agreement_group(topology.members, dist.group.WORLD)
+            return topology.agreement_group(topology.members, dist.group.WORLD)
         if not dist.is_initialized() or topology.data_size == 1:
             return None
-        return agreement_group(topology.axis_ranks("data"), topology.data_group)
+        return topology.agreement_group(topology.axis_ranks("data"), topology.data_group)
 
 
-def agreement_group(ranks: list[int], data_group):
-    """The checkpoint agreement's gloo group over ``ranks``, the ranks of ``data_group`` (this
-    rank among them), created on first use by those ranks only, with the collective timeout
-    (``ZEROTRAIN_COMM_TIMEOUT``; torch's default for a new group is 30 minutes) and a
-    ``CollectiveError`` naming a rank of the group that never gets here."""
-    key = tuple(sorted(ranks))
-    cached = _AGREEMENT_GROUPS.get(key)
-    if cached is not None and cached[0]() is dist.group.WORLD:  # not from a destroyed default group
-        group = cached[1]()
-        if group is not None:
-            return group
-    group = new_group(list(key), backend="gloo", op="new_group (save_checkpoint)", within=data_group)
-    # Weakly: torch's registry keeps both until destroy_process_group(); a strong reference here
-    # would keep gloo's threads alive into the interpreter's teardown (an abort at exit).
-    _AGREEMENT_GROUPS[key] = (weakref.ref(dist.group.WORLD), weakref.ref(group))
-    return group
-
-
-__all__ = ["EngineCheckpointing", "CheckpointError", "agreement_group"]
+__all__ = ["EngineCheckpointing", "CheckpointError"]

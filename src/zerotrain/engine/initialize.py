@@ -17,6 +17,7 @@ from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine
 from zerotrain.log import log_rank0
 from zerotrain.experts.autoep import apply_autoep, autoep_size
+from zerotrain.experts.layer import MoE
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.expert_groups import expert_parameters, refuse_unsupported_experts
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
@@ -215,6 +216,9 @@ def _expert_groups(model: nn.Module, cfg, topology: Topology, pipeline: bool) ->
         except NotImplementedError as error:
             name = next(n for n, s in experts.items() if s == ep_size)
             raise NotImplementedError(f"parameter {name!r} (group_name='ep_size_{ep_size}'): {error}") from None
+    for module in model.modules():  # MoE layers take their groups from the engine's topology
+        if isinstance(module, MoE):
+            module.set_topology(topology)
     return experts
 
 

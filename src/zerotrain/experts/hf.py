@@ -85,9 +85,9 @@ def expert_parallel(model: nn.Module, ep_size: int, topology=None) -> List[str]:
     """Spread the experts of every sparse-MoE block of the Hugging Face ``model`` over
     ``ep_size`` ranks (in place; returns the experts modules' names).
 
-    The groups are ``topology.expert_groups(ep_size)`` (default: ``zerotrain.topology.current()``,
-    the world as data parallelism before ``initialize``), DeepSpeed's ``ep_size_N`` layout, the
-    one the engine reduces expert gradients with. Every rank must call this on the same model
+    The groups are ``topology.expert_groups(ep_size)`` (``initialize`` passes its engine's; the
+    default, ``Topology.build()``, is the world as data parallelism), DeepSpeed's ``ep_size_N``
+    layout, the one the engine reduces expert gradients with. Every rank must call this on the same model
     (same seed: the slices are cut from each rank's full init), in the same order."""
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"expert_parallel: ep_size={ep_size!r} must be a positive integer")
@@ -104,9 +104,9 @@ def expert_parallel(model: nn.Module, ep_size: int, topology=None) -> List[str]:
             raise ValueError(f"expert_parallel: ep_size={ep_size} must divide the {m.num_experts} experts of "
                              f"{name} ({type(m).__name__}); choose a divisor of the expert count")
     if topology is None:
-        from zerotrain.topology import current
+        from zerotrain.topology import Topology
 
-        topology = current()
+        topology = Topology.build()
     if ep_size > 1 and not topology.distributed:
         raise RuntimeError(f"expert_parallel(ep_size={ep_size}) needs torch.distributed initialized "
                            "(zerotrain.init_distributed() or zerotrain launch)")

@@ -199,13 +199,16 @@ class MoE(nn.Module):
     """DeepSpeed's ``MoE`` layer: ``forward(hidden_states, used_token=None)`` returns
     ``(output, l_aux, exp_counts)``. The expert-parallel group is the topology's ``ep_size_N``
     group, built on the first forward (or ``set_deepspeed_parallelism``): every rank must build
-    its MoE layers in the same order."""
+    its MoE layers in the same order. The topology is the one given (``topology=``, or
+    ``set_topology``: ``initialize`` hands every MoE layer its engine's); DeepSpeed's constructor
+    has no such argument, so without one the layer takes the process's current topology
+    (``zerotrain.topology.current()``, what DeepSpeed's global groups answer from)."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+                 top2_2nd_expert_sampling: bool = True, *, topology=None) -> None:
         super().__init__()
         if use_tutel:
             raise NotImplementedError("MoE(use_tutel=True): Tutel is not supported by zerotrain; leave "
@@ -228,6 +231,12 @@ class MoE(nn.Module):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
         self._groups_ready = False
+        self._topology = topology
+
+    def set_topology(self, topology) -> None:
+        """Take the expert-parallel group from ``topology`` (an engine's) from the next forward on."""
+        self._topology = topology
+        self._groups_ready = False
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         self._create_process_groups(use_data_before_expert_parallel_)
@@ -236,9 +245,12 @@ class MoE(nn.Module):
         if self._groups_ready:
             return
         if dist.is_available() and dist.is_initialized():
-            from zerotrain.topology import current
+            topology = self._topology
+            if topology is None:  # DeepSpeed's MoE(...) takes no topology: the process's current one
+                from zerotrain.topology import current
 
-            groups = current().expert_groups(self.ep_size, use_data_before_expert_parallel_)
+                topology = current()
+            groups = topology.expert_groups(self.ep_size, use_data_before_expert_parallel_)
             self.deepspeed_moe._set_ep_group(groups.expert_group)
         elif self.ep_size > 1:
             raise RuntimeError(f"MoE(ep_size={self.ep_size}) needs torch.distributed initialized "

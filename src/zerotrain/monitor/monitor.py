@@ -73,8 +73,9 @@ class MonitorMaster:
     write their own). Writers are flushed and closed by ``close()``, when the master is garbage
     collected, or at exit.
 
-    ``topology`` is the engine's (``engine.topology``); without one, ``zerotrain.topology.current()``
-    (the one ``initialize`` set for the engine it is building). ``rank``/``world_size`` override
+    ``topology`` is the engine's (``engine.topology``: the engine passes it); DeepSpeed's
+    ``MonitorMaster(config)`` has no such argument, so without one the process's current topology
+    (``zerotrain.topology.current()``, the last ``initialize``'s). ``rank``/``world_size`` override
     the data-parallel rank and size (a master outside any process group)."""
 
     def __init__(self, config, rank: int | None = None, world_size: int | None = None, topology=None):

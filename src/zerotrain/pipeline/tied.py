@@ -3,7 +3,8 @@
 A tied key (say the embedding, used by the first stage and again as the output head by the last)
 is built once on every stage holding an occurrence, into ``tied_modules[key]``. For each key and
 each data (and model) coordinate there is one process group over the ranks of the stages that
-hold it; every rank creates every group, in sorted key order, as ``new_group`` requires. On all
+hold it, created by the module's topology (``Topology.tied_group``); every rank creates every
+group, in sorted key order, as ``new_group`` requires. On all
 but the group's lowest rank the replica's parameters carry ``ds_pipe_replicated = True``, so the
 gradient norm and the 16-bit optimizers count the tied weights once.
 
@@ -40,8 +41,6 @@ class TiedLayers:
 
     def _index_tied_modules(self) -> dict:
         """``{key: {"ranks", "group", "weight_attr", "module"}}`` for the keys this rank holds."""
-        from zerotrain.comm.objects import new_group
-
         tied_comms = {}
         if self._topo.get_dim("pipe") == 1:
             return tied_comms
@@ -54,7 +53,7 @@ class TiedLayers:
             for dp in range(grid.get_data_parallel_world_size()):
                 for mp in range(grid.get_slice_parallel_world_size()):
                     ranks = [grid.stage_to_global(stage_id=s, data=dp, model=mp) for s in stages]
-                    group = new_group(ranks=ranks, op=f"new_group (tied layer {key!r})")
+                    group = grid.topology_.tied_group(ranks, key)
                     if self.global_rank not in ranks:
                         continue
                     if key not in self.tied_modules:

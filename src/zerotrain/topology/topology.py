@@ -1,9 +1,13 @@
-"""``Topology``: every rank and process group of one engine, on torch's ``DeviceMesh``.
+"""``Topology``: every rank and process group of one engine, on one torch ``DeviceMesh``.
 
 The axes are DeepSpeed's: ``pipe`` (pipeline stages), ``data`` (replicas that shard and average
-gradients: ZeRO's group) and ``model`` (ranks holding different slices of a layer), laid out
-row-major with ``model`` fastest (``PipeModelDataParallelTopology``'s order), so data-parallel
-peers are adjacent ranks. Experts split the data axis further (``expert_groups``).
+gradients: ZeRO's group) and ``model`` (ranks holding different slices of a layer; ``tensor`` is
+another name for it), laid out row-major with ``model`` fastest (``PipeModelDataParallelTopology``'s
+order), so data-parallel peers are adjacent ranks. The mesh (``topology.mesh``, built once with
+the topology, the one DTensor/FSDP2 code uses) has a ``sequence`` axis of size 1 between data
+and model besides. Experts split the data axis further (``expert_groups``). Every group the
+library uses is created by a topology (``zerotrain.topology.groups``): the axes' (the mesh's),
+``distinct``, expert, tied-layer and checkpoint-agreement groups.
 
 Everything in zerotrain that needs a rank or a group asks the engine's topology: checkpoints
 (which rank writes what), the rank-0 decisions, collectives, the gradient norm. Nothing outside
@@ -16,58 +20,51 @@ Three ways to build one:
   part of the world; ``initialize(data_parallel_group=...)``).
 - ``Topology.from_grid(process_topology)``: DeepSpeed's ``ProcessTopology`` layout.
 
-Building creates process groups: every rank of the world (``from_group``: of the group) must
-build the same topologies in the same order, as with ``torch.distributed.new_group``.
+Building a grid creates process groups: every rank of the world must build the same topologies in
+the same order, as with ``torch.distributed.new_group``. ``from_group`` creates none (its mesh, on
+first use, adds a group of each rank alone, made by that rank only).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from zerotrain.topology.grid import ProcessTopology
+from zerotrain.topology.groups import (GroupRef, flatten_axes, mesh_from_groups, mesh_over_world, new_group,
+                                       own_rank_group, split_axis)
 
+#: DeepSpeed's axes (``ProcessTopology``, ``PipelineParallelGrid``), row-major, model fastest.
 AXES = ("pipe", "data", "model")
-
-
-class _GroupRef:
-    """A process group held weakly: torch's registry keeps it alive until
-    ``destroy_process_group()``; a topology (or an engine holding one) must not keep it, and
-    with it gloo's worker threads, alive past that (they would outlive the interpreter's
-    teardown: "terminate called without an active exception")."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, group):
-        self._ref = weakref.ref(group) if group is not None else None
-
-    def get(self):
-        if self._ref is None:
-            return None
-        group = self._ref()
-        if group is None:
-            raise RuntimeError("the topology's process group was destroyed (destroy_process_group()); "
-                               "build a new engine after initializing torch.distributed again")
-        return group
+#: The mesh's axes: DeepSpeed's with ``sequence`` (size 1 until sequence parallelism) between data
+#: and model, so the rank layout is DeepSpeed's. ``model`` is the tensor-parallel axis; ``tensor``
+#: names it too (``size("tensor")``).
+MESH_AXES = ("pipe", "data", "sequence", "model")
+ALIASES = {"tensor": "model"}
+#: The mesh axes whose ranks hold distinct parameters of one data replica (the ``distinct`` group).
+DISTINCT_AXES = ("pipe", "sequence", "model")
 
 
 @dataclass(frozen=True)
 class ExpertGroups:
     """The groups of one expert-parallel size (DeepSpeed's ``ep_size_N``): ``expert`` holds the
     ranks that split the experts among them (all-to-all), ``expert_data`` the ranks that hold the
-    same experts (their gradients are averaged there)."""
+    same experts (their gradients are averaged there). ``mesh``: the topology's mesh with its data
+    axis split into ``expert_data`` x ``expert`` (``expert`` x ``expert_data`` for DeepSpeed's
+    ``use_data_before_expert_parallel_``)."""
 
     name: str
-    _expert: _GroupRef
-    _expert_data: _GroupRef
+    _expert: GroupRef
+    _expert_data: GroupRef
     expert_rank: int
     expert_size: int
     expert_data_rank: int
     expert_data_size: int
+    mesh: Any = None
 
     @property
     def expert_group(self):
@@ -87,16 +84,18 @@ def _device_type() -> str:
 class Topology:
     """The ranks and groups of one engine. Build with ``build``, ``from_group`` or ``from_grid``."""
 
-    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None,
+    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None, mesh=None,
                  distinct_group=None):
         self.grid = grid              # DeepSpeed's ProcessTopology over positions 0..n-1 of ``members``
         self.members = list(members)  # global ranks, in grid order
         self.distributed = groups is not None  # False: a single process without torch.distributed
-        # axis -> the group along it through this rank (weakly: see _GroupRef); axes of size 1
-        # without one get a group of this rank alone on first use.
-        self._groups = {axis: _GroupRef(g) for axis, g in (groups or {}).items()}
-        self._distinct = _GroupRef(distinct_group)
+        self._mesh = mesh
+        # axis -> the group along it through this rank (the mesh's), weakly (topology/groups.py);
+        # axes of size 1 without one share a group of this rank alone, made on first use.
+        self._groups = {axis: GroupRef(g) for axis, g in (groups or {}).items()}
+        self._distinct = GroupRef(distinct_group)
         self._expert: dict[int, ExpertGroups] = {}
+        self._agreement: dict[tuple[int, ...], weakref.ref] = {}
         if not self.distributed:
             self.global_rank = 0
         else:
@@ -109,7 +108,7 @@ class Topology:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def single(cls) -> "Topology":
-        """One process and no process group (torch.distributed not initialized)."""
+        """One process and no process group (torch.distributed not initialized): no mesh."""
         return cls(ProcessTopology(list(AXES), [1, 1, 1]), [0], None)
 
     @classmethod
@@ -152,22 +151,19 @@ class Topology:
                  for coord in full.mapping]
         if dims[0] == dims[2] == 1 and order == list(range(world)):
             return cls.from_group(dist.group.WORLD)  # data parallelism alone: no new group
-        # The mesh creates one group per axis through each rank; torch's registry keeps them.
-        mesh = DeviceMesh(_device_type(), torch.tensor(order).view(*dims), mesh_dim_names=AXES)
-        groups = {axis: mesh.get_group(axis) for axis in AXES}
+        # The mesh creates one group per axis through each rank (sequence: this rank alone).
+        pipe, data, model = dims
+        mesh = mesh_over_world(_device_type(), torch.tensor(order).view(pipe, data, 1, model), MESH_AXES)
         # Ranks with the same data coordinate hold distinct parameters (pipeline stages, model
         # slices): the gradient norm sums over them. Every rank creates every group, in order.
-        distinct = None
-        for d in range(dims[1]):
-            ranks = [order[p] for p in full.filter_match(data=d)]
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if dist.get_rank() in ranks:
-                distinct = group
-        return cls(full, order, groups, distinct)
+        distinct = flatten_axes(mesh, DISTINCT_AXES, "distinct") if pipe * model > 1 else None
+        return cls(full, order, {axis: mesh.get_group(axis) for axis in MESH_AXES}, mesh, distinct)
 
     @classmethod
     def from_group(cls, group) -> "Topology":
-        """The ranks of ``group`` as the data axis (no pipe or model axis); None is the world."""
+        """The ranks of ``group`` as the data axis (the other axes of size 1); None is the world.
+        Creates no group: its mesh is built over ``group`` and a group of this rank alone (created
+        by this rank only) when first asked for. Only the group's ranks call this."""
         if not dist.is_initialized():
             return cls.single()
         if group is None:
@@ -180,20 +176,25 @@ class Topology:
 
     # -- the axes -------------------------------------------------------------------------
     def size(self, axis: str) -> int:
-        return self.grid.get_dim(_axis(axis))
+        axis = _axis(axis)
+        return self.grid.get_dim(axis) if axis in AXES else 1
 
     def rank(self, axis: str) -> int:
         """This rank's position on ``axis`` (0 .. size-1)."""
-        return getattr(self.coord, _axis(axis))
+        axis = _axis(axis)
+        return getattr(self.coord, axis) if axis in AXES else 0
 
     def group(self, axis: str):
-        """The process group along ``axis`` through this rank (torch's group; a group of this rank
-        alone when the axis has size 1)."""
+        """The process group along ``axis`` through this rank (the mesh's; a group of this rank
+        alone when the axis has size 1); None without torch.distributed."""
         axis = _axis(axis)
         if not self.distributed:
             return None
         if axis not in self._groups:  # an axis of size 1 built without a group
-            self._groups[axis] = _GroupRef(dist.new_group([self.global_rank], use_local_synchronization=True))
+            if "alone" not in self._groups:
+                data = self.group("data")
+                self._groups["alone"] = GroupRef(data if self.data_size == 1 else own_rank_group())
+            self._groups[axis] = self._groups["alone"]
         return self._groups[axis].get()
 
     def collective_group(self, axis: str):
@@ -204,19 +205,21 @@ class Topology:
         return None if group is dist.group.WORLD else group
 
     @property
-    def mesh(self) -> DeviceMesh | None:
-        """The topology as a torch ``DeviceMesh`` (dims pipe, data, model) over its existing
-        groups, for DTensor and FSDP2 code; built on each access (keep it only while needed:
-        it holds the groups); None without torch.distributed."""
-        if not self.distributed:
-            return None
-        dims = [self.size(axis) for axis in AXES]
-        return DeviceMesh.from_group([self.group(axis) for axis in AXES], _device_type(),
-                                     mesh=torch.tensor(self.members).view(*dims), mesh_dim_names=AXES)
+    def mesh(self):
+        """The topology as torch's ``DeviceMesh`` (dims ``MESH_AXES``: pipe, data, sequence,
+        model), holding its groups weakly: the mesh DTensor and FSDP2 code uses. One per topology,
+        kept: a grid's is built with it (it creates the groups), a group's on first use over its
+        groups. None without torch.distributed."""
+        if self._mesh is None and self.distributed:
+            ranks = torch.tensor(self.members).view(*(self.size(axis) for axis in MESH_AXES))
+            self._mesh = mesh_from_groups(_device_type(), [self.group(axis) for axis in MESH_AXES], ranks, MESH_AXES)
+        return self._mesh
 
     def axis_ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's ``axis`` group, in axis order."""
         axis = _axis(axis)
+        if axis not in AXES:  # an axis of size 1 outside DeepSpeed's grid
+            return [self.global_rank]
         where = {a: getattr(self.coord, a) for a in AXES if a != axis}
         return [self.members[p] for p in self.grid.filter_match(**where)]
 
@@ -253,8 +256,8 @@ class Topology:
     @property
     def distinct_group(self):
         """The ranks with this rank's data coordinate (every pipeline stage and model slice of one
-        replica): the group a gradient norm of replicated gradients sums over; None when it is
-        this rank alone."""
+        replica; the mesh's flattened ``distinct`` axis): the group a gradient norm of replicated
+        gradients sums over; None when it is this rank alone."""
         return self._distinct.get()
 
     @property
@@ -262,12 +265,33 @@ class Topology:
         """True when this topology spans every rank of the job."""
         return not self.distributed or len(self.members) == dist.get_world_size()
 
+    # -- groups beyond the axes -----------------------------------------------------------
+    def tied_group(self, ranks: list[int], key: str):
+        """A group over ``ranks``: the ranks of the pipeline stages holding one tied layer
+        (``TiedLayerSpec`` ``key``). A collective of the world: every rank creates every tied
+        group, in the same order, member or not."""
+        return new_group(ranks=list(ranks), op=f"new_group (tied layer {key!r})")
+
+    def agreement_group(self, ranks: list[int], within):
+        """The checkpoint agreement's gloo group over ``ranks``, the ranks of ``within`` (this
+        rank among them): host-side object exchanges, safe from a background thread while
+        training uses ``within``. Created on first use by those ranks only (an engine on part of
+        the job never waits for ranks outside it), then kept (weakly) by this topology."""
+        key = tuple(sorted(ranks))
+        ref = self._agreement.get(key)
+        group = ref() if ref is not None else None
+        if group is None:
+            group = new_group(list(key), backend="gloo", op="new_group (save_checkpoint)", within=within)
+            self._agreement[key] = weakref.ref(group)
+        return group
+
     # -- experts --------------------------------------------------------------------------
     def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
         """The groups for experts split ``ep_size`` ways over the data axis (DeepSpeed's
-        ``ep_size_N`` layout: expert groups are contiguous blocks of each stage's data ranks,
-        expert-data groups stride by ``ep_size``; ``data_before_expert`` swaps the two). Built on
-        first use: every rank of the world must ask for the same sizes in the same order."""
+        ``ep_size_N`` layout: the mesh's data axis split into ``expert_data`` x ``expert``, so
+        expert groups are contiguous blocks of each stage's data ranks and expert-data groups
+        stride by ``ep_size``; ``data_before_expert`` swaps the two). Built on first use: every
+        rank of the world must ask for the same sizes in the same order."""
         if ep_size in self._expert:
             return self._expert[ep_size]
         dp = self.data_size
@@ -278,24 +302,13 @@ class Topology:
         if not self.is_world:
             raise NotImplementedError("expert groups need a topology over the whole world, not "
                                       "initialize(data_parallel_group=...)")
-        mine_ep = mine_edp = None
-        for pipe in range(self.size("pipe")):
-            data = [self.members[p] for p in self.grid.filter_match(pipe=pipe, model=0)]
-            blocks = [data[i:i + ep_size] for i in range(0, dp, ep_size)]
-            strides = [data[i::ep_size] for i in range(ep_size)]
-            ep_lists, edp_lists = (strides, blocks) if data_before_expert else (blocks, strides)
-            for ranks in ep_lists:
-                group = dist.new_group(ranks)
-                if self.global_rank in ranks:
-                    mine_ep = (group, ranks)
-            for ranks in edp_lists:
-                group = dist.new_group(ranks)
-                if self.global_rank in ranks:
-                    mine_edp = (group, ranks)
-        (ep_group, ep_ranks), (edp_group, edp_ranks) = mine_ep, mine_edp
-        groups = ExpertGroups(f"ep_size_{ep_size}", _GroupRef(ep_group), _GroupRef(edp_group),
-                              ep_ranks.index(self.global_rank),
-                              len(ep_ranks), edp_ranks.index(self.global_rank), len(edp_ranks))
+        if data_before_expert:
+            mesh = split_axis(self.mesh, "data", (ep_size, dp // ep_size), ("expert", "expert_data"))
+        else:
+            mesh = split_axis(self.mesh, "data", (dp // ep_size, ep_size), ("expert_data", "expert"))
+        ep_group, edp_group = mesh.get_group("expert"), mesh.get_group("expert_data")
+        groups = ExpertGroups(f"ep_size_{ep_size}", GroupRef(ep_group), GroupRef(edp_group),
+                              ep_group.rank(), ep_group.size(), edp_group.rank(), edp_group.size(), mesh)
         self._expert[ep_size] = groups
         return groups
 
@@ -311,6 +324,8 @@ class Topology:
 
 
 def _axis(axis: str) -> str:
-    if axis not in AXES:
-        raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
+    axis = ALIASES.get(axis, axis)
+    if axis not in MESH_AXES:
+        raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(MESH_AXES)} ({', '.join(ALIASES)} "
+                         "is model)")
     return axis
