@@ -348,7 +348,7 @@ class PipelineEngine(ZeroTrainEngine):
         return result
 
     # -- checkpoints ---------------------------------------------------------------------
-    # save_checkpoint/load_checkpoint are the engine's (engine/checkpointing.py), which writes a
+    # save_checkpoint/load_checkpoint are the engine's (engine/checkpoints.py), which writes a
     # pipeline engine's checkpoint in DeepSpeed's layout (zerotrain/checkpoint/pipeline.py): every
     # rank of every stage calls them; a checkpoint loads with any number of stages or replicas.
     is_pipeline_engine = True
