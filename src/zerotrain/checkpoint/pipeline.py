@@ -29,6 +29,7 @@ import torch
 
 from zerotrain.checkpoint.format import (MODEL_FILE, PT_TENSORS, pipe_model_file, pipe_optim_file,
                                          pipe_state_file, shard_file, state_file)
+from zerotrain.checkpoint.stateful import COUNTERS, LR_SCHEDULER
 
 
 class FileNames:
@@ -124,9 +125,9 @@ def model_states(engine, tensors: dict, engine_state: dict, client_state: dict) 
     encoded for ``weights_only`` loading."""
     import zerotrain
 
-    counters = engine_state["counters"]
+    counters = engine_state[COUNTERS]
     out = {"module": None, "buffer_names": [k.removeprefix("buffer/") for k in tensors if k.startswith("buffer/")],
-           "optimizer": None, "lr_scheduler": engine_state.get("lr_scheduler"),
+           "optimizer": None, "lr_scheduler": engine_state.get(LR_SCHEDULER),
            "sparse_tensor_module_names": [], "skipped_steps": counters["skipped_steps"],
            "global_steps": counters["global_steps"], "global_samples": counters["global_samples"],
            "dp_world_size": engine.dp_world_size, "mp_world_size": engine.checkpoint_layout().stages,
