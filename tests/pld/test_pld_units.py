@@ -12,7 +12,7 @@ from tests.pld.models import Block, WIDTH
 from tests.pld.test_pld_engine import THETA
 from zerotrain.config import ConfigError, check_supported, load_config
 from zerotrain.pld import ProgressiveLayerDrop, SwitchableBlocks, keep_probabilities
-from zerotrain.pld.engine import restore_pld
+from zerotrain.pld.engine import PLDCheckpointState
 
 
 def test_progressive_layer_drop_matches_deepspeed():
@@ -32,21 +32,21 @@ def test_progressive_layer_drop_matches_deepspeed():
         ProgressiveLayerDrop(gamma=-0.1)
 
 
-class _Engine:
-    def __init__(self, steps):
-        self.global_steps = steps
-        self.progressive_layer_drop = ProgressiveLayerDrop(theta=0.5, gamma=0.1)
+def _component(steps):
+    schedule = ProgressiveLayerDrop(theta=0.5, gamma=0.1)
+    return schedule, PLDCheckpointState(schedule, lambda: steps)
 
 
 def test_restore_without_saved_theta_recomputes_it_from_the_step():
-    engine = _Engine(7)  # a checkpoint written without theta (DeepSpeed's never has it)
-    restore_pld(engine, None)
-    assert engine.progressive_layer_drop.get_theta() == THETA[6]
-    restore_pld(engine, {"current_theta": 0.75})
-    assert engine.progressive_layer_drop.get_theta() == 0.75
-    engine = _Engine(0)
-    restore_pld(engine, None)
-    assert engine.progressive_layer_drop.get_theta() == 1.0
+    schedule, state = _component(7)  # a checkpoint written without theta (DeepSpeed's never has it)
+    state.load_absent()
+    assert schedule.get_theta() == THETA[6]
+    state.load_state_dict({"current_theta": 0.75})
+    assert schedule.get_theta() == 0.75
+    assert state.state_dict() == {"current_theta": 0.75}
+    schedule, state = _component(0)
+    state.load_absent()
+    assert schedule.get_theta() == 1.0
 
 
 def test_config_section_defaults_and_errors():

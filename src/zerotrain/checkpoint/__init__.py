@@ -2,7 +2,7 @@
 
 - ``model16``: whole-model weights in the training dtype (``engine.save_16bit_model``);
 - ``format``: the checkpoint layout and a torch-only reader (copied into every checkpoint);
-- ``layout``/``save``/``load``/``training_state``: ``engine.save_checkpoint`` and
+- ``layout``/``save``/``load``/``training_state``/``stateful``: ``engine.save_checkpoint`` and
   ``engine.load_checkpoint`` (sharded, atomic, resharding by parameter name);
 - ``zero_to_fp32``: streaming consolidation (``zerotrain consolidate``) and DeepSpeed's
   ``get_fp32_state_dict_from_zero_checkpoint`` / ``load_state_dict_from_zero_checkpoint``.

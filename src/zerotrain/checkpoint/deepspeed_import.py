@@ -39,6 +39,7 @@ from zerotrain.checkpoint.deepspeed_params import assign_groups, module_layout, 
 from zerotrain.checkpoint.format import (FORMAT, FORMAT_VERSION, LATEST, METADATA, MODEL_FILE,
                                          CheckpointError, dtype_name, encode_metadata, file_digest, shard_file,
                                          state_file, write_safetensors)
+from zerotrain.checkpoint.stateful import COUNTERS, LOSS_SCALER, LR_SCHEDULER
 from zerotrain.checkpoint.training_state import plain as plain_state
 
 logger = logging.getLogger("zerotrain")
@@ -440,13 +441,14 @@ class _Converter:
         main = self.main
         gas = self.config.get("gradient_accumulation_steps")
         gas = gas if isinstance(gas, int) and gas > 0 else 1
-        engine = {"counters": {"global_steps": int(main.get("global_steps", 0)),
-                               "global_samples": int(main.get("global_samples", 0)),
-                               "skipped_steps": int(main.get("skipped_steps", 0)),
-                               "micro_steps": int(main.get("global_steps", 0)) * gas},
-                  "loss_scaler": self.scaler or {"cur_scale": 1.0}}
+        # the engine's components (zerotrain.checkpoint.stateful) DeepSpeed's files hold
+        engine = {COUNTERS: {"global_steps": int(main.get("global_steps", 0)),
+                             "global_samples": int(main.get("global_samples", 0)),
+                             "skipped_steps": int(main.get("skipped_steps", 0)),
+                             "micro_steps": int(main.get("global_steps", 0)) * gas},
+                  LOSS_SCALER: self.scaler or {"cur_scale": 1.0}}
         if main.get("lr_scheduler") is not None:
-            engine["lr_scheduler"] = self._plain(main["lr_scheduler"], "lr_scheduler")
+            engine[LR_SCHEDULER] = self._plain(main["lr_scheduler"], "lr_scheduler")
         for key in ("data_sampler", "random_ltd"):
             if main.get(key) is not None:
                 logger.warning("%s: DeepSpeed's %s state is not converted (zerotrain has no "

@@ -206,7 +206,7 @@ def describe(engine, tag: str, exclude_frozen: bool, experts=None) -> dict:
         "units": units_meta, "whole": whole, "buffers": buffers, "aliases": aliases, "keys": keys,
         "frozen": frozen, "excluded_frozen": sorted(excluded_set),
         "param_groups": len(optimizer.param_groups) if optimizer is not None else 0,
-        "config": getattr(engine.config, "raw", None),
+        "config": engine.config.raw,
     }
 
 

@@ -46,7 +46,7 @@ class ModuleMatch:
         self.missing = [n for n in model_names if n not in saved and n not in excluded]
         # A pipeline stage holds some layers, an expert-parallel rank some experts: the others'
         # names are expected elsewhere.
-        stage_elsewhere = getattr(engine, "checkpoint_name_elsewhere", lambda name: False)
+        stage_elsewhere = engine.checkpoint_layout().elsewhere
         self.unexpected = sorted(n for n in saved - set(model_names)
                                  if not stage_elsewhere(n) and not (experts and experts.elsewhere(n)))
         global_shape = experts.checkpoint_shape if experts else (lambda name, shape: list(shape))
@@ -175,9 +175,8 @@ def _realign_accumulation(engine, saved: int | None) -> None:
 
 def _stage_of(engine) -> tuple[int, int]:
     """``(pipeline stage, stages)`` of ``engine``; ``(0, 1)`` for an engine without a pipeline."""
-    if getattr(engine, "is_pipeline_engine", False):
-        return engine.stage_id, engine.num_stages
-    return 0, 1
+    layout = engine.checkpoint_layout()
+    return (layout.stage, layout.stages) if layout.pipeline else (0, 1)
 
 
 def _rank_state(reader: CheckpointReader, rank: int, stage: int = 0) -> dict | None:

@@ -29,12 +29,17 @@ import torch
 
 from zerotrain.checkpoint.format import (MODEL_FILE, PT_TENSORS, pipe_model_file, pipe_optim_file,
                                          pipe_state_file, shard_file, state_file)
+from zerotrain.checkpoint.stateful import COUNTERS, LR_SCHEDULER
 
 
 class FileNames:
-    """Where a data-parallel engine's rank writes (zerotrain's own layout)."""
+    """Where a data-parallel engine's rank writes (zerotrain's own layout). An engine declares its
+    layout (``engine.checkpoint_layout()``): this one, or a pipeline stage's
+    (:class:`PipelineFileNames`); the checkpoint code asks it, never the engine's type."""
 
+    pipeline = False
     stage: int | None = None
+    stages = 1
 
     def shard(self, rank: int) -> str:
         return shard_file(rank)
@@ -49,12 +54,21 @@ class FileNames:
     def unit_key(self, i: int) -> str:
         return f"u{i}"
 
+    def elsewhere(self, name: str) -> bool:
+        """Whether a saved parameter or buffer ``name`` belongs to another rank's part of the
+        model (a load expects it there rather than calling it unexpected)."""
+        return False
+
 
 class PipelineFileNames(FileNames):
-    """DeepSpeed's names for stage ``stage`` (``bf16_`` optimizer files in bf16, as DeepSpeed)."""
+    """DeepSpeed's names for stage ``stage`` of ``stages`` (``bf16_`` optimizer files in bf16, as
+    DeepSpeed); ``elsewhere(name)``: whether a saved name is a layer another stage holds."""
 
-    def __init__(self, stage: int, bf16: bool):
-        self.stage, self.bf16 = stage, bf16
+    pipeline = True
+
+    def __init__(self, stage: int, stages: int, bf16: bool, elsewhere=None):
+        self.stage, self.stages, self.bf16 = stage, stages, bf16
+        self._elsewhere = elsewhere
 
     def shard(self, rank: int) -> str:
         return pipe_optim_file(rank, self.stage, self.bf16)
@@ -69,15 +83,16 @@ class PipelineFileNames(FileNames):
     def unit_key(self, i: int) -> str:
         return f"s{self.stage}u{i}"
 
+    def elsewhere(self, name: str) -> bool:
+        return self._elsewhere is not None and self._elsewhere(name)
+
 
 def is_pipeline(engine) -> bool:
-    return bool(getattr(engine, "is_pipeline_engine", False))
+    return engine.checkpoint_layout().pipeline
 
 
 def file_names(engine) -> FileNames:
-    if not is_pipeline(engine):
-        return FileNames()
-    return PipelineFileNames(engine.stage_id, engine.precision.param_dtype == torch.bfloat16)
+    return engine.checkpoint_layout()
 
 
 class _LayerCollector:
@@ -104,19 +119,19 @@ def layer_files(engine, exclude_frozen: bool) -> dict[str, dict]:
 
 
 def model_states(engine, tensors: dict, engine_state: dict, client_state: dict) -> dict:
-    """Stage ``engine.stage_id``'s ``mp_rank_XX_model_states.pt``: DeepSpeed's keys with
+    """This stage's ``mp_rank_XX_model_states.pt``: DeepSpeed's keys with
     ``module`` None (the weights are in the layer files), then the client state's keys, as
     DeepSpeed merges them; the stage's whole tensors under ``PT_TENSORS``. Values are already
     encoded for ``weights_only`` loading."""
     import zerotrain
 
-    counters = engine_state["counters"]
+    counters = engine_state[COUNTERS]
     out = {"module": None, "buffer_names": [k.removeprefix("buffer/") for k in tensors if k.startswith("buffer/")],
-           "optimizer": None, "lr_scheduler": engine_state.get("lr_scheduler"),
+           "optimizer": None, "lr_scheduler": engine_state.get(LR_SCHEDULER),
            "sparse_tensor_module_names": [], "skipped_steps": counters["skipped_steps"],
            "global_steps": counters["global_steps"], "global_samples": counters["global_samples"],
-           "dp_world_size": engine.dp_world_size, "mp_world_size": engine.num_stages,
-           "ds_config": getattr(engine.config, "raw", None), "ds_version": zerotrain.__version__}
+           "dp_world_size": engine.dp_world_size, "mp_world_size": engine.checkpoint_layout().stages,
+           "ds_config": engine.config.raw, "ds_version": zerotrain.__version__}
     for key, value in client_state.items():
         out.setdefault(key, value)
     out[PT_TENSORS] = {k: _own_storage(v) for k, v in tensors.items()}

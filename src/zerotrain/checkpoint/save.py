@@ -215,7 +215,7 @@ class PendingSave:
         self.global_rank = engine.global_rank
         self.pipeline = is_pipeline(engine)
         self.committer = committer(engine)
-        self.who = _who(self.rank, self.global_rank, engine.stage_id if self.pipeline else None)
+        self.who = _who(self.rank, self.global_rank, engine.checkpoint_layout().stage)
         self.partial = self.save_dir / partial_name(tag)
         self.files: dict | None = None
         self.error: str | None = None

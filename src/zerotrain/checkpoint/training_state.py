@@ -1,5 +1,6 @@
-"""The small per-rank state a checkpoint carries besides tensors: engine counters, random
-number generators, the dataloader position, the LR scheduler and the loss scaler.
+"""The small per-rank state a checkpoint carries besides tensors: the engine's checkpointed
+components (counters, loss scaler, LR scheduler, dataloader position, PLD: each a ``Stateful``
+the engine declares, ``zerotrain.checkpoint.stateful``) and the random number generators.
 
 Everything here is stored with ``torch.save`` and read back with ``torch.load(...,
 weights_only=True)``: containers, numbers, strings and tensors, with numpy values, enums,
@@ -18,11 +19,9 @@ import torch
 from zerotrain.accelerator import get_accelerator
 from zerotrain.checkpoint.format import CheckpointError
 from zerotrain.checkpoint.state_codec import StateDecodeError, decode, encode
-from zerotrain.pld.engine import restore_pld
+from zerotrain.checkpoint.stateful import LR_SCHEDULER, DerivedWhenAbsent, check_components
 
 logger = logging.getLogger("zerotrain")
-
-COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 def capture_rng() -> dict:
@@ -58,29 +57,26 @@ def _python_state(state):
 
 
 def capture_engine(engine) -> dict:
-    """Counters, scheduler, loss scaler and dataloader position (deep copies)."""
-    out = {"counters": {name: getattr(engine, name) for name in COUNTERS},
-           "loss_scaler": dict(engine.loss_scaler.state_dict())}
-    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
-        out["lr_scheduler"] = _plain(engine.lr_scheduler.state_dict(), "lr_scheduler")
-    loader = getattr(engine, "training_dataloader", None)
-    if loader is not None and hasattr(loader, "state_dict") and getattr(loader, "sampler", None) is not None:
-        out["dataloader"] = loader.state_dict()
-    if getattr(engine, "progressive_layer_drop", None) is not None:  # zerotrain.pld (DeepSpeed loses theta)
-        out["pld"] = engine.progressive_layer_drop.state_dict()
-    return out
+    """Each of the engine's checkpointed components' state (``engine.checkpoint_components()``,
+    ``zerotrain.checkpoint.stateful``) under its key, encoded for ``weights_only`` loading."""
+    components = engine.checkpoint_components()
+    check_components(components)
+    return {name: _plain(component.state_dict(), name) for name, component in components.items()}
 
 
 def restore_engine(engine, state: dict, load_lr_scheduler: bool) -> None:
-    for name, value in state["counters"].items():
-        setattr(engine, name, int(value))
-    engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    if load_lr_scheduler and engine.lr_scheduler is not None and "lr_scheduler" in state:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    loader = getattr(engine, "training_dataloader", None)
-    if loader is not None and "dataloader" in state and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(state["dataloader"])
-    restore_pld(engine, state.get("pld"))
+    """Hand each declared component its saved state (in the format's order: counters first); a
+    component without saved state keeps its own, or derives it (``DerivedWhenAbsent``). With
+    ``load_lr_scheduler`` False the scheduler keeps its own state."""
+    components = engine.checkpoint_components()
+    check_components(components)
+    for name, component in components.items():
+        if name == LR_SCHEDULER and not load_lr_scheduler:
+            continue
+        if name in state:
+            component.load_state_dict(state[name])
+        elif isinstance(component, DerivedWhenAbsent):
+            component.load_absent()
 
 
 def _plain(value, where: str):

@@ -19,7 +19,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.checkpoint import full_state_dict, save_16bit_model
 from zerotrain.comm.distributed import get_local_rank
 from zerotrain.engine.accessors import EngineAccessors
-from zerotrain.engine.checkpointing import EngineCheckpointing
+from zerotrain.engine.checkpoints import EngineCheckpointing
 from zerotrain.engine.flops import EngineFlops
 from zerotrain.engine.optimizer_surface import OptimizerSurface
 from zerotrain.engine.plain_backward import PlainBackward

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from zerotrain.checkpoint.pipeline import PipelineFileNames
 from zerotrain.comm import collectives
 from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
@@ -57,6 +58,10 @@ def check_pipeline_config(config) -> None:
         raise NotImplementedError("flops_profiler.enabled=true with a PipelineModule is not supported (the "
                                   "profiler hooks engine.forward, which train_batch does not call); profile "
                                   "the stages' layers with zerotrain.profiling.flops_profiler.get_model_profile")
+    if config.progressive_layer_drop.enabled:
+        raise ValueError("progressive_layer_drop is not supported with a PipelineModule (the pipeline "
+                         "engine calls the stages itself, with no pld_theta); set "
+                         "progressive_layer_drop.enabled to false")
     if config.torch_autocast.enabled:
         raise NotImplementedError("torch_autocast.enabled with a PipelineModule is not supported yet (stage "
                                   "forwards are not autocast); use bf16 or fp16, or a non-pipeline model")
@@ -348,10 +353,13 @@ class PipelineEngine(ZeroTrainEngine):
         return result
 
     # -- checkpoints ---------------------------------------------------------------------
-    # save_checkpoint/load_checkpoint are the engine's (engine/checkpointing.py), which writes a
+    # save_checkpoint/load_checkpoint are the engine's (engine/checkpoints.py), which writes a
     # pipeline engine's checkpoint in DeepSpeed's layout (zerotrain/checkpoint/pipeline.py): every
     # rank of every stage calls them; a checkpoint loads with any number of stages or replicas.
-    is_pipeline_engine = True
+    def checkpoint_layout(self) -> PipelineFileNames:
+        """This stage's files in DeepSpeed's pipeline layout (``zerotrain.checkpoint.pipeline``)."""
+        return PipelineFileNames(self.stage_id, self.num_stages, self.precision.param_dtype == torch.bfloat16,
+                                 elsewhere=self.checkpoint_name_elsewhere)
 
     def checkpoint_name_elsewhere(self, name: str) -> bool:
         """Whether a saved parameter or buffer ``name`` belongs to a layer another stage holds

@@ -147,8 +147,7 @@ class MonitorMaster:
         lrs = engine.get_lr()
         if lrs:
             events.append(("Train/Samples/lr", float(lrs[0]), step))
-        fp16 = getattr(engine.config, "fp16", None)
-        if fp16 is not None and fp16.enabled and hasattr(engine, "loss_scale"):
+        if engine.config.fp16.enabled:
             events.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
         if engine._timers.enabled:
             for name in _TIMER_EVENTS:

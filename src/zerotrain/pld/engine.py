@@ -4,13 +4,16 @@ DeepSpeed's behaviour, kept exactly: the forward gets ``progressive_layer_drop=T
 pld_theta=theta`` only while the module is in training mode; at an accumulation boundary,
 ``update_state(global_steps)`` runs before the step increments ``global_steps``, so step s's
 forward sees theta(s - 1) and ``get_pld_theta()`` after step s is theta(s). zerotrain also saves
-theta in checkpoints (``zerotrain.checkpoint.training_state``) and binds ``SwitchableBlocks``.
+theta in checkpoints (:class:`PLDCheckpointState`, a component the engine declares) and binds
+``SwitchableBlocks``. A pipeline engine refuses the section (it calls its stages itself, with no
+``pld_theta``).
 """
 
 from __future__ import annotations
 
 import weakref
 
+from zerotrain.checkpoint.stateful import DerivedWhenAbsent
 from zerotrain.pld.blocks import SwitchableBlocks
 from zerotrain.pld.schedule import ProgressiveLayerDrop, theta_at
 
@@ -25,10 +28,6 @@ class EnginePLD:
     def _init_pld(self) -> None:
         """Build the schedule from the config and bind the module's ``SwitchableBlocks``."""
         if self.pld_enabled():
-            if getattr(self, "is_pipeline_engine", False):
-                raise ValueError("progressive_layer_drop is not supported with a PipelineModule (the pipeline "
-                                 "engine calls the stages itself, with no pld_theta); set "
-                                 "progressive_layer_drop.enabled to false")
             self.progressive_layer_drop = ProgressiveLayerDrop(theta=self.pld_theta(), gamma=self.pld_gamma())
         engine = weakref.ref(self)  # the module must not keep the engine alive
         self._pld_stacks = [m for m in self.module.modules() if isinstance(m, SwitchableBlocks)]
@@ -73,15 +72,20 @@ class EnginePLD:
         return self._config.progressive_layer_drop.gamma
 
 
-def restore_pld(engine, state) -> None:
-    """After a checkpoint's counters are restored: theta as saved, else (a checkpoint without it,
-    as DeepSpeed writes) the value the uninterrupted run would hold after ``global_steps`` steps."""
-    pld = getattr(engine, "progressive_layer_drop", None)
-    if pld is None:
-        return
-    if state is not None:
-        pld.load_state_dict(state)
-    elif engine.global_steps > 0:
-        pld.current_theta = theta_at(engine.global_steps - 1, pld.theta, pld.gamma)
-    else:
-        pld.current_theta = 1.0
+class PLDCheckpointState(DerivedWhenAbsent):
+    """The schedule's theta as a checkpointed component of the engine (``Stateful``): as saved,
+    else (a checkpoint without it, as DeepSpeed writes) the value the uninterrupted run would hold
+    after ``global_steps()`` steps (restored before it: the counters come first)."""
+
+    def __init__(self, schedule: ProgressiveLayerDrop, global_steps):
+        self.schedule, self.global_steps = schedule, global_steps
+
+    def state_dict(self) -> dict:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.schedule.load_state_dict(state_dict)
+
+    def load_absent(self) -> None:
+        steps, pld = self.global_steps(), self.schedule
+        pld.current_theta = theta_at(steps - 1, pld.theta, pld.gamma) if steps > 0 else 1.0

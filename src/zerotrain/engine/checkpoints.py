@@ -13,7 +13,10 @@ import torch.distributed as dist
 from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, resolve_tag
 from zerotrain.checkpoint.layout import data_rank
 from zerotrain.checkpoint.load import load_into
+from zerotrain.checkpoint.pipeline import FileNames
 from zerotrain.checkpoint.save import PendingSave, RankSnapshot, capture, check_tag, prepare
+from zerotrain.checkpoint.stateful import Stateful
+from zerotrain.engine.components import engine_components
 
 
 class EngineCheckpointing:
@@ -22,6 +25,18 @@ class EngineCheckpointing:
     _checkpoint_thread: threading.Thread | None = None
     _checkpoint_pending: PendingSave | None = None
     _checkpoint_error: BaseException | None = None
+
+    def checkpoint_components(self) -> dict[str, Stateful]:
+        """The engine's checkpointed components, ``{checkpoint key: Stateful}`` (counters, loss
+        scaler, LR scheduler, dataloader position, PLD: ``engine/components.py``). A save stores
+        each one's ``state_dict()``, a load hands each its saved state."""
+        return engine_components(self)
+
+    def checkpoint_layout(self) -> FileNames:
+        """Where this rank's checkpoint files go (``zerotrain.checkpoint.pipeline``): zerotrain's
+        data-parallel layout; a pipeline engine declares DeepSpeed's per-stage one."""
+        return FileNames()
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: bool = False) -> bool:
         """Save the full training state under ``save_dir/<tag>`` (every rank of the engine's
@@ -40,7 +55,7 @@ class EngineCheckpointing:
         self.wait_for_checkpoint()
         # A pipeline engine names each stage's files by its stage (DeepSpeed's layout); model
         # (tensor-parallel) ranks would still write the same file names.
-        pipeline = getattr(self, "is_pipeline_engine", False)
+        pipeline = self.checkpoint_layout().pipeline
         if self.topology.size("model") > 1 or (self.topology.distinct_size > 1 and not pipeline):
             raise NotImplementedError(f"save_checkpoint on a {self.topology.describe()} topology is not supported "
                                       "yet; save each model rank's engine.module_state_dict() yourself")
@@ -135,7 +150,7 @@ class EngineCheckpointing:
         group's ranks alone (torch's ``use_local_synchronization``): an engine on part of the
         job never waits for ranks outside its group."""
         topology = self.topology
-        if getattr(self, "is_pipeline_engine", False):  # every stage's files go into one folder
+        if self.checkpoint_layout().pipeline:  # every stage's files go into one folder
             if not dist.is_initialized() or topology.world_size == 1:
                 return None
             if not topology.is_world:
