@@ -14,7 +14,7 @@ from zerotrain.config.auto import resolve_unfilled_auto
 from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
-from zerotrain.engine.model_hooks import before_engine  # issue 15 parts 5-6
+from zerotrain.engine.model_hooks import before_engine
 from zerotrain.log import log_rank0
 from zerotrain.experts.autoep import apply_autoep, autoep_size
 from zerotrain.optim import build_lr_scheduler, build_optimizer
@@ -74,7 +74,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if ep_size is not None:
         model_parameters = apply_autoep(model, ep_size, topology, model_parameters, optimizer)
     experts = _expert_groups(model, cfg, topology, pipeline)
-    before_engine(model, cfg)  # issue 15: activation_checkpointing section, QLoRA at stage 3
+    before_engine(model, cfg)  # the activation_checkpointing section; QLoRA refused at stage 3
     if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
         comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
 

@@ -24,11 +24,7 @@ class EnginePLD:
 
     def _init_pld(self) -> None:
         """Build the schedule from the config and bind the module's ``SwitchableBlocks``."""
-        if self.pld_enabled():
-            if getattr(self, "is_pipeline_engine", False):
-                raise ValueError("progressive_layer_drop is not supported with a PipelineModule (the pipeline "
-                                 "engine calls the stages itself, with no pld_theta); set "
-                                 "progressive_layer_drop.enabled to false")
+        if self.pld_enabled():  # the pipeline engine refuses the section before this (check_pipeline_config)
             self.progressive_layer_drop = ProgressiveLayerDrop(theta=self.pld_theta(), gamma=self.pld_gamma())
         engine = weakref.ref(self)  # the module must not keep the engine alive
         self._pld_stacks = [m for m in self.module.modules() if isinstance(m, SwitchableBlocks)]
@@ -49,7 +45,7 @@ class EnginePLD:
         return self.progressive_layer_drop.get_state() if training else {}
 
     def _pld_at_boundary(self) -> None:
-        """Before ``_take_model_step`` increments ``global_steps`` (DeepSpeed's order)."""
+        """Before the step core's ``model_step`` increments ``global_steps`` (DeepSpeed's order)."""
         if self.progressive_layer_drop is not None:
             self.progressive_layer_drop.update_state(self.global_steps)
 
