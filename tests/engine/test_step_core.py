@@ -75,9 +75,8 @@ def _data_parallel_states() -> dict:
     except RuntimeError as error:
         errors.append(str(error))
     try:
-        with engine.no_sync():
-            with engine.no_sync():
-                pass
+        with engine.no_sync(), engine.no_sync():
+            pass
     except RuntimeError as error:
         errors.append(str(error))
     out["errors"], out["after_errors"] = errors, engine.training_state
@@ -161,8 +160,8 @@ def test_overflow_is_a_skipped_step(engines):
 def test_misuse_keeps_its_messages(engines):
     got = engines["data_parallel"]
     assert got["errors"] == [
-        "engine.step() was called inside engine.no_sync(): gradients there are not reduced across ranks; "
-        "leave the no_sync() block before stepping",
+        ("engine.step() was called inside engine.no_sync(): gradients there are not reduced across ranks; "
+         "leave the no_sync() block before stepping"),
         "engine.no_sync() is not re-entrant"]
     assert got["after_errors"] is TrainingState.IDLE
     assert got["counters_shared"]
@@ -199,14 +198,12 @@ def test_core_rules_without_an_engine():
     assert core.backward_factor() == 2.0 and core.backward_factor(loss_scaled=True) == 0.25
     assert core.backward_factor(scale_wrt_gas=False) == 8.0
     # a phase ends with its block, also when the block raises; phases are the passes only
-    with pytest.raises(KeyError):
-        with core.phase(TrainingState.FORWARD):
-            assert core.state is TrainingState.FORWARD
-            raise KeyError
+    with pytest.raises(KeyError), core.phase(TrainingState.FORWARD):
+        assert core.state is TrainingState.FORWARD
+        raise KeyError
     assert core.state is TrainingState.IDLE
-    with pytest.raises(ValueError, match="phase"):
-        with core.phase(TrainingState.NO_SYNC):
-            pass
+    with pytest.raises(ValueError, match="phase"), core.phase(TrainingState.NO_SYNC):
+        pass
     core.begin_phase(TrainingState.BACKWARD)
     with core.no_sync():
         assert core.state is TrainingState.BACKWARD and core.in_no_sync

@@ -334,7 +334,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.module.eval()
         try:
             inputs, labels = self._pull(n, data_iter if self._reads_data() else None)
-            with torch.no_grad():
+            with torch.no_grad(), self._core.phase(TrainingState.FORWARD):
                 losses, outputs = self._runner.run(inputs, labels, n, train=False,
                                                    compute_loss=compute_loss)
         finally:

@@ -72,7 +72,7 @@ class StepSettings:
     accumulation_steps: int
 
     @classmethod
-    def from_config(cls, config) -> "StepSettings":
+    def from_config(cls, config) -> StepSettings:
         return cls(gradient_clipping=config.gradient_clipping or 0.0, steps_per_print=config.steps_per_print,
                    train_batch_size=config.train_batch_size,
                    micro_batch_size=config.train_micro_batch_size_per_gpu,
