@@ -49,20 +49,26 @@ class EngineAccessors:
         if train_batch_size <= 0 or train_batch_size % per_window:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
                              f"train_micro_batch_size_per_gpu x data-parallel ranks = {per_window}")
-        self._config.train_batch_size = train_batch_size
-        self._config.gradient_accumulation_steps = train_batch_size // per_window
-        if "_tput_timer" in self.__dict__:
-            self.tput_timer.batch_size = train_batch_size
+        self._resize_batch(train_batch_size, self._config.train_micro_batch_size_per_gpu,
+                           train_batch_size // per_window)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro-batch size, keeping the accumulation steps (global batch follows).
         A dataloader built by ``initialize`` keeps its batch size, as in DeepSpeed."""
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be positive")
+        accumulation = self._config.gradient_accumulation_steps
+        self._resize_batch(micro_batch_size * accumulation * self.dp_world_size, micro_batch_size, accumulation)
+
+    def _resize_batch(self, train_batch_size: int, micro_batch_size: int, accumulation_steps: int) -> None:
+        """The new batch shape in the config (as DeepSpeed's setters leave it), the step core
+        (which counts samples and windows by it) and the throughput timer."""
+        self._config.train_batch_size = train_batch_size
         self._config.train_micro_batch_size_per_gpu = micro_batch_size
-        self._config.train_batch_size = micro_batch_size * self._config.gradient_accumulation_steps * self.dp_world_size
+        self._config.gradient_accumulation_steps = accumulation_steps
+        self._core.resize(train_batch_size, micro_batch_size, accumulation_steps)
         if "_tput_timer" in self.__dict__:
-            self.tput_timer.batch_size = self._config.train_batch_size
+            self.tput_timer.batch_size = train_batch_size
 
     def steps_per_print(self):
         return self._config.steps_per_print

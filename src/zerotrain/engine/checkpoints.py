@@ -139,8 +139,7 @@ class EngineCheckpointing:
         finally:
             reader.close()
         self._zero.zero_grad()
-        self._window_losses = []
-        self._last_log = (time.perf_counter(), self.global_samples)
+        self._core.restart_log_window()
         return str(folder), client_state
 
     def _checkpoint_group(self):

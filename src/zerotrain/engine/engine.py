@@ -1,16 +1,16 @@
 """The training engine returned by ``zerotrain.initialize``.
 
-It wraps the user's module, optimizer and LR scheduler, and keeps the step bookkeeping
-(micro-steps, accumulation boundaries, global steps and samples). What each ZeRO stage holds and
-how it reduces gradients lives in the stage object (``self._zero``, a
-``zerotrain.zero.interface.StageInterface``); the engine only drives it, through that interface.
+It wraps the user's module, optimizer and LR scheduler. The step bookkeeping (micro-steps,
+accumulation boundaries, global steps and samples, the training state, clipping, overflow skips,
+the LR scheduler, the step log) is the step core's (``self._core``, engine/step_core.py), which
+the pipeline engine holds too. What each ZeRO stage holds and how it reduces gradients lives in
+the stage object (``self._zero``, a ``zerotrain.zero.interface.StageInterface``); the engine only
+drives it, through that interface.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 
 import torch
 from torch import nn
@@ -24,13 +24,11 @@ from zerotrain.engine.flops import EngineFlops
 from zerotrain.engine.optimizer_surface import OptimizerSurface
 from zerotrain.engine.plain_backward import PlainBackward
 from zerotrain.engine.state_offload import EngineStateOffload
+from zerotrain.engine.step_core import StepCore, StepOutcome, StepSettings, TrainingState
 from zerotrain.experts.stats import MoEStats
-from zerotrain.engine.timers import (BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, STEP,
-                                     StepTimers)
-from zerotrain.log import log_rank0
+from zerotrain.engine.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, StepTimers
 from zerotrain.monitor import MonitorMaster
 from zerotrain.monitor.memory import register_engine, unregister_engine
-from zerotrain.offload import describe_stats
 from zerotrain.pld.engine import EnginePLD
 from zerotrain.precision import PrecisionPolicy, autocast, build_loss_scaler
 from zerotrain.topology import Topology
@@ -60,10 +58,6 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self.data_parallel_group = self.topology.collective_group("data")
         self.dp_world_size = self.topology.data_size
         self.device = self.accelerator.device(self.local_rank)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
         self.precision = PrecisionPolicy.from_config(config, self.device)
         _check_device_supports(self.precision, self.device)
         if self.precision.autocast_dtype is not None:
@@ -80,18 +74,17 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self.monitor = MonitorMaster(config, topology=self.topology)
         register_engine(self)  # weakly, for zerotrain.memory_status()
         self._moe_stats = MoEStats.attach(module, self.data_parallel_group)  # None without MoE layers
-        self._boundary_override: bool | None = None
-        self._in_no_sync = False
-        self._step_applied = False
-        self._global_grad_norm: float | None = None
-        self._window_losses: list[torch.Tensor] = []
-        self._last_log = (time.perf_counter(), 0)
         self._init_pld()  # progressive layer dropping (zerotrain.pld)
         self._init_flops_profiler()  # the flops_profiler section (zerotrain.engine.flops)
         # loss.backward() on the forward's outputs (engine/plain_backward.py)
         self._plain_backward = PlainBackward(self)
         # offload_states, step, overflow on the optimizer, as on DeepSpeed's (engine/optimizer_surface.py)
         self._optimizer_surface = OptimizerSurface(self, optimizer)
+        # counters, boundary, training state, the model step and its log (engine/step_core.py)
+        self._core = StepCore(self, StepSettings.from_config(config), zero=self._zero,
+                              loss_scaler=self.loss_scaler, check_overflow=self.precision.check_overflow,
+                              optimizer_surface=self._optimizer_surface, timers=self._timers,
+                              monitor=self.monitor, topology=self.topology, moe_stats=self._moe_stats)
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -103,6 +96,27 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
                 return getattr(module, name)
             raise
 
+    # -- the step core's counters and state, under DeepSpeed's names ---------------------
+    # Attributes (checkpoints and frameworks assign them); the values live in the core.
+    global_steps = property(lambda self: self._core.global_steps,
+                            lambda self, v: setattr(self._core, "global_steps", v))
+    global_samples = property(lambda self: self._core.global_samples,
+                              lambda self, v: setattr(self._core, "global_samples", v))
+    micro_steps = property(lambda self: self._core.micro_steps,
+                           lambda self, v: setattr(self._core, "micro_steps", v))
+    skipped_steps = property(lambda self: self._core.skipped_steps,
+                             lambda self, v: setattr(self._core, "skipped_steps", v))
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the engine is in its loop (``zerotrain.engine.step_core.TrainingState``)."""
+        return self._core.state
+
+    @property
+    def step_outcome(self) -> StepOutcome:
+        """What the last ``step()`` did (``zerotrain.engine.step_core.StepOutcome``)."""
+        return self._core.outcome
+
     # -- configuration accessors --------------------------------------------------------
     @property
     def config(self):
@@ -110,13 +124,13 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         return self._config
 
     def train_batch_size(self) -> int:
-        return self._config.train_batch_size
+        return self._core.settings.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
+        return self._core.settings.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
+        return self._core.settings.accumulation_steps
 
     def zero_optimization_stage(self) -> int:
         return self._zero.stage
@@ -129,7 +143,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         return self._zero
 
     def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
+        return self._config.gradient_clipping  # as configured (the core reads None as 0.0)
 
     # -- training loop ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -141,7 +155,8 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         profiling = self._flops_forward_begin()
         self._timers.start(FORWARD)
         try:
-            with autocast.forward_context(self.precision.autocast_dtype, self.device):
+            with self._core.phase(TrainingState.FORWARD), \
+                    autocast.forward_context(self.precision.autocast_dtype, self.device):
                 # Outputs whose backward the engine notices when it did not start it.
                 return self._plain_backward.wrap_outputs(self.module(*inputs, **kwargs))
         finally:
@@ -151,13 +166,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step ends an accumulation window."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._core.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary decision (for loops that end a window early)."""
-        self._boundary_override = bool(is_boundary)
+        self._core.boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
                  release_loss: bool = False) -> torch.Tensor:
@@ -167,37 +180,31 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         self._require_states("engine.backward()")
-        factor = self._backward_factor(scale_wrt_gas=scale_wrt_gas)
+        core = self._core
+        factor = core.backward_factor(scale_wrt_gas=scale_wrt_gas)
         scaled = loss if factor == 1.0 else loss.float() * factor
         self._plain_backward.begin_explicit()
         try:
-            self._timers.start(BACKWARD)
-            self._zero.begin_backward(self.is_gradient_accumulation_boundary(), self._in_no_sync)
-            self._timers.start(BACKWARD_INNER)
-            try:
-                scaled.backward(retain_graph=retain_graph)
-            except BaseException:
-                self._zero.abort_backward()
-                raise
-            self._timers.stop(BACKWARD_INNER)
-            self._timers.start(BACKWARD_REDUCE)
-            self._zero.end_backward()
-            self._timers.stop(BACKWARD_REDUCE)
-            self._timers.stop(BACKWARD)
+            with core.phase(TrainingState.BACKWARD):
+                self._timers.start(BACKWARD)
+                self._zero.begin_backward(core.is_boundary(), core.in_no_sync)
+                self._timers.start(BACKWARD_INNER)
+                try:
+                    scaled.backward(retain_graph=retain_graph)
+                except BaseException:
+                    self._zero.abort_backward()
+                    raise
+                self._timers.stop(BACKWARD_INNER)
+                self._timers.start(BACKWARD_REDUCE)
+                self._zero.end_backward()
+                self._timers.stop(BACKWARD_REDUCE)
+                self._timers.stop(BACKWARD)
         finally:
             self._plain_backward.end_explicit()
-        self._window_losses.append(loss.detach())
+        core.record_loss(loss)
         # release_loss: hand back a loss that keeps no graph (DeepSpeed accepts the flag and
         # does nothing with it; with retain_graph=True this lets the caller drop the graph).
         return loss.detach() if release_loss else loss
-
-    def _backward_factor(self, scale_wrt_gas: bool = True, loss_scaled: bool = False) -> float:
-        """What a backward multiplies the loss by: the loss scale (undone at the step; not when
-        ``engine.scale`` applied it already) over the accumulation steps."""
-        factor = 1.0 if loss_scaled else self.loss_scaler.loss_scale
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            factor /= self.gradient_accumulation_steps()
-        return factor
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (fp32/bf16: ``loss`` itself), for a manual
@@ -206,62 +213,22 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         where a bare ``loss.backward()`` raises."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.scale(loss) needs a scalar loss tensor")
-        self._window_losses.append(loss.detach())
+        self._core.record_loss(loss)
         return self._plain_backward.scale(loss)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Update the weights at an accumulation boundary; otherwise only count the micro-step."""
-        if self._in_no_sync:
-            raise RuntimeError(
-                "engine.step() was called inside engine.no_sync(): gradients there are not "
-                "reduced across ranks; leave the no_sync() block before stepping")
-        self._step_applied = False
+        core = self._core
+        core.check_can_step()
+        core.outcome = StepOutcome.ACCUMULATED
         self._plain_backward.settle()
         self._require_states("engine.step()")
-        if self.is_gradient_accumulation_boundary():
-            self._timers.start(STEP)
+        if core.is_boundary():
             self._pld_at_boundary()  # theta(global_steps), before the step counts
-            self._take_model_step(lr_kwargs)
-            self._timers.stop(STEP)
+            core.model_step(lr_kwargs)
             self._flops_step_done()  # prints the profile at the end of the profiled step
-            self._log_step()
-        self.micro_steps += 1
-
-    def _take_model_step(self, lr_kwargs: dict | None) -> None:
-        clip = self._config.gradient_clipping
-        scale = self.loss_scaler.loss_scale
-        norm = None
-        if (clip and clip > 0) or self.precision.check_overflow:
-            norm = float(self._zero.grad_norm()) / scale
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        if self.precision.check_overflow and not math.isfinite(norm):
-            self._skip_step(scale)
-            return
-        self._global_grad_norm = norm if clip and clip > 0 else None
-        grad_scale = 1.0 / scale  # unscale once, together with clipping
-        if clip and clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                grad_scale *= coef
-        with self._optimizer_surface.engine_step():
-            self._zero.step(self.optimizer, grad_scale)
-        self._zero.zero_grad()
-        self.loss_scaler.update(overflow=False)
-        self._optimizer_surface.set_overflow(False)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
-        self._step_applied = True
-
-    def _skip_step(self, scale: float) -> None:
-        """Gradients overflowed on some rank: drop them, keep weights, optimizer and LR."""
-        self._zero.zero_grad()
-        self.loss_scaler.update(overflow=True)
-        self._optimizer_surface.set_overflow(True)
-        self.skipped_steps += 1
-        self._global_grad_norm = None
-        log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
-                  self.global_steps, scale, self.loss_scaler.loss_scale, topology=self.topology)
+            core.log_step()
+        core.count_micro_steps()
 
     @property
     def loss_scale(self) -> float:
@@ -279,23 +246,18 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
 
         Works at every ZeRO stage: the next backward outside the block reduces everything
         accumulated so far. ``step()`` inside the block is an error."""
-        if self._in_no_sync:
-            raise RuntimeError("engine.no_sync() is not re-entrant")
-        self._in_no_sync = True
-        try:
+        with self._core.no_sync():
             yield
-        finally:
-            self._in_no_sync = False
 
     # -- state accessors ----------------------------------------------------------------
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` call updated the weights."""
-        return self._step_applied
+        return self._core.outcome is StepOutcome.APPLIED
 
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm of the whole model at the last update, over every rank holding a part
         of it (data shards, pipeline stages, model slices); None unless clipping is on."""
-        return self._global_grad_norm
+        return self._core.global_grad_norm
 
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
@@ -401,33 +363,6 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
             self._moe_stats.close()
         reset_current_topology(self.topology)  # DeepSpeed's global getters no longer answer from it
         unregister_engine(self)  # memory reports no longer count it
-
-    # -- logging ------------------------------------------------------------------------
-    def _log_step(self) -> None:
-        every = self._config.steps_per_print
-        losses, self._window_losses = self._window_losses, []
-        if self.monitor.enabled:
-            self.monitor.write_step(self, losses)
-        if self._moe_stats is not None:  # per-layer expert counts, drop rate and l_aux
-            self._moe_stats.step_done(self, bool(every) and self.global_steps % every == 0)
-        if not every or self.global_steps % every:
-            return
-        now = time.perf_counter()
-        then, samples = self._last_log
-        self._last_log = (now, self.global_samples)
-        rate = (self.global_samples - samples) / max(now - then, 1e-9)
-        loss = float(torch.stack(losses).mean()) if losses else float("nan")
-        lr = ", ".join(f"{v:.6g}" for v in self.get_lr())
-        flops = self._flops_log_suffix((self.global_samples - samples) // self.train_batch_size(), now - then)
-        log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
-                  self.global_steps, self.skipped_steps, lr, loss, rate, flops, topology=self.topology)
-        offload = describe_stats(self._zero.offload_stats())
-        if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
-            log_rank0(offload, topology=self.topology)
-        if self._timers.enabled:
-            times = self._timers.pop()
-            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()),
-                      topology=self.topology)
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -16,7 +16,7 @@ class EngineFlops:
     """Mixed into ``ZeroTrainEngine``; needs its config, module, topology, timers and step counts."""
 
     def _init_flops_profiler(self) -> None:
-        section = self._config.flops_profiler
+        section = self._flops_section = self._config.flops_profiler  # read once
         self.flops_profiler = None
         self._flops_per_step: float | None = None  # this rank's forward+backward FLOPs of one step
         self._flops_clean_from = 0  # first window start (a step count) without the profiled step
@@ -29,7 +29,7 @@ class EngineFlops:
     def _flops_forward_begin(self) -> bool:
         """Start (or go on) counting when this forward belongs to the profiled step."""
         profiler = self.flops_profiler
-        if (profiler is None or self.global_steps != self._config.flops_profiler.profile_step
+        if (profiler is None or self.global_steps != self._flops_section.profile_step
                 or not self.topology.is_first("data")):
             return False
         if profiler.started:
@@ -49,7 +49,7 @@ class EngineFlops:
         profiler = self.flops_profiler
         if profiler is None or not profiler.started:
             return
-        section = self._config.flops_profiler
+        section = self._flops_section
         times = None
         if self._timers.enabled:
             times = {k: v - self._flops_times_before.get(k, 0.0) for k, v in self._timers.step_ms.items()}

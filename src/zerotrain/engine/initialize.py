@@ -67,7 +67,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     else:
         topology = build_topology(data_parallel_group, mpu)
     set_current(topology)  # what DeepSpeed's global getters (zerotrain.utils.groups) answer from
-    group, dp_world, dp_rank = topology.data_group, topology.data_size, topology.data_rank
+    dp_world, dp_rank = topology.data_size, topology.data_rank
     config, args = _resolve_unfilled_auto(config, args, model, topology)
     cfg = load_config(config, args=args, world_size=dp_world)
     check_supported(cfg)
@@ -75,7 +75,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if ep_size is not None:
         model_parameters = apply_autoep(model, ep_size, topology, model_parameters, optimizer)
     experts = _expert_groups(model, cfg, topology, pipeline)
-    before_engine(model, cfg)  # activation_checkpointing section, QLoRA at stage 3
+    before_engine(model, cfg)  # the activation_checkpointing section; QLoRA refused at stage 3
     if cfg.comms_logger.enabled or "comms_logger" in cfg.model_fields_set:
         comms_logging.configure(cfg)  # before the broadcast below, so it is logged too
 

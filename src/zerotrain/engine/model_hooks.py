@@ -1,4 +1,4 @@
-"""What ``initialize`` applies from outside the engine before building it.
+"""What ``initialize`` applies to the model and the process before building the engine.
 
 - the config's ``activation_checkpointing`` section configures ``zerotrain.checkpointing``
   (unless the script called ``configure`` itself; docs/activation_checkpointing.md);

@@ -16,8 +16,9 @@ The engine is held weakly: the optimizer keeps no engine alive through these.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
+
+from zerotrain.engine.step_core import TrainingState
 
 DELEGATED = ("offload_states", "reload_states")
 
@@ -27,7 +28,6 @@ class OptimizerSurface:
 
     def __init__(self, engine, optimizer):
         self._optimizer = optimizer
-        self._stepping = False  # the engine's own optimizer.step() is running
         self._step_before = None  # an instance-level step found there (an LR scheduler's wrapper)
         if optimizer is None:
             return
@@ -42,7 +42,7 @@ class OptimizerSurface:
 
         def step(closure=None):
             current = engine_ref()
-            if current is None or self._stepping:
+            if current is None or current.training_state is TrainingState.STEPPING:
                 return own_step() if closure is None else own_step(closure)
             if closure is not None:
                 raise ValueError("optimizer.step(closure) on an engine's optimizer: the engine computes the "
@@ -52,15 +52,6 @@ class OptimizerSurface:
 
         vars(optimizer)["step"] = step
         self.set_overflow(False)
-
-    @contextlib.contextmanager
-    def engine_step(self):
-        """The engine's own optimizer step runs inside this: ``optimizer.step()`` is the optimizer's."""
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping = False
 
     def set_overflow(self, overflow: bool) -> None:
         if self._optimizer is not None:

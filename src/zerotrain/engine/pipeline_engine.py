@@ -15,9 +15,9 @@ One ``train_batch()`` is one optimizer step over ``gradient_accumulation_steps``
 3. tied gradients are summed over their tied groups (``allreduce_tied_weight_gradients``);
 4. one boundary pass reduces every gradient bucket over the data group (ZeRO 0/1: all-reduce or
    reduce-scatter, ZeRO 2: reduce-scatter into the shards);
-5. the engine's usual step: the gradient norm and the overflow decision over every stage
-   (the stage object's ``norm_group``), clipping, the optimizer, the LR scheduler, counters and
-   monitors;
+5. the step core's model step (engine/step_core.py, the one ``ZeroTrainEngine.step`` runs): the
+   gradient norm and the overflow decision over every stage (the stage object's ``norm_group``),
+   clipping, the optimizer, the LR scheduler, counters and monitors;
 6. the mean loss over the micro-batches, averaged over the data group, broadcast to every stage.
 """
 
@@ -32,7 +32,7 @@ from zerotrain.checkpoint.pipeline import PipelineFileNames
 from zerotrain.comm import collectives
 from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
-from zerotrain.engine.timers import STEP
+from zerotrain.engine.step_core import TrainingState
 from zerotrain.log import log_rank0
 from zerotrain.pipeline.schedule import StageRunner
 from zerotrain.pipeline.specs import PipelineError, TiedLayerSpec
@@ -69,7 +69,12 @@ def check_pipeline_config(config) -> None:
 
 class PipelineEngine(ZeroTrainEngine):
     """The engine ``zerotrain.initialize`` returns for a ``PipelineModule``: train with
-    ``train_batch()``, evaluate with ``eval_batch()``; ``forward``/``backward``/``step`` raise."""
+    ``train_batch()``, evaluate with ``eval_batch()``; ``forward``/``backward``/``step`` raise.
+
+    A subclass of ``ZeroTrainEngine`` (``deepspeed.DeepSpeedEngine``), as DeepSpeed's
+    ``PipelineEngine`` is of ``DeepSpeedEngine``: ``isinstance(engine, DeepSpeedEngine)`` holds and
+    every engine method DeepSpeed's pipeline engine answers is here. The training loop is not
+    inherited: ``train_batch`` drives the same step core (``self._core``) ``engine.step()`` does."""
 
     def __init__(self, module, config, optimizer=None, lr_scheduler=None, training_dataloader=None,
                  topology=None):
@@ -79,8 +84,8 @@ class PipelineEngine(ZeroTrainEngine):
         self.grid = module.mpu()
         self.stage_id = self.topology.rank("pipe")
         self.num_stages = self.topology.size("pipe")
-        self.micro_batches = config.gradient_accumulation_steps
-        self.micro_batch_size = config.train_micro_batch_size_per_gpu
+        self.micro_batches = self._core.accumulation_steps
+        self.micro_batch_size = self._core.settings.micro_batch_size
         pipe = config.pipeline
         virtual = _virtual_stages(module, pipe)
         _apply_checkpoint_settings(module, pipe)
@@ -103,7 +108,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.total_loss = None
         self.agg_train_loss = None
         self.dp_group_loss = None
-        # Where time went, idle included ("pipeline": {"timeline": true}): per-stage events of the last batch.
+        # Where each stage waits ("pipeline": {"timeline": true}): per-stage events of the last batch.
         self._clock = None
         self._last_timeline: list = []
         self._last_bubble: dict | None = None
@@ -185,38 +190,38 @@ class PipelineEngine(ZeroTrainEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         started = time.perf_counter()
+        core = self._core
         self.module.train()
         m = self.micro_batches
         inputs, labels = self._pull(m, self.data_iterator)
-        factor = self.loss_scaler.loss_scale / m
-        self._zero.begin_backward(False, True)  # accumulate locally for the whole schedule
-        try:
-            self._begin_timeline()
-            losses, _ = self._runner.run(inputs, labels, m, train=True, factor=factor)
-            self._finish_timeline()
-        except BaseException:
-            if self._clock is not None:
-                self._clock.active = False
-            self._zero.abort_backward()
-            raise
-        self._zero.end_backward()
-        if self._runner.assigns_grads:  # zero-bubble weight steps wrote .grad past the hooks
-            self._fold_assigned_grads(self.module.parameters())
-        # Summed where the stage accumulates them (not .grad with fp32 accumulation of 16-bit weights).
-        self.module.allreduce_tied_weight_gradients(self._zero.accumulated_grad)
-        self._reduce_gradients()
-        self.micro_steps += m
-        self._timers.start(STEP)
-        self._take_model_step(None)
-        self._timers.stop(STEP)
+        factor = self.loss_scaler.loss_scale / m  # each micro-batch's loss, scaled once
+        with core.phase(TrainingState.BACKWARD):  # the schedule runs forwards and backwards
+            self._zero.begin_backward(False, True)  # accumulate locally for the whole schedule
+            try:
+                self._begin_timeline()
+                losses, _ = self._runner.run(inputs, labels, m, train=True, factor=factor)
+                self._finish_timeline()
+            except BaseException:
+                if self._clock is not None:
+                    self._clock.active = False
+                self._zero.abort_backward()
+                raise
+            self._zero.end_backward()
+            if self._runner.assigns_grads:  # zero-bubble weight steps wrote .grad past the hooks
+                self._fold_assigned_grads(self.module.parameters())
+            # Summed where the stage accumulates them (not .grad with fp32 accumulation of 16-bit weights).
+            self.module.allreduce_tied_weight_gradients(self._zero.accumulated_grad)
+            self._reduce_gradients()
+        core.count_micro_steps(m)
+        core.model_step(None)
         loss = self._aggregate_loss(losses)
         self.total_loss = self.agg_train_loss = loss
-        self._window_losses.append(loss)
-        self._log_step()
+        core.record_loss(loss)
+        core.log_step()
         self._log_pipeline_step(time.perf_counter() - started)
         return loss
 
-    # -- where time went, idle included ------------------------------------------------------------
+    # -- the timeline: where each stage waits -------------------------------------------------
     def _begin_timeline(self) -> None:
         """Every stage starts its clock at one moment: right after a barrier over the pipe group."""
         if self._clock is None:
@@ -275,7 +280,7 @@ class PipelineEngine(ZeroTrainEngine):
         window = self._print_window
         window[0] += elapsed
         window[1] += 1
-        every = self._config.steps_per_print
+        every = self._core.settings.steps_per_print
         if not every or self.global_steps % every:
             return
         iter_time = window[0] / max(window[1], 1)
@@ -330,7 +335,7 @@ class PipelineEngine(ZeroTrainEngine):
         self.module.eval()
         try:
             inputs, labels = self._pull(n, data_iter if self._reads_data() else None)
-            with torch.no_grad():
+            with torch.no_grad(), self._core.phase(TrainingState.FORWARD):
                 losses, outputs = self._runner.run(inputs, labels, n, train=False,
                                                    compute_loss=compute_loss)
         finally:

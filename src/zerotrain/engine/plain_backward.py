@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from zerotrain.engine.step_core import TrainingState
 from zerotrain.engine.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE
 
 # Engines inside ``engine.backward()`` right now (weakly: the set keeps no engine alive).
@@ -111,9 +112,11 @@ class PlainBackward:
         prescaled = self.prescaled_task == task
         if scaler.dynamic and not prescaled:
             raise RuntimeError(DYNAMIC_SCALE_MESSAGE)
-        self.factor = engine._backward_factor(loss_scaled=prescaled)
+        core = engine._core
+        self.factor = core.backward_factor(loss_scaled=prescaled)
         engine._timers.start(BACKWARD)
-        engine._zero.begin_backward(engine.is_gradient_accumulation_boundary(), engine._in_no_sync)
+        engine._zero.begin_backward(core.is_boundary(), core.in_no_sync)
+        core.begin_phase(TrainingState.BACKWARD)  # ended by _end, or by settle() if the pass raised
         engine._timers.start(BACKWARD_INNER)
         self.task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
@@ -124,7 +127,10 @@ class PlainBackward:
         self.task, self.prescaled_task = None, None
         engine._timers.stop(BACKWARD_INNER)
         engine._timers.start(BACKWARD_REDUCE)
-        engine._zero.end_backward()
+        try:
+            engine._zero.end_backward()
+        finally:
+            engine._core.end_phase(TrainingState.BACKWARD)
         engine._timers.stop(BACKWARD_REDUCE)
         engine._timers.stop(BACKWARD)
 
@@ -134,6 +140,7 @@ class PlainBackward:
             self.task, self.prescaled_task = None, None
             engine = self._engine()
             engine._zero.abort_backward()
+            engine._core.end_phase(TrainingState.BACKWARD)
             engine._timers.stop(BACKWARD_INNER)
             engine._timers.stop(BACKWARD)
 

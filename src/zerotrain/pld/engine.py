@@ -27,7 +27,7 @@ class EnginePLD:
 
     def _init_pld(self) -> None:
         """Build the schedule from the config and bind the module's ``SwitchableBlocks``."""
-        if self.pld_enabled():
+        if self.pld_enabled():  # the pipeline engine refuses the section before this (check_pipeline_config)
             self.progressive_layer_drop = ProgressiveLayerDrop(theta=self.pld_theta(), gamma=self.pld_gamma())
         engine = weakref.ref(self)  # the module must not keep the engine alive
         self._pld_stacks = [m for m in self.module.modules() if isinstance(m, SwitchableBlocks)]
@@ -48,7 +48,7 @@ class EnginePLD:
         return self.progressive_layer_drop.get_state() if training else {}
 
     def _pld_at_boundary(self) -> None:
-        """Before ``_take_model_step`` increments ``global_steps`` (DeepSpeed's order)."""
+        """Before the step core's ``model_step`` increments ``global_steps`` (DeepSpeed's order)."""
         if self.progressive_layer_drop is not None:
             self.progressive_layer_drop.update_state(self.global_steps)
 
