@@ -9,7 +9,7 @@ SRC = ROOT / "src" / "zerotrain"
 
 
 def module_name(path: Path) -> str:
-    """``src/zerotrain/zero/core.py`` -> ``zerotrain.zero.core`` (a package is its ``__init__``)."""
+    """``src/zerotrain/zero/zero_stage.py`` -> ``zerotrain.zero.zero_stage`` (a package is its ``__init__``)."""
     parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

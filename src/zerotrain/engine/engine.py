@@ -310,7 +310,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors actually held
         (``offloaded_states``: host buffers of ``offload_states()``, while there are any)."""
-        out = self._zero.memory_breakdown(self.module, self.optimizer)
+        out = dict(self._zero.statistics(self.module, self.optimizer).memory)
         offloaded = self._offloaded_nbytes()
         if offloaded:
             out["offloaded_states"] = offloaded
@@ -421,7 +421,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         flops = self._flops_log_suffix((self.global_samples - samples) // self.train_batch_size(), now - then)
         log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
                   self.global_steps, self.skipped_steps, lr, loss, rate, flops, topology=self.topology)
-        offload = describe_stats(self._zero.offload_stats())
+        offload = describe_stats(self._zero.statistics(self.module, self.optimizer).offload)
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
             log_rank0(offload, topology=self.topology)
         if self._timers.enabled:
