@@ -1,7 +1,7 @@
 """The stage object's declared interface (``zerotrain.zero.interface.StageInterface``).
 
 ``build_zero_stage`` returns one of two types: ``ReplicatedGradients`` (fp32 stage 0, engines
-without an optimizer below stage 3) and the core ``ZeroStage`` (16-bit stage 0, stages 1-3).
+without an optimizer below stage 3) and ``ZeroStage`` (16-bit stage 0, stages 1-3).
 Both implement the interface; the engine, checkpoints, monitors and the runtime helpers call
 its members only, never probing the stage object with ``getattr``/``hasattr`` or reading other
 attributes of it. Checked here: both classes subclass it and implement every abstract member
