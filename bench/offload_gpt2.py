@@ -121,7 +121,7 @@ def worker(model_key: str, steps: int, nvme: str, in_memory: bool, max_in_cpu: f
         seconds = time.perf_counter() - t0
         record = {"step": step + 1, "s": seconds, "loss": float(loss), "rss": _status_kib("VmRSS") * 1024}
         if not in_memory:
-            stats = engine._zero.offload_stats()
+            stats = engine._zero.statistics(engine.module, engine.optimizer).offload
             parts = [stats, stats["params"], stats["grads"]]
             record.update(read=sum(p["bytes_read"] for p in parts),
                           written=sum(p["bytes_written"] for p in parts),

@@ -11,7 +11,7 @@ SRC = ROOT / "src" / "zerotrain"
 
 
 def module_name(path: Path) -> str:
-    """``src/zerotrain/zero/core.py`` -> ``zerotrain.zero.core`` (a package is its ``__init__``).
+    """``src/zerotrain/zero/zero_stage.py`` -> ``zerotrain.zero.zero_stage`` (a package is its ``__init__``).
 
     A file under ``deepspeed_paths/`` gets the name it is imported by, DeepSpeed's path:
     ``src/zerotrain/deepspeed_paths/runtime/utils.py`` -> ``zerotrain.runtime.utils``."""

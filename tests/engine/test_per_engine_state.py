@@ -173,7 +173,7 @@ def _nvme_engines(nvme_path: str) -> dict:
 
     def step(engine, key):
         _trained(engine, 1, _CountingLibc())
-        busy[key].append(engine.zero_stage_object.offload_stats()["io_busy_s"])
+        busy[key].append(engine.zero_stage_object.statistics(engine.module, engine.optimizer).offload["io_busy_s"])
 
     for _ in range(2):
         step(engine_f, "f")

@@ -127,7 +127,7 @@ _RSS_CHILD = textwrap.dedent("""
         loss = engine(torch.randn(2, width, dtype=torch.bfloat16)).float().square().mean()
         engine.backward(loss)
         engine.step()
-    stats = engine._zero.offload_stats()
+    stats = engine._zero.statistics(engine.module, engine.optimizer).offload
     disk = stats["swap_file_bytes"] + stats["params"]["swap_file_bytes"]
     print("RESULT", params, peak_rss_bytes() - base, disk, stats["bytes_read"], stats["bytes_written"],
           stats["params"]["bytes_read"], stats["grads"]["bytes_written"])

@@ -67,7 +67,7 @@ def _trajectories(cases, nvme_path, checkpoints):
                 record["param_folder"] = engine._zero.param_offload.folder
                 record["param_files"] = len(os.listdir(record["param_folder"]))
             record["files"] = sorted(os.listdir(offload.folder))
-            record["stats"] = engine._zero.offload_stats()
+            record["stats"] = engine._zero.statistics(engine.module, engine.optimizer).offload
             record["chunks"] = len(offload.swapper.chunks)
             named = engine._zero.named_optimizer_state(opt)
             record["named"] = {k: [(s, {kk: vv.clone() if torch.is_tensor(vv) else vv

@@ -60,7 +60,7 @@ def _run(stage: int, optimizer: str, precision: str, offload: str | None, swap_d
     for batch in _batches():
         losses.append(float(engine.train_batch(iter(batch))))
         history.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-    stats = engine.zero_stage_object.offload_stats()  # NVMe's swap I/O (empty otherwise)
+    stats = engine.zero_stage_object.statistics(engine.module, engine.optimizer).offload  # NVMe's swap I/O (empty otherwise)
     engine.destroy()
     return {"history": history, "losses": losses, "swapped": stats.get("swap_file_bytes", 0)}
 

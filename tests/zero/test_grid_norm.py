@@ -290,7 +290,7 @@ def _expert_stage_on_ranks():
     import torch.distributed as dist
 
     import zerotrain
-    from zerotrain.zero.core import StageOptions, ZeroStage
+    from zerotrain.zero.build import StageOptions, build_sharded_stage
     from zerotrain.zero.reduce_groups import UnitReduction
     from zerotrain.zero.strategy import STRATEGIES
 
@@ -305,8 +305,8 @@ def _expert_stage_on_ranks():
         expert_reduction = UnitReduction.over(pairs[rank // 2], divide_factor=4)
         expert_params = {id(p) for p in model["expert"].parameters()}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        zero = ZeroStage(STRATEGIES[stage], model, optimizer, StageOptions(unit_numel=10 ** 6),
-                         reduce_group_of=lambda p: expert_reduction if id(p) in expert_params else None)
+        zero = build_sharded_stage(STRATEGIES[stage], model, optimizer, StageOptions(unit_numel=10 ** 6),
+                                   reduce_group_of=lambda p: expert_reduction if id(p) in expert_params else None)
         assert len(zero.trained) == 2  # the two kinds never share a unit
         rows = slice((rank % 2) * MICRO, (rank % 2 + 1) * MICRO)
         norms = []
@@ -332,7 +332,8 @@ def _expert_stage_on_ranks():
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     spec = UnitReduction.over(pairs[rank // 2])
     # Units sharing one reduce_group_of answer still take their own divide factor.
-    zero = ZeroStage(STRATEGIES[1], model, optimizer, StageOptions(unit_numel=1), reduce_group_of=lambda p: spec)
+    zero = build_sharded_stage(STRATEGIES[1], model, optimizer, StageOptions(unit_numel=1),
+                               reduce_group_of=lambda p: spec)
     zero.set_gradient_divide_factor(1.0, units=zero.trained[:1])
     out["factors"] = [zero.reduction_of(u).divide_factor for u in zero.trained]
     zero.close()

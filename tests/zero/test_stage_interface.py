@@ -1,7 +1,7 @@
 """The stage object's declared interface (``zerotrain.zero.interface.StageInterface``).
 
 ``build_zero_stage`` returns one of two types: ``ReplicatedGradients`` (fp32 stage 0, engines
-without an optimizer below stage 3) and the core ``ZeroStage`` (16-bit stage 0, stages 1-3).
+without an optimizer below stage 3) and ``ZeroStage`` (16-bit stage 0, stages 1-3).
 Both implement the interface; the engine, checkpoints, monitors and the runtime helpers call
 its members only, never probing the stage object with ``getattr``/``hasattr`` or reading other
 attributes of it. Checked here: both classes subclass it and implement every abstract member
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from zerotrain.testing import run_on_ranks
-from zerotrain.zero.core import ZeroStage
-from zerotrain.zero.interface import ShardedState, StageInterface
+from zerotrain.zero.interface import GatherStatistics, ShardedState, StageInterface, StageStatistics
+from zerotrain.zero.partition import shard_alignment
+from zerotrain.zero.zero_stage import ZeroStage
 from zerotrain.zero.stage0 import ReplicatedGradients
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
@@ -78,7 +79,7 @@ def test_no_probe_and_no_other_member_of_the_stage_object_in_src():
     ("def f(engine):\n    return getattr(engine._zero, 'coordinator', None)\n", "getattr"),
     ("def f(self):\n    return hasattr(self._zero, 'units')\n", "hasattr"),
     ("def f(engine):\n    return engine.zero_stage_object.units\n", "member"),
-    ("def f(engine):\n    return getattr(engine.zero_stage_object, 'offload_stats', dict)()\n",
+    ("def f(engine):\n    return getattr(engine.zero_stage_object, 'statistics', dict)()\n",
      "getattr"),
 ])
 def test_the_static_check_finds_probes(code, kind):
@@ -102,7 +103,7 @@ def test_both_implementations_implement_every_abstract_member():
     abstract = StageInterface.__abstractmethods__
     assert {"stage", "begin_backward", "end_backward", "abort_backward", "grad_norm", "step",
             "zero_grad", "load_module_state", "parameter_coordinator", "sharded_state",
-            "memory_breakdown", "offload_stats", "close", "set_gradient_divide_factor",
+            "statistics", "close", "set_gradient_divide_factor",
             "state_tensors", "empty_partition_cache",
             "accumulated_grad"} == set(abstract)
     assert interface_members() == set(abstract)
@@ -121,9 +122,9 @@ def test_both_implementations_implement_every_abstract_member():
         StageInterface()
 
     class Incomplete(ReplicatedGradients):  # one member left abstract again
-        offload_stats = StageInterface.offload_stats
+        statistics = StageInterface.statistics
 
-    with pytest.raises(TypeError, match="offload_stats"):
+    with pytest.raises(TypeError, match="statistics"):
         Incomplete([], 100)
 
 
@@ -140,6 +141,33 @@ CASES = {  # name: (config additions, expected type, stage)
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _padded(numel: int, dtype: torch.dtype, world: int) -> int:
+    """A flat unit's elements: ``numel`` padded so each of ``world`` shards is aligned."""
+    multiple = shard_alignment(dtype) * world
+    return -(-numel // multiple) * multiple
+
+
+# Bytes each case's statistics report, from the model's parameter counts (6*8+8 and 8*3+3; one
+# unit below stage 3, one per Linear at stage 3; 2 ranks; SGD without momentum keeps no state).
+MODULE_NUMELS = (6 * 8 + 8, 8 * 3 + 3)
+NUMEL = sum(MODULE_NUMELS)
+_BF16, _F32 = torch.bfloat16, torch.float32
+EXPECTED_MEMORY = {
+    "fp32 stage 0": {"parameters": NUMEL * 4, "gradients": NUMEL * 4, "optimizer_state": 0},
+    "bf16 stage 0": {"parameters": _padded(NUMEL, _BF16, 1) * 2, "gradients": _padded(NUMEL, _BF16, 1) * 2,
+                     "master_parameters": _padded(NUMEL, _BF16, 1) * 4, "optimizer_state": 0},
+    "stage 1": {"parameters": _padded(NUMEL, _F32, 2) * 4, "gradients": _padded(NUMEL, _F32, 2) * 4,
+                "master_parameters": 0, "optimizer_state": 0},
+    # the whole 16-bit unit; this rank's fp32 master and 16-bit gradient shard
+    "bf16 stage 2": {"parameters": _padded(NUMEL, _BF16, 2) * 2, "gradients": _padded(NUMEL, _BF16, 2) // 2 * 2,
+                     "master_parameters": _padded(NUMEL, _BF16, 2) // 2 * 4, "optimizer_state": 0},
+    # this rank's shards of both units, and their gradient shards
+    "stage 3": {"parameters": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
+                "gradients": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
+                "master_parameters": 0, "optimizer_state": 0},
+}
 
 
 def _conformance() -> dict:
@@ -169,8 +197,7 @@ def _conformance() -> dict:
             "state": isinstance(state, ShardedState), "units": len(state.units),
             "unit_names": sorted(n for u in state.units for n in u.names),
             "shard_rank": state.shard_rank, "swapper": state.optimizer_swapper,
-            "offload_stats": stage.offload_stats(),
-            "memory": sorted(stage.memory_breakdown(engine.module, engine.optimizer)),
+            "statistics": stage.statistics(engine.module, engine.optimizer),
             "norm": norm, "weights": {k: v.float() for k, v in weights.items()},
         }
         engine.destroy()
@@ -185,9 +212,19 @@ def test_every_stage_object_conforms_and_the_engine_uses_it():
             got = out[name]
             assert got["type"] == expected_type and got["instance"], name
             assert got["stage"] == got["engine_stage"] == stage, name
-            assert got["state"] and got["swapper"] is None and got["offload_stats"] == {}, name
+            stats = got["statistics"]
+            assert isinstance(stats, StageStatistics), name
+            assert got["state"] and got["swapper"] is None and stats.offload == {}, name
             assert got["coordinator"] == (stage == 3), name
-            assert {"parameters", "gradients", "optimizer_state"} <= set(got["memory"]), name
+            assert {"parameters", "gradients", "optimizer_state"} <= set(stats.memory), name
+            assert {k: stats.memory.get(k) for k in EXPECTED_MEMORY[name]} == EXPECTED_MEMORY[name], name
+            if stage == 3:  # one module's unit gathered at a time; none after the step's use
+                largest = _padded(max(MODULE_NUMELS), torch.float32, 2) * 4
+                assert stats.gathers == GatherStatistics(**{
+                    **vars(stats.gathers), "gathered_bytes": 0, "peak_gathered_bytes": largest}), name
+                assert stats.memory["peak_gathered_parameters"] == largest, name
+            else:
+                assert stats.gathers is None, name
             if expected_type == "ReplicatedGradients":
                 assert got["units"] == 0 and got["shard_rank"] == 0, name
             else:  # every trained parameter is in a unit; sharded from stage 1

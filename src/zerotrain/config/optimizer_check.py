@@ -31,7 +31,7 @@ ELEMENTWISE_OPTIMIZERS = (
     "zerotrain.ops.adam.FusedAdam", "zerotrain.ops.adam.DeepSpeedCPUAdam",
 )
 
-#: Optimizers whose whole-parameter step the ZeRO core provides for (zero/muon_shards.py).
+#: Optimizers whose whole-parameter step ZeRO's ``ZeroStage`` provides for (zero/muon_shards.py).
 SHARD_AWARE_OPTIMIZERS = ("zerotrain.optim.muon.MuonWithAuxAdam",)
 
 #: Optimizers known to depend on whole parameters (shape, norm, or a closure over the model):

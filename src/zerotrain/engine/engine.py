@@ -272,7 +272,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors actually held
         (``offloaded_states``: host buffers of ``offload_states()``, while there are any)."""
-        out = self._zero.memory_breakdown(self.module, self.optimizer)
+        out = dict(self._zero.statistics(self.module, self.optimizer).memory)
         offloaded = self._offloaded_nbytes()
         if offloaded:
             out["offloaded_states"] = offloaded

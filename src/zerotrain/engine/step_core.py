@@ -266,7 +266,7 @@ class StepCore:
         flops = engine._flops_log_suffix((self.global_samples - samples) // self.train_batch_size, now - then)
         log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
                   self.global_steps, self.skipped_steps, lr, loss, rate, flops, topology=self._topology)
-        offload = describe_stats(self._zero.offload_stats())
+        offload = describe_stats(self._zero.statistics(engine.module, engine.optimizer).offload)
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
             log_rank0(offload, topology=self._topology)
         if self._timers.enabled:

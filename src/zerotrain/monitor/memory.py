@@ -114,7 +114,7 @@ def _offload_line(engine) -> str:
     """NVMe offload's last-step I/O and swap footprint (empty without it)."""
     from zerotrain.offload import describe_stats
 
-    return describe_stats(engine.zero_stage_object.offload_stats())
+    return describe_stats(engine.zero_stage_object.statistics(engine.module, engine.optimizer).offload)
 
 
 def see_memory_usage(message: str, force: bool = False, engine=None) -> None:

@@ -1,7 +1,7 @@
 """Offload of optimizer state (stages 1-3) and parameters (stage 3) to host memory or NVMe.
 
 ``build_placement(config)`` turns ``zero_optimization.offload_optimizer`` / ``offload_param``
-and the ``aio`` section into the ``Placement`` the ZeRO core builds its units with (see
+and the ``aio`` section into the ``Placement`` ``ZeroStage``'s units are built with (see
 docs/offload.md):
 
 - ``offload_optimizer.device: "cpu"``: fp32 masters, and so the optimizer state the optimizer
@@ -38,7 +38,7 @@ HOST = torch.device("cpu")
 
 
 def describe_stats(stats: dict) -> str:
-    """One line of ``ZeroStage.offload_stats()`` (optimizer, parameter and gradient swap files
+    """One line of a stage's ``statistics().offload`` (optimizer, parameter and gradient swap files
     together) for the step log and ``memory_status``; empty without NVMe offload."""
     if not stats:
         return ""

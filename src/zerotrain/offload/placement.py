@@ -18,7 +18,7 @@ from zerotrain.accelerator import get_accelerator
 class Placement:
     """Where a unit's fp32 master (and so its optimizer state, which the optimizer allocates like
     its parameters) lives, and where stage-3 shards live. Built from the offload settings by
-    ``zerotrain.offload.build_placement``; the ZeRO core builds its units with it. The default
+    ``zerotrain.offload.build_placement``; ``zerotrain.zero.build`` builds the units with it. The default
     keeps everything on the training device."""
 
     master_device: torch.device | None = None  # None: beside the unit's shard

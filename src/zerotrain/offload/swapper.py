@@ -83,8 +83,6 @@ class OptimizerSwapper:
         self.chunks: list[Chunk] = []
         self.slots = [Slot(pin) for _ in range(buffer_count)]
         self.stats = {"bytes_read": 0, "bytes_written": 0, "io_wait_s": 0.0, "step_s": 0.0}
-        self.param_swapper = None  # NVMe parameter offload: shards read ahead of their update
-        self.grad_swapper = None  # ... and the gradient shards
         self._grad32 = None  # the chunk's gradient cast to the master's dtype
 
     def add_unit(self, unit, master: torch.Tensor | None) -> None:
@@ -134,9 +132,12 @@ class OptimizerSwapper:
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, optimizer, shard_grads, grad_scale: float, edited=None) -> None:
+    def step(self, optimizer, shard_grads, grad_scale: float, edited=None, param_swapper=None,
+             grad_swapper=None) -> None:
         """One optimizer step over every chunk. ``edited``: the units whose 16-bit weights were
-        written outside the step since the last one (adopted into the master); None: all."""
+        written outside the step since the last one (adopted into the master); None: all.
+        ``param_swapper`` / ``grad_swapper`` (NVMe parameter offload): the shards and gradient
+        shards live in swap files too, read ahead of each unit's update."""
         started = time.perf_counter()
         clock = [0.0]
         read0, written0 = self.io.bytes_read, self.io.bytes_written
@@ -169,10 +170,10 @@ class OptimizerSwapper:
         try:
             for i, chunk in enumerate(self.chunks):
                 if chunk.start == 0:  # a new unit: read shards and gradients ahead
-                    if self.grad_swapper is not None:
-                        self.grad_swapper.read_ahead(self.units[chunk.unit_index:])
-                    if self.param_swapper is not None:  # only shards the step reads
-                        self.param_swapper.read_ahead(
+                    if grad_swapper is not None:
+                        grad_swapper.read_ahead(self.units[chunk.unit_index:])
+                    if param_swapper is not None:  # only shards the step reads
+                        param_swapper.read_ahead(
                             [u for u in self.units[chunk.unit_index:]
                              if self._reads_shard(u, chunk.swap_master, edited)])
                 if upcoming == i:
@@ -182,7 +183,7 @@ class OptimizerSwapper:
                 slot, futures = reads.pop(i)
                 wait(futures, clock)
                 self._update(optimizer, chunk, slot, shard_grads[chunk.unit_index], grad_scale,
-                             edited)
+                             edited, grad_swapper)
                 for key, dtype in chunk.stored().items():
                     self._write(chunk, slot, key, dtype)
                 busy.append(slot)
@@ -206,7 +207,7 @@ class OptimizerSwapper:
         return not swap_master or edited is None or unit in edited
 
     def _update(self, optimizer, chunk: Chunk, slot: Slot, grad: torch.Tensor,
-                grad_scale: float, edited=None) -> None:
+                grad_scale: float, edited=None, grad_swapper=None) -> None:
         unit = self.units[chunk.unit_index]
         adopt = self._reads_shard(unit, chunk.swap_master, edited)
         shard = unit.resident_shard(dirty=True, fill=adopt).detach().narrow(0, chunk.start, chunk.numel)
@@ -218,8 +219,8 @@ class OptimizerSwapper:
             master = shard  # fp32 in host memory: the shard itself is stepped
         p = chunk.param
         p.data = master
-        if self.grad_swapper is not None:  # read back if it was written out
-            self.grad_swapper.ensure(unit)
+        if grad_swapper is not None:  # read back if it was written out
+            grad_swapper.ensure(unit)
         g = grad.narrow(0, chunk.start, chunk.numel)
         if g.dtype == master.dtype and g.device == master.device:
             p.grad = g

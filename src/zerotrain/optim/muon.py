@@ -6,7 +6,7 @@ A parameter with at least 2 dimensions whose name holds neither "embed" nor "lm_
 
 Muon's update orthogonalizes each parameter's whole momentum matrix (Newton-Schulz), so it cannot
 run on a flat shard alone. Under ZeRO the momentum stays sharded (its update is elementwise) and
-the ZeRO core attaches a ``full_matrix`` function to each Muon shard (``attach_full_matrix``):
+ZeRO's ``ZeroStage`` attaches a ``full_matrix`` function to each Muon shard (``attach_full_matrix``):
 it all-gathers the unit's pre-orthogonalization update, orthogonalizes every matrix in it and
 returns this rank's slice. On whole 2-D parameters (fp32 stage 0) the update is orthogonalized in
 place. Both paths run the same arithmetic, so a sharded run equals an unsharded one.
@@ -120,7 +120,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def attach_full_matrix(self, shard: torch.Tensor, full_matrix: Callable):
         """``full_matrix(update_shard, ns_method)`` -> ``(orthogonalized update sliced like the
-        shard, [(start, numel, lr factor)] of each matrix's piece in it)`` (the ZeRO core's;
+        shard, [(start, numel, lr factor)] of each matrix's piece in it)`` (``ZeroStage``'s;
         zero/muon_shards.py)."""
         self._full_matrix[id(shard)] = full_matrix
 
@@ -160,7 +160,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 pieces = [(0, p.numel(), scale)]
             else:
                 raise RuntimeError("Muon got a 1-D tensor with no full-matrix function: a flat shard "
-                                   "the ZeRO core did not register (attach_full_matrix)")
+                                   "ZeRO did not register (attach_full_matrix)")
             p.mul_(1 - lr * group["weight_decay"])
             flat_p, flat_u = p.view(-1), update.reshape(-1)
             for start, numel, scale in pieces:

@@ -19,6 +19,7 @@ identities are not carried: NCCL and gloo's ``all_reduce`` form).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 from zerotrain.comm.collectives import CollectiveMismatch, Identity
@@ -103,3 +104,14 @@ class UnitIdentities:
             "an unwanted result by 0 rather than leaving it out of the loss), or keep its "
             "parameters whole with zero_optimization.stage3_param_persistence_threshold above "
             "their size. The engine cannot continue after this error.")
+
+
+@dataclass(frozen=True)
+class CollectiveChecks:
+    """What a stage's unit collectives are checked with, given to its reduction and its
+    stage-3 coordinator: ``identities`` (a ``UnitIdentities``, stage 3 unless turned off),
+    carried in each gather and reduce-scatter; ``agreement`` (a ``zero.agreement``
+    ``CollectiveAgreement``, with ``ZEROTRAIN_CHECK_COLLECTIVES=1``), run before each."""
+
+    identities: UnitIdentities | None = None
+    agreement: object | None = None

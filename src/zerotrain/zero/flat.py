@@ -1,6 +1,6 @@
 """Flat buffers: many parameters (or their gradients) laid out back to back in one tensor.
 
-This is the partitioning core every ZeRO stage shares. A ``FlatLayout`` fixes where each
+Every ZeRO stage's units and gradient buckets are laid out this way. A ``FlatLayout`` fixes where each
 parameter lives in a flat buffer and pads the buffer so its length divides by the world size
 (times an alignment). Rank ``r`` owns the contiguous shard ``[r * shard_numel, (r+1) * shard_numel)``;
 ``shard_pieces(r)`` maps that shard back to (parameter, offset) ranges.

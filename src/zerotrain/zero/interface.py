@@ -1,8 +1,8 @@
 """The stage object's declared interface: what the engine, checkpoints and monitors may call.
 
-``build_zero_stage`` returns one of two implementations: ``ReplicatedGradients``
-(zero/stage0.py: fp32 stage 0, and engines without an optimizer below stage 3) and the core
-``ZeroStage`` (zero/core.py: 16-bit stage 0 and stages 1-3). Both subclass ``StageInterface``,
+``build_zero_stage`` (zero/build.py) returns one of two implementations: ``ReplicatedGradients``
+(zero/stage0.py: fp32 stage 0, and engines without an optimizer below stage 3) and
+``ZeroStage`` (zero/zero_stage.py: 16-bit stage 0 and stages 1-3). Both subclass ``StageInterface``,
 so a missing member fails when the class is instantiated, not when a checkpoint first needs it.
 Code outside ``zerotrain.zero`` reaches the stage object through ``engine.zero_stage_object``
 and uses these members only (``tests/zero/test_stage_interface.py`` checks ``src/``).
@@ -11,7 +11,7 @@ and uses these members only (``tests/zero/test_stage_interface.py`` checks ``src
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,6 +31,46 @@ class ShardedState:
     units: tuple = ()
     shard_rank: int = 0
     optimizer_swapper: object | None = None
+
+
+@dataclass(frozen=True)
+class GatherStatistics:
+    """Stage 3's gathers of partitioned units (``zero.stage3.ParameterCoordinator``), now.
+
+    ``gathered_bytes``: full parameter buffers gathered now; ``peak_gathered_bytes``: the most
+    gathered at once so far; ``pool_bytes``: released buffers kept for the next gather of their
+    size; ``buffers_allocated``: full buffers allocated for gathers so far (not reused);
+    ``pool_drops``: backwards that began by dropping the pool (``memory_release: "eager"``);
+    ``early_releases``: frozen units released when their module's backward ended;
+    ``hollowed``: tied units emptied while only embeddings still used them; ``storage_refills``:
+    gathers into such an emptied storage."""
+
+    gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+    pool_bytes: int = 0
+    buffers_allocated: int = 0
+    pool_drops: int = 0
+    early_releases: int = 0
+    hollowed: int = 0
+    storage_refills: int = 0
+
+
+@dataclass(frozen=True)
+class StageStatistics:
+    """What a stage reports about itself (``StageInterface.statistics``).
+
+    ``memory``: bytes this rank holds, by category, counted from the tensors actually held
+    (``parameters``, ``master_parameters``, ``gradients``, ``optimizer_state``,
+    ``communication_buffers``; with offload ``offload_buffers``; at stage 3
+    ``gathered_parameters``, ``peak_gathered_parameters``, ``gather_pool``): what
+    ``engine.memory_breakdown()`` reports. ``offload``: NVMe offload's last step, empty without
+    it (``zero.nvme.SwapStatistics``: ``bytes_read``, ``bytes_written``, ``io_wait_s``,
+    ``step_s``, ``io_busy_s``, the swap footprint, and ``params``/``grads`` with parameter
+    offload). ``gathers``: stage 3's ``GatherStatistics``, None below it."""
+
+    memory: dict[str, int]
+    offload: dict = field(default_factory=dict)
+    gathers: GatherStatistics | None = None
 
 
 class StageInterface(ABC):
@@ -115,12 +155,9 @@ class StageInterface(ABC):
 
     # -- accounting and teardown ---------------------------------------------------------
     @abstractmethod
-    def memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
-        """Bytes this rank holds, by category (``engine.memory_breakdown()``)."""
-
-    @abstractmethod
-    def offload_stats(self) -> dict:
-        """NVMe offload's last-step I/O and swap footprint; empty without NVMe offload."""
+    def statistics(self, module: nn.Module, optimizer) -> StageStatistics:
+        """This rank's bytes by category, NVMe offload's last step and stage 3's gathers
+        (``StageStatistics``)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,5 +1,5 @@
 """NVMe offload of a ``ZeroStage``: building its optimizer and parameter swappers after checking
-path and free space for the planned units, and reading their numbers for ``offload_stats``."""
+path and free space for the planned units, and their numbers (``SwapStatistics``)."""
 
 from __future__ import annotations
 
@@ -57,31 +57,55 @@ def param_offload(placement: Placement, plan, shard_world: int, rank: int,
                             activity=activity)
 
 
-def offload_stats(stage) -> dict:
-    """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
-    (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``, ``io_busy_s`` (wall
-    time with any swap read or write under way, parameters' and gradients' included, from
-    the previous step's end to this one's); and the swap footprint: ``swap_file_bytes`` on
-    disk, ``swap_buffer_bytes`` in memory. Empty without NVMe offload."""
-    if stage.offload is None:
-        return {}
-    swapper = stage.offload.swapper
-    stats = dict(swapper.stats)
-    stats["io_wait_share"] = stats["io_wait_s"] / stats["step_s"] if stats["step_s"] else 0.0
-    stats["swap_file_bytes"] = swapper.file_nbytes()
-    stats["swap_buffer_bytes"] = swapper.buffer_nbytes
-    stats["direct_io"] = stage.offload.io.direct
-    stats["io_busy_s"] = stage._io_busy_s
-    if stage.param_offload is not None:
-        params = stage.param_offload.swapper
-        if stage.grad_swapper is not None:
-            grads = stage.grad_swapper
-            stats["grads"] = {**getattr(stage, "_grad_io", grads.stats),
-                              "swap_file_bytes": grads.file_nbytes(),
-                              "resident_bytes": grads.resident_nbytes}
-        stats["params"] = {**getattr(stage, "_param_io", params.stats),
-                           "swap_file_bytes": params.file_nbytes(),
-                           "swap_buffer_bytes": params.buffer_nbytes,
-                           "resident_bytes": params.resident_nbytes,
-                           "peak_resident_numel": params.peak_resident_numel}
-    return stats
+class SwapStatistics:
+    """NVMe offload's numbers for ``StageStatistics.offload``, over the swap parts it is given:
+    the optimizer's ``NvmeOptimizerOffload``, the parameters' ``NvmeParamOffload`` and the
+    reduction's ``GradSwapper`` (None where absent), and the stage's ``DiskActivity``."""
+
+    def __init__(self, optimizer_offload, param_offload, grad_swapper, activity: DiskActivity):
+        self._optimizer = optimizer_offload
+        self._params = param_offload.swapper if param_offload is not None else None
+        self._grads = grad_swapper
+        self._activity = activity
+        self._busy_since, self._busy_s = 0.0, 0.0
+        self._param_io: dict | None = None  # the last step's reads and writes of shards
+        self._grad_io: dict | None = None
+
+    def step_done(self) -> None:
+        """Take the step's I/O of the parameter and gradient swappers and the disk's busy time
+        since the previous step's end."""
+        if self._params is not None:
+            self._param_io = self._params.take_stats()
+        if self._grads is not None:
+            self._grad_io = self._grads.take_stats()
+        self._busy_s = self._activity.busy_s - self._busy_since
+        self._busy_since = self._activity.busy_s
+
+    def as_dict(self) -> dict:
+        """NVMe optimizer offload, last step: ``bytes_read``, ``bytes_written``, ``io_wait_s``
+        (the step's time blocked on swap I/O), ``step_s``, ``io_wait_share``, ``io_busy_s``
+        (wall time with any swap read or write under way, parameters' and gradients' included,
+        from the previous step's end to this one's); and the swap footprint:
+        ``swap_file_bytes`` on disk, ``swap_buffer_bytes`` in memory. Empty without NVMe
+        optimizer offload."""
+        if self._optimizer is None:
+            return {}
+        swapper = self._optimizer.swapper
+        stats = dict(swapper.stats)
+        stats["io_wait_share"] = stats["io_wait_s"] / stats["step_s"] if stats["step_s"] else 0.0
+        stats["swap_file_bytes"] = swapper.file_nbytes()
+        stats["swap_buffer_bytes"] = swapper.buffer_nbytes
+        stats["direct_io"] = self._optimizer.io.direct
+        stats["io_busy_s"] = self._busy_s
+        if self._params is not None:
+            params, grads = self._params, self._grads
+            if grads is not None:
+                stats["grads"] = {**(self._grad_io if self._grad_io is not None else grads.stats),
+                                  "swap_file_bytes": grads.file_nbytes(),
+                                  "resident_bytes": grads.resident_nbytes}
+            stats["params"] = {**(self._param_io if self._param_io is not None else params.stats),
+                               "swap_file_bytes": params.file_nbytes(),
+                               "swap_buffer_bytes": params.buffer_nbytes,
+                               "resident_bytes": params.resident_nbytes,
+                               "peak_resident_numel": params.peak_resident_numel}
+        return stats

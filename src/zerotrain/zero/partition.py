@@ -1,4 +1,4 @@
-"""Partitioned parameters: the shared core of ZeRO stages 1-3.
+"""Partitioned parameters: ``FlatParamUnit``, the unit of ZeRO's 16-bit stage 0 and stages 1-3.
 
 The trainable parameters of each optimizer param group are split into *units* of at most
 ``unit_numel`` elements. A unit's parameters are flattened into one buffer (padded so it divides

@@ -1,6 +1,6 @@
 """Per-unit reduction groups and divide factors, and the gradient norm over every group.
 
-Every gradient unit (a flat unit of the core, a bucket of fp32 stage 0) carries a
+Every gradient unit (a flat unit of a ``ZeroStage``, a bucket of fp32 stage 0) carries a
 ``UnitReduction``: the process group its gradients are reduced over and the factor the sum is
 divided by (FSDP2's ``set_gradient_divide_factor``). The default is the engine's data group and
 its size, an average; a factor of 1 sums, and a unit over another group (experts' expert-data

@@ -26,6 +26,7 @@ import torch
 from zerotrain.comm import collectives
 from zerotrain.memory_release import TrimEvery, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
+from zerotrain.zero.divergence import CollectiveChecks
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
 from zerotrain.zero.partition import FlatParamUnit
 from zerotrain.zero.reduce_groups import UnitReduction
@@ -39,12 +40,12 @@ class _Reduction:
     shard_grads: list[torch.Tensor]
     staging: StagingPool | None
     reduces_every_backward = False
-    agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
-    identities = None  # zero.divergence.UnitIdentities (stage 3): each reduce-scatter names its unit
+    checks: CollectiveChecks  # each reduction's identity (stage 3) and agreement check
+    grad_swapper = None  # NVMe gradient offload (stage 3, offload_param "nvme"): a GradSwapper
 
     def _agree(self, bucket: GradientBucket) -> None:
-        if self.agreement is not None:
-            self.agreement.check("reduce", self.grads.buckets.index(bucket))
+        if self.checks.agreement is not None:
+            self.checks.agreement.check("reduce", self.grads.buckets.index(bucket))
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         sync = (not no_sync) and (boundary or self.reduces_every_backward)
@@ -114,9 +115,9 @@ class AllReduceGradients(_Reduction):
 
     def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
                  reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
-                 scatter: bool = False):
-        # Each unit's group and divide factor (shared with the core, which may change factors).
-        self.reductions, self._trim = list(reductions), trim
+                 scatter: bool = False, checks: CollectiveChecks = CollectiveChecks()):
+        # Each unit's group and divide factor (shared with the stage, which may change factors).
+        self.reductions, self._trim, self.checks = list(reductions), trim, checks
         self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
                                        [u.layout for u in units], persistent=True,
                                        dtype=precision.grad_accum_dtype)
@@ -216,16 +217,21 @@ class AllReduceGradients(_Reduction):
 
 
 class ReduceScatterGradients(_Reduction):
+    """Gradients reduce-scattered into shard gradients during every backward. ``reduced(unit)``
+    is called once a unit's gradients are copied out (stage 3 releases its parameters);
+    ``grad_offload`` (a ``zerotrain.offload.NvmeParamOffload``): the shard gradients live in its
+    swap folder too, through a ``GradSwapper`` this reduction owns (``grad_swapper``)."""
+
     reduces_every_backward = True  # full gradients cannot be kept across micro-steps
-    before_reduce: Callable[[FlatParamUnit], None] | None = None
 
     def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
                  reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
                  slot_numel: int, use_reduce_scatter: bool = True,
-                 reduced: Callable[[FlatParamUnit], None] | None = None):
-        # Each unit's group and divide factor (shared with the core, which may change factors);
+                 reduced: Callable[[FlatParamUnit], None] | None = None,
+                 checks: CollectiveChecks = CollectiveChecks(), grad_offload=None):
+        # Each unit's group and divide factor (shared with the stage, which may change factors);
         # a unit is sharded over its whole group.
-        self.reductions, self._trim = list(reductions), trim
+        self.reductions, self._trim, self.checks = list(reductions), trim, checks
         for unit, spec in zip(units, self.reductions):
             if unit.layout.world_size != spec.size:
                 raise ValueError(f"unit {unit.names[:1]} is sharded {unit.layout.world_size} ways but "
@@ -243,9 +249,10 @@ class ReduceScatterGradients(_Reduction):
         self.shard_grads = [torch.zeros(n, dtype=self._grad_dtype, device=device)
                             for n in self._shard_numels]
         # Indices of shard gradients freed by ``zero()`` (an empty placeholder in the list, which
-        # the core shares): the next reduction writes a new one instead of adding.
+        # the stage shares): the next reduction writes a new one instead of adding.
         self._freed: set[int] = set()
         self._unit_of = {id(b): (u, i) for i, (b, u) in enumerate(zip(self.grads.buckets, units))}
+        self._unit_of_index = {id(u): i for i, u in enumerate(units)}
         largest = max((u.layout.padded_numel for u in units), default=1)
         # Slots hold one bucket (or the largest unit, if smaller); bigger units go in chunks.
         # One bucket in four slots: up to three reductions stay in flight while backward goes on
@@ -262,13 +269,25 @@ class ReduceScatterGradients(_Reduction):
                        for w in [precision.comm_dtype] + wires}  # one pool per dtype gradients travel in
         self.staging = self._pools[precision.comm_dtype]
         self._unit_pools = [self._pools[w] for w in wires]
+        if grad_offload is not None and units:
+            self.grad_swapper = grad_offload.grad_swapper(dict(zip(units, self.shard_grads)),
+                                                          self.wait_for)
+            for unit in units:
+                self.grad_swapper.add_unit(unit, write=False)  # zeros: nothing to write
+
+    def wait_for(self, unit: FlatParamUnit) -> None:
+        """Wait until ``unit``'s launched reduction has landed in its shard gradient."""
+        bucket = self.grads.buckets[self._unit_of_index[id(unit)]]
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
 
     def _launch(self, bucket: GradientBucket):
         """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
         staging slots (so a huge parameter, e.g. an embedding, needs no model-sized buffer)."""
         unit, index = self._unit_of[id(bucket)]
-        if self.before_reduce is not None:  # NVMe offload: the shard gradient back in memory
-            self.before_reduce(unit)
+        if self.grad_swapper is not None:  # NVMe offload: the shard gradient back in memory
+            self.grad_swapper.ensure(unit, dirty=True)
         fresh = index in self._freed  # freed since the step: every chunk is written, not added
         if fresh:
             self._freed.discard(index)
@@ -298,7 +317,7 @@ class ReduceScatterGradients(_Reduction):
                 work = collectives.reduce_scatter_into(
                     mine, wire, group=spec.group, async_op=True,
                     scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None,
-                    identity=self.identities and self.identities.reduce(index, c0, n))
+                    identity=self.checks.identities and self.checks.identities.reduce(index, c0, n))
             else:
                 work = collectives.all_reduce(wire, group=spec.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which
@@ -343,7 +362,7 @@ class ReduceScatterGradients(_Reduction):
             g.zero_()
 
     def _frees(self) -> bool:
-        return self._trim.policy.eager and self.before_reduce is None  # the engine's policy
+        return self._trim.policy.eager and self.grad_swapper is None  # the engine's policy
 
     def _free_early(self, index: int) -> None:
         if self._frees():

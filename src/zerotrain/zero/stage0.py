@@ -15,7 +15,7 @@ from zerotrain.comm import collectives
 from zerotrain.zero import registry
 from zerotrain.zero.flat import split_into_buckets
 from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
-from zerotrain.zero.interface import ShardedState, StageInterface
+from zerotrain.zero.interface import ShardedState, StageInterface, StageStatistics
 from zerotrain.zero.memory import optimizer_state_bytes, optimizer_state_tensors, tensor_bytes
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, counted_in_norm, global_norm
 
@@ -25,7 +25,7 @@ class ReplicatedGradients(StageInterface):
 
     The user's optimizer runs untouched on the model's own parameters (so any optimizer works,
     shape-dependent ones included). 16-bit training at stage 0 goes through
-    the core (``zero.core.ZeroStage``) instead, which keeps the fp32 master weights."""
+    ``zero.zero_stage.ZeroStage`` instead, which keeps the fp32 master weights."""
 
     stage = 0
 
@@ -155,16 +155,14 @@ class ReplicatedGradients(StageInterface):
     def empty_partition_cache(self) -> None:
         """Nothing is partitioned: nothing is gathered."""
 
-    def offload_stats(self) -> dict:
-        return {}  # nothing is offloaded at fp32 stage 0
-
-    def memory_breakdown(self, module: torch.nn.Module, optimizer) -> dict[str, int]:
-        return {
+    def statistics(self, module: torch.nn.Module, optimizer) -> StageStatistics:
+        """Bytes held by category; nothing is offloaded or gathered at fp32 stage 0."""
+        return StageStatistics(memory={
             "parameters": tensor_bytes(module.parameters()),
             "gradients": self.grads.nbytes,
             "optimizer_state": optimizer_state_bytes(optimizer),
             "communication_buffers": 0,
-        }
+        })
 
     def close(self) -> None:
         self.grads.remove_hooks()

@@ -35,7 +35,9 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zerotrain.memory_release import ReleasePolicy
 from zerotrain.zero import embedding_lookup
+from zerotrain.zero.divergence import CollectiveChecks
 from zerotrain.zero.embedding_lookup import reads_no_weights
+from zerotrain.zero.interface import GatherStatistics
 from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
 from zerotrain.zero.passes import UseOrder, before_backward_of, in_backward, output_tensors, unique
@@ -61,9 +63,14 @@ class ParameterCoordinator:
     def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
                  prefetch_numel: int = 0, max_live_numel: int | None = None,
                  leaf_of: dict | None = None, memory_release: ReleasePolicy | None = None,
-                 unit_groups: dict | None = None):
+                 unit_groups: dict | None = None, param_swapper=None,
+                 checks: CollectiveChecks = CollectiveChecks()):
         self.units = list(units)
         self.group = group
+        # NVMe parameter offload (a zerotrain.offload.params.ParamSwapper): shards are read
+        # ahead along the recorded order of use.
+        self.param_swapper = param_swapper
+        self.checks = checks  # every gather's identity and agreement check (zero/divergence.py)
         # Units sharded over another group than ``group`` (experts: their expert-data group).
         self._unit_groups = dict(unit_groups or {})
         # The engine's policy (None: the environment's or stage 3's default)
@@ -241,16 +248,18 @@ class ParameterCoordinator:
         self._skipped = frozenset(unit for module in modules for sub in module.modules()
                                   for unit in self._module_units.get(sub, ()))
 
-    agreement = None  # a zero.agreement.CollectiveAgreement when ZEROTRAIN_CHECK_COLLECTIVES=1
-    identities = None  # zero.divergence.UnitIdentities: every gather names its unit (default)
-    param_swapper = None  # NVMe parameter offload: shards are read ahead along the recorded order
-
     def _agree(self, unit: FlatParamUnit) -> None:
-        if self.agreement is not None:
-            self.agreement.check("gather", self._position[unit])
+        if self.checks.agreement is not None:
+            self.checks.agreement.check("gather", self._position[unit])
 
     def _identity(self, unit: FlatParamUnit):
-        return None if self.identities is None else self.identities.gather(self._position[unit])
+        identities = self.checks.identities
+        return None if identities is None else identities.gather(self._position[unit])
+
+    def release_reduced(self, unit: FlatParamUnit) -> None:
+        """``unit``'s gradients are reduced: backward needs its full parameters no more."""
+        if unit.resharded:
+            self.release(unit)
 
     def release(self, unit: FlatParamUnit) -> None:
         work = self._inflight.pop(unit, None)
@@ -311,6 +320,15 @@ class ParameterCoordinator:
     @property
     def pool_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for free in self._pool.values() for b in free)
+
+    def gather_statistics(self) -> GatherStatistics:
+        """The gathers' numbers now (``StageStatistics.gathers``)."""
+        element = self.units[0].dtype.itemsize if self.units else 0
+        return GatherStatistics(
+            gathered_bytes=self.live_numel * element, peak_gathered_bytes=self.peak_live_numel * element,
+            pool_bytes=self.pool_nbytes, buffers_allocated=self.buffers_allocated,
+            pool_drops=self.pool_drops, early_releases=self.early_releases, hollowed=self.hollowed,
+            storage_refills=self.storage_refills)
 
     def release_all(self) -> None:
         for unit in self.units:

@@ -1,7 +1,7 @@
-"""The ZeRO stages as small strategy objects over the shared core (``zero.core.ZeroStage``).
+"""The ZeRO stages as small strategy objects for ``zero.zero_stage.ZeroStage``.
 
-A stage decides three things; everything else (units, masters, the step, edits, loading) is the
-core's and the same for all:
+A stage decides three things; everything else (units, masters, the step, edits, loading) is
+``ZeroStage``'s and the same for all:
 
 - how parameters are grouped into flat units (by size and backward order, or per module so a
   unit is gathered exactly when its module runs);
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from zerotrain.zero.divergence import CollectiveChecks
 from zerotrain.zero.partition import plan_module_units, plan_units
 from zerotrain.zero.reduction import AllReduceGradients, ReduceScatterGradients
 
@@ -39,11 +40,13 @@ class ShardingStrategy:
         (``memory_release: "eager"``): a unit's worth."""
         return unit_numel
 
-    def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        """How ``units`` (the core's trained units) reduce, each over its own group and divide
-        factor (``core.reduction_of(unit)``, a ``zero.reduce_groups.UnitReduction``)."""
-        return AllReduceGradients(units, core.precision, [core.reduction_of(u) for u in units],
-                                  overlap, core.trim)
+    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
+                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
+        """How ``units`` (the stage's trained units) reduce, each over its own group and divide
+        factor (``reductions``: a ``zero.reduce_groups.UnitReduction`` per unit). Stages 2-3:
+        ``reduced(unit)`` once a unit's gradients are copied out, ``grad_offload`` the
+        ``NvmeParamOffload`` whose folder also holds the gradient shards (or None)."""
+        return AllReduceGradients(units, precision, reductions, overlap, trim, checks=checks)
 
 
 class Stage0(ShardingStrategy):
@@ -59,9 +62,10 @@ class Stage1(ShardingStrategy):
 
     stage = 1
 
-    def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        return AllReduceGradients(units, core.precision, [core.reduction_of(u) for u in units],
-                                  overlap, core.trim, scatter=use_reduce_scatter)
+    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
+                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
+        return AllReduceGradients(units, precision, reductions, overlap, trim,
+                                  scatter=use_reduce_scatter, checks=checks)
 
 
 class Stage2(ShardingStrategy):
@@ -76,10 +80,11 @@ class Stage2(ShardingStrategy):
         # ~45 MiB on the 110M GPT-2 than half-bucket units; docs/benchmarks.md).
         return max(1, bucket_numel // 4)
 
-    def reduction(self, core, units, overlap: bool, slot_numel: int, use_reduce_scatter: bool):
-        return ReduceScatterGradients(units, core.precision, [core.reduction_of(u) for u in units],
-                                      overlap, core.trim, slot_numel, use_reduce_scatter,
-                                      reduced=core.unit_reduced)
+    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
+                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
+        return ReduceScatterGradients(units, precision, reductions, overlap, trim, slot_numel,
+                                      use_reduce_scatter, reduced=reduced, checks=checks,
+                                      grad_offload=grad_offload)
 
 
 class Stage3(Stage2):
