@@ -2,8 +2,9 @@
 
 Every collective is issued by its process group's ``Collectives`` object (``Collectives.of(group)``,
 ``zerotrain.comm.group``): the functions below are its methods. ``configure``/``log_summary``
-and the profiling switches are the comms logger's (``zerotrain.comm.logger``); ``CollectiveError`` is raised when a collective times out or a peer
-fails, naming the ranks that had not arrived (``zerotrain.comm.hang``).
+and the profiling switches are the comms logger's (``zerotrain.comm.logger``);
+``CollectiveError`` is raised when a collective times out or a peer fails, naming the ranks that
+had not arrived (``zerotrain.comm.hang``).
 """
 
 from zerotrain.comm.codec import CastCodec, Codec

@@ -153,7 +153,7 @@ class Collectives:
             raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected "
                              f"{world} x {shard.numel()}")
         if self.codec is not None:
-            return self._gather_encoded(output, shard, world, async_op, identity)
+            return self._gather_encoded(self.codec, output, shard, world, async_op, identity)
         return self._gather(output, shard, world, async_op, identity)
 
     def reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM,
@@ -164,7 +164,7 @@ class Collectives:
             raise ValueError(f"reduce_scatter_into: input has {flat.numel()} elements, expected "
                              f"{world} x {output.numel()}")
         if self.codec is not None:
-            return self._scatter_encoded(output, flat, op, world, async_op, identity)
+            return self._scatter_encoded(self.codec, output, flat, op, world, async_op, identity)
         group = self.group
         mine, _ = rank_slice(flat, world, group)
         if is_gloo(group):
@@ -254,8 +254,8 @@ class Collectives:
                                          group, state, async_op, identity),
                         then=reduce_locally)
 
-    def _gather_encoded(self, output, shard, world: int, async_op: bool, identity):
-        codec, n = self.codec, shard.numel()
+    def _gather_encoded(self, codec: Codec, output, shard, world: int, async_op: bool, identity):
+        n = shard.numel()
         payload = codec.encode(shard.reshape(-1)).reshape(-1).contiguous()
         m = payload.numel()
         wire = payload.new_empty(world * m)
@@ -266,10 +266,10 @@ class Collectives:
 
         return self._gather(wire, payload, world, async_op, identity, then=decode)
 
-    def _scatter_encoded(self, output, flat, op, world: int, async_op: bool, identity):
+    def _scatter_encoded(self, codec: Codec, output, flat, op, world: int, async_op: bool, identity):
         if op != ReduceOp.SUM:
             raise ValueError(f"reduce_scatter_into with a codec sums (op=SUM); got {op}")
-        codec, n, group = self.codec, output.numel(), self.group
+        n, group = output.numel(), self.group
         send = torch.cat([codec.encode(flat.narrow(0, r * n, n)).reshape(-1) for r in range(world)])
         m = send.numel() // world
         received = send.new_empty(world * m)

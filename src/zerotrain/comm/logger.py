@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import FrameType
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class _TimedWork:
     def __init__(self, inner, logger: "CommsLogger", name, record, nbytes, group, t0, seq):
         self._inner, self._logger, self._name, self._record = inner, logger, name, record
         self._nbytes, self._group, self._t0, self._seq = nbytes, group, t0, seq
-        self._done_at = None
+        self._done_at: float | None = None
         self._recorded = False
         if logger._sync is None:  # gloo: the future completes when the backend has finished
             try:
@@ -191,10 +192,10 @@ class CommsLogger(CollectiveHook):
         add_process_hook(self)
 
     def disable(self) -> None:
-        if self.enabled:
+        if self._enabled_since is not None:
             self._enabled_s += time.perf_counter() - self._enabled_since
             self._enabled_since = None
-            self.enabled = False
+        self.enabled = False
         self._holders = []
         remove_process_hook(self)
 
@@ -344,7 +345,7 @@ comms_logger = CommsLogger()
 def _caller() -> str:
     """The function that called ``zerotrain.comm`` (DeepSpeed's debug record names): the first
     frame outside this package."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("zerotrain.comm"):
         frame = frame.f_back
     return frame.f_code.co_name if frame is not None else "?"

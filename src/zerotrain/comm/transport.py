@@ -255,6 +255,7 @@ def exchange(sends, receives, group, state: ExchangeState, async_op: bool,
     """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag
     (with an ``identity``: checked, see ``_identified_exchange``); the handle when ``async_op``,
     else wait."""
+    handle: _CheckedExchange | _Exchange
     if identity is not None and (sends or receives):  # one rank: no peer to disagree with
         handle = _identified_exchange(sends, receives, group, state, identity)
     else:

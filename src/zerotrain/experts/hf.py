@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from zerotrain.comm import collectives as comm
