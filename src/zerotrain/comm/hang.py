@@ -1,7 +1,7 @@
 """Hang diagnosis: turn a bare backend timeout into "which rank did not arrive".
 
-Every zerotrain collective carries a sequence number per process group (``collectives`` counts
-them; the count costs one dict update per call). All ranks issue the same collectives in the
+Every zerotrain collective carries a sequence number per process group (the group's
+``Collectives`` object counts them, ``zerotrain.comm.group``). All ranks issue the same collectives in the
 same order, so ``#n`` names the same collective on every rank. When a collective times out or
 fails, the rank that saw it:
 
