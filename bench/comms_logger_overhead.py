@@ -61,7 +61,9 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
                 latency_sum += sum(row["total_latency_ms"] for sizes in s["ops"].values()
                                    for row in sizes.values())
     step_on_ms = statistics.median(times["on"]) * 1e3
-    # per-call cost of the timed wrapper itself, around a collective that does nothing
+    # per-call cost of the logger's hook itself, around a collective that does nothing
+    from zerotrain.comm.hooks import Call
+
     zerotrain.comm.configure(enabled=True)
     noop = lambda *args: None  # noqa: E731
     t = torch.ones(1)
@@ -73,7 +75,7 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
         best["bare"] = min(best["bare"], (time.perf_counter() - t0) / 20000 * 1e6)
         t0 = time.perf_counter()
         for _ in range(20000):
-            comms_logger.timed(noop, "all_reduce", 4, None, False, (t, None, None, False))
+            comms_logger.run(Call("all_reduce", 4, None, 1, False), lambda: noop(t, None, None, False))
         best["wrapped"] = min(best["wrapped"], (time.perf_counter() - t0) / 20000 * 1e6)
     comms_logger.reset()
     zerotrain.comm.configure(enabled=False)

@@ -3,9 +3,10 @@
 Used by zerotrain's own tests and benchmarks, and usable for testing user code::
 
     def check(scale):
-        import torch.distributed as dist
+        from zerotrain import comm
+        comm.init_distributed()
         t = torch.ones(1) * scale
-        dist.all_reduce(t)
+        comm.all_reduce(t)
         return t.item()
 
     assert run_on_ranks(check, world_size=2, args=(3,)) == [6.0, 6.0]

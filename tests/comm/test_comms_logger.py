@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from tests.engine.workloads import adamw_config, global_batches, make_model
-from zerotrain.comm import collectives, logger as comm_logger
+from zerotrain.comm import collectives, group as comm_group, logger as comm_logger
+from zerotrain.comm.hooks import Call
 from zerotrain.comm.logger import CommsLogger, calc_bw_log, convert_size, trim_mean
 from zerotrain.testing import run_on_ranks
 
@@ -24,12 +25,14 @@ def _one_step(engine, rank: int) -> None:
 
 def _logged_steps():
     """A stage-0 and a stage-2 step with the comms logger on; what each logged."""
+    import torch
     import torch.distributed as dist
 
     import zerotrain
     from zerotrain.comm import comms_logger
 
     rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    originals = {name: getattr(collectives, name) for name in _FUNCTIONS}
     for stage in (0, 2):
         model = make_model()
         cfg = adamw_config(2, zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET},
@@ -50,12 +53,24 @@ def _logged_steps():
             "padded_numel": (sum(u.layout.padded_numel for u in engine._zero.units)
                              if stage == 2 else None),
             "units": len(engine._zero.units) if stage == 2 else None,
-            "original_after_disable": None,
         }
         engine.destroy()
+        # destroy() removed the logger's hook (this engine's config enabled it): a collective
+        # after it is not logged, and the functions were never replaced.
+        before = comms_logger.summary()["ops"]
+        zerotrain.comm.all_reduce(torch.ones(3))
+        out[stage]["after_destroy"] = {
+            "enabled": comms_logger.enabled, "hooked": comms_logger in comm_group.process_hooks(),
+            "unchanged": comms_logger.summary()["ops"] == before,
+            "originals": all(getattr(collectives, n) is originals[n] and getattr(zerotrain.comm, n) is
+                             originals[n] for n in _FUNCTIONS)}
     zerotrain.comm.configure(enabled=False)
-    out["restored"] = collectives.all_reduce is comm_logger.ORIGINALS["all_reduce"]
+    out["restored"] = collectives.all_reduce is originals["all_reduce"]
     return out
+
+
+_FUNCTIONS = ("all_reduce", "broadcast", "all_gather_into", "reduce_scatter_into", "all_to_all_single",
+              "barrier")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +92,9 @@ def test_stage0_all_reduces_exactly_the_gradient_bytes(logged):
         # initialize() broadcast rank 0's parameters and buffers once, each byte once
         assert s0["broadcast_bytes"] == s0["model_bytes"]
         assert rank_out["restored"]
+        for stage in (0, 2):
+            assert rank_out[stage]["after_destroy"] == {"enabled": False, "hooked": False, "unchanged": True,
+                                                        "originals": True}
 
 
 def test_stage2_reduce_scatters_and_gathers_the_padded_units(logged):
@@ -134,24 +152,44 @@ def test_table_has_deepspeeds_layout_and_numbers(capsys):
     assert trim_mean(list(range(10)), 0.1) == pytest.approx(4.5)  # drops 0 and 9
 
 
-def test_disabled_logger_leaves_the_undecorated_functions():
+def test_disabled_logger_is_no_hook_and_the_functions_never_change():
     from zerotrain import comm
 
-    names = list(comm_logger.ORIGINALS)
-    for name in names:
-        fn = getattr(collectives, name)
-        assert fn is comm_logger.ORIGINALS[name] and fn.__module__ == "zerotrain.comm.collectives"
+    originals = {name: getattr(collectives, name) for name in _FUNCTIONS}
+    for name, fn in originals.items():
+        assert fn.__module__ == "zerotrain.comm.collectives"
         assert getattr(comm, name) is fn
+    assert comm.comms_logger not in comm_group.process_hooks()
     comm.configure(enabled=True)
     try:
-        for name in names:
-            assert getattr(collectives, name) is comm_logger._WRAPPERS[name]
-            assert getattr(comm, name) is comm_logger._WRAPPERS[name]
+        assert comm.comms_logger in comm_group.process_hooks()
+        for name, fn in originals.items():
+            assert getattr(collectives, name) is fn and getattr(comm, name) is fn
     finally:
         comm.configure(enabled=False)
-    for name in names:
-        assert getattr(collectives, name) is comm_logger.ORIGINALS[name]
-        assert getattr(comm, name) is comm_logger.ORIGINALS[name]
+    assert comm.comms_logger not in comm_group.process_hooks()  # off: no work per call
+    for name, fn in originals.items():
+        assert getattr(collectives, name) is fn and getattr(comm, name) is fn
+
+
+def test_release_disables_only_what_the_config_enabled():
+    from zerotrain import comm
+    from zerotrain.config import load_config
+
+    engine_a, engine_b = (load_config({"train_batch_size": 1, "comms_logger": {"enabled": True}}) for _ in "ab")
+    try:
+        comm.configure(engine_a)
+        comm.configure(engine_b)
+        comm_logger.release(engine_a)
+        assert comm.comms_logger.enabled  # engine_b still holds it
+        comm_logger.release(engine_b)
+        assert not comm.comms_logger.enabled and comm.comms_logger not in comm_group.process_hooks()
+        comm.configure(enabled=True)  # a script's switch is not an engine's to undo
+        comm.configure(engine_a)
+        comm_logger.release(engine_a)
+        assert comm.comms_logger.enabled
+    finally:
+        comm.configure(enabled=False)
 
 
 def test_prof_ops_filters_and_verbose_prints_each_op():
@@ -159,13 +197,13 @@ def test_prof_ops_filters_and_verbose_prints_each_op():
     log.configure({"enabled": False, "prof_all": False, "prof_ops": ["all_gather_into"], "verbose": True})
     assert log.prof_ops == ["all_gather_into_tensor"]  # zerotrain's name maps to DeepSpeed's
     calls = []
-    log.timed(lambda *a: calls.append(a), "broadcast", 8, None, False, (1,))
-    assert calls == [(1,)] and log.comms_dict == {}
+    log.run(Call("broadcast", 8, None, 1, False), lambda: calls.append(1))
+    assert calls == [1] and log.comms_dict == {}
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logging.getLogger("zerotrain").addHandler(handler)
     try:
-        log.timed(lambda *a: None, "all_gather_into_tensor", 2048, None, False, ())
+        log.run(Call("all_gather_into_tensor", 2048, None, 2, False), lambda: None)
     finally:
         logging.getLogger("zerotrain").removeHandler(handler)
     assert log.comms_dict["all_gather_into_tensor"][2048][0] == 1

@@ -132,7 +132,7 @@ def init_distributed(
         init_method = "env://"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator.set_device(local_rank)
-    kwargs = {}
+    kwargs: dict = {}
     if backend == "nccl":
         kwargs["device_id"] = accelerator.device(local_rank)
     dist.init_process_group(

@@ -1,7 +1,7 @@
 """Hang diagnosis: turn a bare backend timeout into "which rank did not arrive".
 
-Every zerotrain collective carries a sequence number per process group (``collectives`` counts
-them; the count costs one dict update per call). All ranks issue the same collectives in the
+Every zerotrain collective carries a sequence number per process group (the group's
+``Collectives`` object counts them, ``zerotrain.comm.group``). All ranks issue the same collectives in the
 same order, so ``#n`` names the same collective on every rank. When a collective times out or
 fails, the rank that saw it:
 
@@ -17,7 +17,9 @@ fails, the rank that saw it:
    its last completed collective under ``zerotrain/progress/<group>/<rank>`` (one store write per
    collective), and the error quotes it.
 
-Nothing here runs unless a collective has already failed (or debug progress is on).
+Nothing here runs unless a collective has already failed (or debug progress is on). The
+diagnosis is a hook (``HangDiagnosis``), the innermost one of every group's ``Collectives``
+object (``zerotrain.comm.group``): it sees the backend's error first.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import json
 import math
 import time
 
+from typing import Any, Callable
+
 import torch.distributed as dist
+
+from zerotrain.comm.hooks import Call, CollectiveHook
 
 # Substrings of backend errors that mean "a peer did not answer" (gloo's and NCCL's wording);
 # argument errors (wrong shapes, dtypes) are re-raised untouched.
@@ -45,6 +51,12 @@ class CollectiveError(RuntimeError):
 
     def __reduce__(self):  # picklable, e.g. to send to a parent process
         return type(self), (str(self), self.op, self.seq, self.nbytes, self.missing, self.reports)
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives (seen in the identity headers of gloo's send/recv
+    collectives, ``zerotrain.comm.transport``): raised on every rank before any of the
+    mismatched data is used. Not diagnosed further: it already says what differed."""
 
 
 def convert_size(size_bytes: int | float) -> str:
@@ -190,3 +202,56 @@ def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started:
                     "rank's last completed collective.")
     message += f"\nbackend error: {exc}"
     return CollectiveError(message, op, seq, nbytes, missing, {**progress, **reports})
+
+
+class HangDiagnosis(CollectiveHook):
+    """Turns a collective's backend failure into a ``CollectiveError`` (``diagnose``), raised at
+    issue or, for an async op, at ``wait()``."""
+
+    def run(self, call: Call, issue: Callable[[], Any]) -> Any:
+        started = time.monotonic()
+        try:
+            work = issue()
+        except CollectiveMismatch:
+            raise
+        except RuntimeError as exc:
+            raise diagnose(exc, call.op, call.nbytes, call.seq, call.group, started) from exc
+        if call.async_op:
+            return DiagnosedWork(work, call, started)
+        return work
+
+
+class DiagnosedWork:
+    """An async collective's handle whose ``wait()`` turns a peer failure into a
+    ``CollectiveError``."""
+
+    __slots__ = ("work", "call", "started")
+
+    def __init__(self, work, call: Call, started: float):
+        self.work, self.call, self.started = work, call, started
+
+    @property
+    def seq(self) -> int:
+        return self.call.seq
+
+    @property
+    def nbytes(self) -> int:
+        return self.call.nbytes
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self.work.wait(*args, **kwargs)
+        except CollectiveMismatch:
+            raise
+        except RuntimeError as exc:
+            call = self.call
+            raise diagnose(exc, call.op, call.nbytes, call.seq, call.group, self.started) from exc
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def get_future(self):
+        return self.work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)

@@ -1,9 +1,11 @@
 """The comms logger: DeepSpeed's ``comms_logger`` for every collective zerotrain issues.
 
-Enabled (``"comms_logger": {"enabled": true}`` or ``zerotrain.comm.configure(enabled=True)``), it
-replaces the functions of ``zerotrain.comm.collectives`` (and their re-exports in
-``zerotrain.comm``) with timed wrappers; disabled, the original functions are put back, so a
-disabled logger does no work per call at all.
+It is a hook (``zerotrain.comm.hooks``): enabled (``"comms_logger": {"enabled": true}`` or
+``zerotrain.comm.configure(enabled=True)``), it is added to the process-wide hooks every group's
+``Collectives`` object runs its collectives through (``zerotrain.comm.group``); disabled, it is
+removed, so a disabled logger does no work per call at all. An engine whose config enabled it
+releases it at ``destroy()`` (``release``): the logger is disabled once no engine or script that
+enabled it holds it; what it recorded stays for ``log_summary()``.
 
 What is timed:
 
@@ -29,26 +31,32 @@ from __future__ import annotations
 
 import sys
 import time
+from types import FrameType
 from collections.abc import Mapping
 
 import torch.distributed as dist
 
-import zerotrain.comm as _comm_pkg
-from zerotrain.comm import collectives as _c
+from zerotrain.comm.group import add_process_hook, remove_process_hook
 from zerotrain.comm.hang import convert_size, record_progress
+from zerotrain.comm.hooks import Call, CollectiveHook
 from zerotrain.log import log_rank0
 
-__all__ = ["CommsLogger", "comms_logger", "configure", "log_summary", "calc_bw_log",
+__all__ = ["CommsLogger", "comms_logger", "configure", "release", "log_summary", "calc_bw_log",
            "convert_size", "trim_mean", "start_profiling_comms", "stop_profiling_comms",
            "start_profiling_op", "stop_profiling_op"]
 
 # zerotrain function -> the name it is logged under (DeepSpeed's, so prof_ops lists carry over).
 LOG_NAMES = {"all_reduce": "all_reduce", "broadcast": "broadcast",
              "all_gather_into": "all_gather_into_tensor",
-             "reduce_scatter_into": "reduce_scatter_tensor", "barrier": "barrier"}
+             "reduce_scatter_into": "reduce_scatter_tensor", "all_to_all_single": "all_to_all_single",
+             "barrier": "barrier"}
+# The ops the logger records: tensor collectives. Object exchanges and group creation
+# (``zerotrain.comm.objects``) go through the same hooks but are not logged.
+LOGGED_OPS = frozenset(LOG_NAMES.values())
 _ALIASES = {"all_gather_into": "all_gather_into_tensor", "all_gather": "all_gather_into_tensor",
-            "reduce_scatter_into": "reduce_scatter_tensor", "reduce_scatter": "reduce_scatter_tensor"}
-ORIGINALS = {name: getattr(_c, name) for name in LOG_NAMES}
+            "reduce_scatter_into": "reduce_scatter_tensor", "reduce_scatter": "reduce_scatter_tensor",
+            "all_to_all": "all_to_all_single"}
+_BY_SCRIPT = "script"  # the holder of a logger enabled by keyword or by a config section
 
 
 def calc_bw_log(comm_op: str, size: int, duration_ms: float, world_size: int) -> tuple[float, float]:
@@ -82,13 +90,13 @@ def trim_mean(data, trim_percent: float) -> float:
 class _TimedWork:
     """An async collective's handle that records the op when it is waited for."""
 
-    __slots__ = ("_inner", "_logger", "_name", "_record", "_nbytes", "_group", "_t0", "_done_at",
+    __slots__ = ("_inner", "_logger", "_name", "_record", "_nbytes", "_group", "_t0", "_seq", "_done_at",
                  "_recorded", "__weakref__")
 
-    def __init__(self, inner, logger: "CommsLogger", name, record, nbytes, group, t0):
+    def __init__(self, inner, logger: "CommsLogger", name, record, nbytes, group, t0, seq):
         self._inner, self._logger, self._name, self._record = inner, logger, name, record
-        self._nbytes, self._group, self._t0 = nbytes, group, t0
-        self._done_at = None
+        self._nbytes, self._group, self._t0, self._seq = nbytes, group, t0, seq
+        self._done_at: float | None = None
         self._recorded = False
         if logger._sync is None:  # gloo: the future completes when the backend has finished
             try:
@@ -112,14 +120,14 @@ class _TimedWork:
             end = self._done_at if self._done_at is not None else w1
             logger.append(self._name, self._record, (end - self._t0) * 1e3, self._nbytes, self._group)
             if logger.debug:
-                record_progress(self._group, getattr(self._inner, "seq", 0), self._name, self._nbytes)
+                record_progress(self._group, self._seq, self._name, self._nbytes)
         return out
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
-class CommsLogger:
+class CommsLogger(CollectiveHook):
     """Records collectives while enabled; ``comms_dict[op][size] = [count, lats, algbws, busbws]``."""
 
     def __init__(self):
@@ -134,11 +142,14 @@ class CommsLogger:
         self._enabled_s = 0.0
         self._sync = None
         self._world_sizes: dict = {}  # group -> size, refreshed whenever the logger is enabled
+        self._holders: list = []  # what enabled it: whole configs (engines), or _BY_SCRIPT
 
     # -- configuration --------------------------------------------------------------------
     def configure(self, comms_config=None, *, enabled=None, prof_all=None, prof_ops=None,
-                  verbose=None, debug=None) -> None:
-        """Apply a ``comms_logger`` section (object or dict), then any keyword overrides."""
+                  verbose=None, debug=None, holder=_BY_SCRIPT) -> None:
+        """Apply a ``comms_logger`` section (object or dict), then any keyword overrides.
+        Enabling adds ``holder`` to what holds the logger enabled (see ``release``); disabling
+        drops every holder."""
         if comms_config is not None:
             get = comms_config.get if isinstance(comms_config, Mapping) else (
                 lambda key, default=None: getattr(comms_config, key, default))
@@ -156,9 +167,18 @@ class CommsLogger:
         if prof_ops is not None:
             self.prof_ops = sorted({_ALIASES.get(op, op) for op in prof_ops})
         if enabled is not None:
-            self.enable() if enabled else self.disable()
+            self.enable(holder) if enabled else self.disable()
 
-    def enable(self) -> None:
+    def release(self, holder) -> None:
+        """``holder`` (an engine's config) no longer needs the logger: disable it if nothing
+        else holds it enabled. Nothing happens when ``holder`` did not enable it."""
+        if not any(h is holder for h in self._holders):
+            return
+        self._holders = [h for h in self._holders if h is not holder]
+        if not self._holders:
+            self.disable()
+
+    def enable(self, holder=_BY_SCRIPT) -> None:
         from zerotrain.accelerator import get_accelerator
 
         accelerator = get_accelerator()
@@ -167,14 +187,17 @@ class CommsLogger:
         if not self.enabled:
             self.enabled = True
             self._enabled_since = time.perf_counter()
-        _install(_WRAPPERS)
+        if not any(h is holder for h in self._holders):
+            self._holders.append(holder)
+        add_process_hook(self)
 
     def disable(self) -> None:
-        if self.enabled:
+        if self._enabled_since is not None:
             self._enabled_s += time.perf_counter() - self._enabled_since
             self._enabled_since = None
-            self.enabled = False
-        _install(ORIGINALS)
+        self.enabled = False
+        self._holders = []
+        remove_process_hook(self)
 
     def reset(self) -> None:
         """Forget every record and restart the wall-time clock."""
@@ -205,28 +228,30 @@ class CommsLogger:
         return self._enabled_s + running
 
     # -- recording ------------------------------------------------------------------------
-    def timed(self, fn, name: str, nbytes: int, group, async_op: bool, args: tuple):
-        """Run collective ``fn(*args)`` logged as ``name`` moving ``nbytes``."""
-        if not self.prof_all and name not in self.prof_ops:
-            return fn(*args)
+    def run(self, call: Call, issue):
+        """The hook: issue the collective timed and record it (tensor collectives in the
+        profiled set only)."""
+        name = call.op
+        if name not in LOGGED_OPS or (not self.prof_all and name not in self.prof_ops):
+            return issue()
         record = name
         if self.debug:
-            record = f"{name} | [Caller Func: {sys._getframe(2).f_code.co_name}]"
+            record = f"{name} | [Caller Func: {_caller()}]"
         sync = self._sync
         if sync is not None:
             sync()
         t0 = time.perf_counter()
-        result = fn(*args)
-        if async_op:
+        result = issue()
+        if call.async_op:
             self.wait_ms += (time.perf_counter() - t0) * 1e3
-            return _TimedWork(result, self, name, record, nbytes, group, t0)
+            return _TimedWork(result, self, name, record, call.nbytes, call.group, t0, call.seq)
         if sync is not None:
             sync()
         latency = (time.perf_counter() - t0) * 1e3
         self.wait_ms += latency
-        self.append(name, record, latency, nbytes, group)
+        self.append(name, record, latency, call.nbytes, call.group)
         if self.debug:
-            record_progress(group, _c.last_seq(group), name, nbytes)
+            record_progress(call.group, call.seq, name, call.nbytes)
         return result
 
     def append(self, raw_name: str, record_name: str, latency_ms: float, msg_size: int,
@@ -317,63 +342,36 @@ class CommsLogger:
 comms_logger = CommsLogger()
 
 
-# -- the timed wrappers (installed only while the logger is enabled) ----------------------
-def _n(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def all_reduce(tensor, op=_c.ReduceOp.SUM, group=None, async_op: bool = False):
-    return comms_logger.timed(ORIGINALS["all_reduce"], "all_reduce", _n(tensor), group, async_op,
-                              (tensor, op, group, async_op))
-
-
-def broadcast(tensor, src: int = 0, group=None, async_op: bool = False):
-    return comms_logger.timed(ORIGINALS["broadcast"], "broadcast", _n(tensor), group, async_op,
-                              (tensor, src, group, async_op))
-
-
-def all_gather_into(output, shard, group=None, async_op: bool = False, identity=None):
-    return comms_logger.timed(ORIGINALS["all_gather_into"], "all_gather_into_tensor", _n(output), group,
-                              async_op, (output, shard, group, async_op, identity))
-
-
-def reduce_scatter_into(output, flat, op=_c.ReduceOp.SUM, group=None, async_op: bool = False,
-                        scratch=None, identity=None):
-    return comms_logger.timed(ORIGINALS["reduce_scatter_into"], "reduce_scatter_tensor", _n(flat), group,
-                              async_op, (output, flat, op, group, async_op, scratch, identity))
-
-
-def barrier(group=None) -> None:
-    return comms_logger.timed(ORIGINALS["barrier"], "barrier", 0, group, False, (group,))
-
-
-_WRAPPERS = {"all_reduce": all_reduce, "broadcast": broadcast, "all_gather_into": all_gather_into,
-             "reduce_scatter_into": reduce_scatter_into, "barrier": barrier}
-for _name, _fn in _WRAPPERS.items():
-    _fn.__doc__ = ORIGINALS[_name].__doc__
-    _fn.__wrapped__ = ORIGINALS[_name]
-
-
-def _install(functions: dict) -> None:
-    for name, fn in functions.items():
-        setattr(_c, name, fn)
-        if hasattr(_comm_pkg, name):
-            setattr(_comm_pkg, name, fn)
+def _caller() -> str:
+    """The function that called ``zerotrain.comm`` (DeepSpeed's debug record names): the first
+    frame outside this package."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("zerotrain.comm"):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "?"
 
 
 # -- DeepSpeed's module-level API (deepspeed.comm.configure / log_summary / ...) ------------
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None,
               debug=None) -> None:
     """Configure the comms logger from a config (``ZeroTrainConfig``, its ``comms_logger``
-    section, or a dict of either) and/or keyword overrides."""
-    section = deepspeed_config
+    section, or a dict of either) and/or keyword overrides. A whole ``ZeroTrainConfig`` that
+    enables it holds it until ``release(config)`` (the engine's ``destroy()``); enabled any
+    other way, it stays on until ``configure(enabled=False)``."""
+    section, holder = deepspeed_config, _BY_SCRIPT
     if section is not None:
         if isinstance(section, Mapping):
             section = section.get("comms_logger", section)
-        else:
-            section = getattr(section, "comms_logger", section)
+        elif hasattr(section, "comms_logger"):
+            section, holder = section.comms_logger, section
     comms_logger.configure(section, enabled=enabled, prof_all=prof_all, prof_ops=prof_ops,
-                           verbose=verbose, debug=debug)
+                           verbose=verbose, debug=debug, holder=holder)
+
+
+def release(config) -> None:
+    """An engine built from ``config`` is destroyed: remove the logger's hook if that config
+    enabled it and nothing else holds it (records are kept for ``log_summary``)."""
+    comms_logger.release(config)
 
 
 def log_summary(show_straggler: bool = False) -> dict:

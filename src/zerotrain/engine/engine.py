@@ -18,6 +18,7 @@ from torch import nn
 from zerotrain.accelerator import get_accelerator
 from zerotrain.checkpoint import full_state_dict, save_16bit_model
 from zerotrain.comm.distributed import get_local_rank
+from zerotrain.comm.logger import release as release_comms_logger
 from zerotrain.engine.accessors import EngineAccessors
 from zerotrain.engine.checkpoints import EngineCheckpointing
 from zerotrain.engine.flops import EngineFlops
@@ -363,6 +364,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
             self._moe_stats.close()
         reset_current_topology(self.topology)  # DeepSpeed's global getters no longer answer from it
         unregister_engine(self)  # memory reports no longer count it
+        release_comms_logger(self._config)  # its hook is removed if this engine's config enabled it
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -4,7 +4,8 @@ dropless and capacity-padded dispatch) and the expert-parallel Hugging Face expe
 ``_AllToAll`` is ``all_to_all_single`` as an autograd function. ``dropless_exchange`` is the whole
 dropless round trip: both callers route each (token, expert) pair to the rank that owns the
 expert and back, and differ only in how they sort their routes and how they run the local
-experts, so those two stay with the callers and the collectives live here once.
+experts, so those two stay with the callers and the collectives live here once. They go through
+``zerotrain.comm`` (the group's ``Collectives`` object), so the comms logger and hang diagnosis see them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from zerotrain.comm import collectives as comm
 
 
 class _AllToAll(torch.autograd.Function):
@@ -30,7 +32,7 @@ class _AllToAll(torch.autograd.Function):
             output = torch.empty_like(input)
         else:
             output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
-        dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+        comm.all_to_all_single(output, input, output_splits, input_splits, group=group)
         return output
 
     @staticmethod
@@ -76,7 +78,7 @@ def dropless_exchange(rows: Sequence[Tensor], expert_of_row: Tensor, num_experts
     dispatch_s = combine_s = None
     if ep_size > 1:
         received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=group)
+        comm.all_to_all_single(received_counts, counts, group=group)
         input_splits = counts.sum(1).tolist()
         output_splits = received_counts.sum(1).tolist()
         start = time.perf_counter()

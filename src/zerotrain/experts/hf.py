@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerotrain.comm import collectives as comm
 from zerotrain.experts.exchange import dropless_exchange
 
 
@@ -164,9 +164,9 @@ class _ExpertParallelForward:
 def _gather_rows(tensor: Tensor, shard: _ExpertShard) -> Tensor:
     if shard.ep_size == 1:
         return tensor.detach().clone()
-    pieces = [torch.empty_like(tensor) for _ in range(shard.ep_size)]
-    dist.all_gather(pieces, tensor.detach().contiguous(), group=shard.group)
-    return torch.cat(pieces, dim=0)
+    gathered = tensor.new_empty((shard.ep_size * tensor.shape[0],) + tuple(tensor.shape[1:]))
+    comm.all_gather_into(gathered.view(-1), tensor.detach().reshape(-1), group=shard.group)
+    return gathered
 
 
 def gather_expert_state_dict(model: nn.Module) -> Dict[str, Tensor]:

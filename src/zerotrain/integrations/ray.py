@@ -29,7 +29,8 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("zerotrain.integrations.ray needs Ray Train: pip install 'zerotrain[ray]'") from err
 
-import torch.distributed as dist
+from zerotrain.comm.collectives import barrier
+from zerotrain.comm.objects import broadcast_object
 
 __all__ = ["report", "load_checkpoint", "scaling_config"]
 
@@ -38,10 +39,10 @@ def _shared_directory(topology, shared_dir: str | None) -> str:
     # The engine's first data-parallel rank names a fresh directory and tells the engine's other
     # ranks, so every rank of the engine saves into the same one.
     first = topology.is_first("data")
-    name = [tempfile.mkdtemp(prefix="zerotrain_ray_ckpt_", dir=shared_dir) if first else None]
+    name = tempfile.mkdtemp(prefix="zerotrain_ray_ckpt_", dir=shared_dir) if first else None
     if topology.data_size > 1:
-        dist.broadcast_object_list(name, src=topology.first_global_rank("data"), group=topology.data_group)
-    return name[0]
+        name = broadcast_object(name, src=topology.first_global_rank("data"), group=topology.data_group)
+    return name
 
 
 def report(engine, metrics: dict[str, Any], shared_dir: str | None = None, client_state: dict | None = None) -> None:
@@ -71,7 +72,7 @@ def report(engine, metrics: dict[str, Any], shared_dir: str | None = None, clien
 
 def _barrier(topology) -> None:
     if topology.data_size > 1:
-        dist.barrier(group=topology.data_group)
+        barrier(group=topology.data_group)
 
 
 def load_checkpoint(engine, **kwargs: Any):

@@ -43,21 +43,19 @@ class GroupRef:
 
 
 class CreationWatch:
-    """What a group's creation runs under: the new group's timeout and the error a failed creation
-    raises. ``zerotrain.comm`` attaches its own (``watch_group_creation``): ``default_timeout()``
-    and the hang diagnosis naming the ranks that never came. Attached from comm, not imported
-    from it, because comm's logging asks this package for the process's rank (comm depends on
+    """What a group's creation runs under: the new group's timeout, and the collective it counts
+    as. ``zerotrain.comm`` attaches its own (``watch_group_creation``): ``default_timeout()``, and
+    the creation run as a collective of ``within``'s ``Collectives`` object, so hooks see it and a
+    rank that never comes is named by the hang diagnosis. Attached from comm, not imported from
+    it, because comm's logging asks this package for the process's rank (comm depends on
     topology, never the reverse). Without comm: torch's timeout and torch's error."""
 
     def timeout(self):
         """The new group's timeout; None: torch's default."""
 
-    def begin(self, within):
-        """Called before a creation that counts as a collective of ``within`` (None: the world);
-        returns what ``failed`` gets as ``token``."""
-
-    def failed(self, error: RuntimeError, op: str, within, token) -> BaseException:
-        return error
+    def run(self, op: str, within, create):
+        """Create the group (``create()``), a collective of ``within`` (None: the world)."""
+        return create()
 
 
 _watch = [CreationWatch()]
@@ -78,14 +76,14 @@ def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
     group (torch's ``use_local_synchronization``: ranks outside take no part), and the creation
     counts as a collective of ``within`` for the error naming an absent rank."""
     watch = _watch[0]
-    token = watch.begin(within)
-    try:
+
+    def create():
         if within is None:
             return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout())
         return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout(),
                               use_local_synchronization=True)
-    except RuntimeError as exc:
-        raise watch.failed(exc, op, within, token) from exc
+
+    return watch.run(op, within, create)
 
 
 def own_rank_group():

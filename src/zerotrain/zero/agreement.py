@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import collectives as comm
+
 _KINDS = ("gather", "reduce")
 
 
@@ -44,9 +46,9 @@ class CollectiveAgreement:
         if self.world == 1:
             return
         mine = torch.tensor([_KINDS.index(kind), index], dtype=torch.int64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        seen = [tuple(int(v) for v in t.tolist()) for t in every]
+        every = mine.new_empty(self.world * mine.numel())
+        comm.all_gather_into(every, mine, group=self.group)
+        seen = [tuple(int(v) for v in row) for row in every.view(self.world, -1).tolist()]
         if len(set(seen)) > 1:
             ranks = ", ".join(f"rank {self.ranks[r]} {self._what(k, i)}" for r, (k, i) in enumerate(seen))
             raise RuntimeError(
