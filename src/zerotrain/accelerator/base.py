@@ -103,6 +103,15 @@ class Accelerator(abc.ABC):
     def default_generator(self, device_index: int) -> torch.Generator: ...
 
     # -- memory --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def empty_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    def memory_allocated(self, device_index: int | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def max_memory_allocated(self, device_index: int | None = None) -> int: ...
+
     def memory_cached(self, device_index: int | None = None) -> int:
         """Old name of ``memory_reserved``."""
         return self.memory_reserved(device_index)

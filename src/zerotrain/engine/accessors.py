@@ -9,10 +9,19 @@ public DeepSpeed engine method and whether zerotrain has it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zerotrain.engine.timers import ThroughputTimer
 from zerotrain.precision.autocast import safe_module_names
+
+if TYPE_CHECKING:
+    from zerotrain.config.schema import ZeroTrainConfig
+    from zerotrain.engine.step_core import StepCore
+    from zerotrain.precision.policy import PrecisionPolicy
+    from zerotrain.topology import Topology
+    from zerotrain.zero.interface import StageInterface
 
 
 def _observe_throughput(engine, inputs) -> None:
@@ -21,6 +30,21 @@ def _observe_throughput(engine, inputs) -> None:
 
 class EngineAccessors:
     """Read-only views of the engine's configuration and state, under DeepSpeed's names."""
+
+    # What this mixin reads of ZeroTrainEngine (set in its __init__; annotations only).
+    _config: ZeroTrainConfig
+    _core: StepCore
+    _zero: StageInterface
+    precision: PrecisionPolicy
+    topology: Topology
+    dp_world_size: int
+    optimizer: torch.optim.Optimizer | None
+
+    if TYPE_CHECKING:
+        def train_batch_size(self) -> int: ...
+
+        def save_16bit_model(self, save_dir, save_filename: str = ...,
+                             exclude_frozen_parameters: bool = ...) -> bool: ...
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,24 +64,31 @@ class EngineAccessors:
     # -- batch sizes ---------------------------------------------------------------------
     def get_batch_info(self) -> tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self._config_batch_shape()
+
+    def _config_batch_shape(self) -> tuple[int, int, int]:
+        """The config's three batch sizes: optional in the schema only until validation resolves
+        all three (``zerotrain.config.batch``)."""
         c = self._config
-        return c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+        batch, micro, accumulation = c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+        assert batch is not None and micro is not None and accumulation is not None
+        return batch, micro, accumulation
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the accumulation steps (micro-batch unchanged)."""
-        per_window = self._config.train_micro_batch_size_per_gpu * self.dp_world_size
+        micro_batch_size = self._config_batch_shape()[1]
+        per_window = micro_batch_size * self.dp_world_size
         if train_batch_size <= 0 or train_batch_size % per_window:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
                              f"train_micro_batch_size_per_gpu x data-parallel ranks = {per_window}")
-        self._resize_batch(train_batch_size, self._config.train_micro_batch_size_per_gpu,
-                           train_batch_size // per_window)
+        self._resize_batch(train_batch_size, micro_batch_size, train_batch_size // per_window)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro-batch size, keeping the accumulation steps (global batch follows).
         A dataloader built by ``initialize`` keeps its batch size, as in DeepSpeed."""
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be positive")
-        accumulation = self._config.gradient_accumulation_steps
+        accumulation = self._config_batch_shape()[2]
         self._resize_batch(micro_batch_size * accumulation * self.dp_world_size, micro_batch_size, accumulation)
 
     def _resize_batch(self, train_batch_size: int, micro_batch_size: int, accumulation_steps: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -18,6 +19,12 @@ from zerotrain.checkpoint.save import PendingSave, RankSnapshot, capture, check_
 from zerotrain.checkpoint.stateful import Stateful
 from zerotrain.engine.components import engine_components
 
+if TYPE_CHECKING:
+    from zerotrain.config.schema import ZeroTrainConfig
+    from zerotrain.engine.step_core import StepCore
+    from zerotrain.topology import Topology
+    from zerotrain.zero.interface import StageInterface
+
 
 class EngineCheckpointing:
     """Sharded checkpoints that resume exactly and reload on any world size and stage."""
@@ -25,6 +32,13 @@ class EngineCheckpointing:
     _checkpoint_thread: threading.Thread | None = None
     _checkpoint_pending: PendingSave | None = None
     _checkpoint_error: BaseException | None = None
+
+    # What this mixin reads of ZeroTrainEngine (set in its __init__; annotations only).
+    _config: ZeroTrainConfig
+    _core: StepCore
+    _zero: StageInterface
+    topology: Topology
+    global_steps: int
 
     def checkpoint_components(self) -> dict[str, Stateful]:
         """The engine's checkpointed components, ``{checkpoint key: Stateful}`` (counters, loss

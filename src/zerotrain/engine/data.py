@@ -35,7 +35,7 @@ class DistributedDataLoader:
     def __init__(self, dataset: Dataset, batch_size: int, rank: int, world_size: int,
                  collate_fn=None, drop_last: bool = False, shuffle: bool = True, seed: int = 0,
                  num_workers: int = 0, pin_memory: bool = False):
-        self.sampler = None
+        self.sampler: DistributedSampler | None = None
         self.world_size = world_size
         if not isinstance(dataset, IterableDataset):
             self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
@@ -51,7 +51,9 @@ class DistributedDataLoader:
 
     @property
     def batch_size(self) -> int:
-        return self.loader.batch_size
+        batch_size = self.loader.batch_size
+        assert batch_size is not None  # the loader is built with a batch size, not a batch_sampler
+        return batch_size
 
     def __iter__(self):
         start = 0

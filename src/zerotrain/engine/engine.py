@@ -236,7 +236,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """The current fp16 loss scale (1.0 without fp16)."""
         return self.loss_scaler.loss_scale
 
-    def zero_grad(self) -> None:
+    def zero_grad(self) -> None:  # type: ignore[override]  # DeepSpeed's engine.zero_grad() takes no set_to_none
         """Zero the gradients (they stay in their flat buffers)."""
         self._plain_backward.settle()
         self._zero.zero_grad()
@@ -328,7 +328,7 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
                              "below it use engine.module_state_dict()")
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
-    def load_state_dict(self, state_dict, strict: bool = True):
+    def load_state_dict(self, state_dict, strict: bool = True):  # type: ignore[override]  # no assign: loads into the shards
         """Load whole-model weights (``module_state_dict()`` keys, or this engine's
         ``state_dict()`` keys with their ``module.`` prefix) into the training state on every
         rank: parameters, their shards, and the fp32 master weights (from the given tensors'

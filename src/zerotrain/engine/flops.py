@@ -9,11 +9,37 @@ forward FLOPs per step over the window's time, and MFU against the device's peak
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from torch import nn
+
 from zerotrain.monitor.flops import FlopsProfiler
+
+if TYPE_CHECKING:
+    from zerotrain.accelerator.base import Accelerator
+    from zerotrain.config.schema import ZeroTrainConfig
+    from zerotrain.engine.timers import StepTimers
+    from zerotrain.precision.policy import PrecisionPolicy
+    from zerotrain.topology import Topology
 
 
 class EngineFlops:
     """Mixed into ``ZeroTrainEngine``; needs its config, module, topology, timers and step counts."""
+
+    # What this mixin reads of ZeroTrainEngine (set in its __init__; annotations only).
+    _config: ZeroTrainConfig
+    module: nn.Module
+    accelerator: Accelerator
+    precision: PrecisionPolicy
+    topology: Topology
+    dp_world_size: int
+    global_steps: int
+    _timers: StepTimers
+
+    if TYPE_CHECKING:
+        def train_batch_size(self) -> int: ...
+
+        def train_micro_batch_size_per_gpu(self) -> int: ...
 
     def _init_flops_profiler(self) -> None:
         section = self._flops_section = self._config.flops_profiler  # read once
@@ -41,7 +67,9 @@ class EngineFlops:
         return True
 
     def _flops_forward_end(self) -> None:
-        self.flops_profiler.stop_profile()
+        profiler = self.flops_profiler
+        assert profiler is not None  # called only after _flops_forward_begin returned True
+        profiler.stop_profile()
 
     def _flops_step_done(self) -> None:
         """At the end of the profiled step (its times are in): print the profile, keep the

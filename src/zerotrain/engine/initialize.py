@@ -94,10 +94,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # A pipeline's data is read by its first and last stage only.
     reads_data = not pipeline or topology.rank("pipe") in (0, topology.size("pipe") - 1)
     if training_data is not None and reads_data:
+        micro_batch = cfg.train_micro_batch_size_per_gpu
+        assert micro_batch is not None  # optional in the schema only until validation resolves it
         loader = DistributedDataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, rank=dp_rank,
+            training_data, batch_size=micro_batch, rank=dp_rank,
             world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
             pin_memory=device.type == "cuda", shuffle=not pipeline)  # DeepSpeed's pipeline: in order
+    engine: ZeroTrainEngine
     if pipeline:
         from zerotrain.engine.pipeline_engine import PipelineEngine
 
@@ -230,7 +233,7 @@ def _broadcast_from_rank0(model: nn.Module, topology: Topology, experts: dict[st
     if topology.data_size == 1:
         return
     group, src = topology.data_group, topology.first_global_rank("data")
-    expert_ids = set()
+    expert_ids: set[int] = set()
     if experts:
         import torch.distributed as dist
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from zerotrain.log import log_rank0
 from zerotrain.pipeline.schedule import StageRunner
 from zerotrain.pipeline.specs import PipelineError, TiedLayerSpec
 from zerotrain.pipeline import timeline as _timeline
+
+if TYPE_CHECKING:
+    from zerotrain.pipeline.module import PipelineModule
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 
@@ -76,8 +80,10 @@ class PipelineEngine(ZeroTrainEngine):
     every engine method DeepSpeed's pipeline engine answers is here. The training loop is not
     inherited: ``train_batch`` drives the same step core (``self._core``) ``engine.step()`` does."""
 
+    module: PipelineModule  # initialize builds this engine for a PipelineModule only
+
     def __init__(self, module, config, optimizer=None, lr_scheduler=None, training_dataloader=None,
-                 topology=None):
+                 topology=None) -> None:
         check_pipeline_config(config)
         super().__init__(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          training_dataloader=None, topology=topology)
@@ -105,11 +111,11 @@ class PipelineEngine(ZeroTrainEngine):
         self._runner.on_weight_grads = self._fold_assigned_grads
         self.data_iterator = None
         self.batch_fn = None
-        self.total_loss = None
-        self.agg_train_loss = None
-        self.dp_group_loss = None
+        self.total_loss: torch.Tensor | None = None
+        self.agg_train_loss: torch.Tensor | None = None
+        self.dp_group_loss: torch.Tensor | None = None
         # Where each stage waits ("pipeline": {"timeline": true}): per-stage events of the last batch.
-        self._clock = None
+        self._clock: _timeline.StageClock | None = None
         self._last_timeline: list = []
         self._last_bubble: dict | None = None
         if pipe.timeline:
@@ -286,7 +292,9 @@ class PipelineEngine(ZeroTrainEngine):
         iter_time = window[0] / max(window[1], 1)
         self._print_window = [0.0, 0]
         tput = self.train_batch_size() / max(iter_time, 1e-12)
-        log_rank0(f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} "
+        loss = self.agg_train_loss
+        assert loss is not None  # train_batch sets it before it logs
+        log_rank0(f"steps: {self.global_steps} loss: {float(loss):0.4f} "
                   f"iter time (s): {iter_time:0.3f} samples/sec: {tput:0.3f}")
         if self._last_bubble is not None:
             log_rank0(_timeline.describe(self._last_bubble))
@@ -341,7 +349,7 @@ class PipelineEngine(ZeroTrainEngine):
         finally:
             self.module.train(was_training)
         values = losses if compute_loss else outputs
-        result = None
+        result: torch.Tensor | list | None = None  # the mean, or the per-micro-batch values
         if self.is_last_stage():
             result = values
             if reduce_output == "avg" and values and all(torch.is_tensor(v) for v in values):
@@ -351,6 +359,7 @@ class PipelineEngine(ZeroTrainEngine):
                     result /= self.dp_world_size
         if compute_loss and bcast_loss and reduce_output == "avg" and self.num_stages > 1:
             result = result if result is not None else torch.zeros((), device=self.device)
+            assert isinstance(result, torch.Tensor)  # the mean: the last stage's losses are tensors
             src = self.grid.stage_to_global(self._loss_rank)
             collectives.broadcast(result, src=src, group=self.topology.group("pipe"))
         if return_logits:

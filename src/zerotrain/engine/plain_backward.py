@@ -48,12 +48,18 @@ def _current_task() -> int:
 class PlainBackward:
     """One engine's bookkeeping of the backward passes it did not start."""
 
-    def __init__(self, engine):
+    def __init__(self, engine) -> None:
         self._engine = weakref.ref(engine)
         self.explicit = False  # inside engine.backward()
         self.task: int | None = None  # the autograd pass of an implicit backward under way
         self.factor = 1.0  # what that backward's hooks multiply gradients by
         self.prescaled_task: int | None = None  # the pass that started at engine.scale(loss)
+
+    def _live_engine(self):
+        """The engine, from the paths its own calls and its backward passes run (alive then)."""
+        engine = self._engine()
+        assert engine is not None
+        return engine
 
     # -- engine.backward ------------------------------------------------------------------
     def begin_explicit(self) -> None:
@@ -68,7 +74,7 @@ class PlainBackward:
     # -- engine.scale -------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale; a backward from it is marked as scaled."""
-        scale = self._engine().loss_scaler.loss_scale
+        scale = self._live_engine().loss_scaler.loss_scale
         if scale == 1.0:
             return loss  # nothing to mark: the outputs' hooks multiply by the same factor either way
         scaled = loss.float() * scale
@@ -105,7 +111,7 @@ class PlainBackward:
         return grad if self.factor == 1.0 else grad * self.factor
 
     def _begin(self, task: int) -> None:
-        engine = self._engine()
+        engine = self._live_engine()
         self.settle()
         engine._require_states("loss.backward()")
         scaler = engine.loss_scaler
@@ -123,7 +129,7 @@ class PlainBackward:
 
     def _end(self) -> None:
         """Autograd finished the pass: wait for its reductions, as engine.backward does."""
-        engine = self._engine()
+        engine = self._live_engine()
         self.task, self.prescaled_task = None, None
         engine._timers.stop(BACKWARD_INNER)
         engine._timers.start(BACKWARD_REDUCE)
@@ -138,7 +144,7 @@ class PlainBackward:
         """An implicit backward that raised never reached its callback: drop what it launched."""
         if self.task is not None and self.task != _current_task():
             self.task, self.prescaled_task = None, None
-            engine = self._engine()
+            engine = self._live_engine()
             engine._zero.abort_backward()
             engine._core.end_phase(TrainingState.BACKWARD)
             engine._timers.stop(BACKWARD_INNER)

@@ -5,14 +5,31 @@ The moving itself is zerotrain.zero.offload_states; this mixin is the engine's s
 from __future__ import annotations
 
 import gc
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
 
 from zerotrain.zero.offload_states import OffloadDeviceEnum, StateOffloader
+
+if TYPE_CHECKING:
+    from zerotrain.accelerator.base import Accelerator
+    from zerotrain.engine.plain_backward import PlainBackward
+    from zerotrain.zero.interface import StageInterface
 
 
 class EngineStateOffload:
     """The engine's ``offload_states`` / ``reload_states`` / ``empty_partition_cache``."""
 
     _state_offloader: StateOffloader | None = None
+
+    # What this mixin reads of ZeroTrainEngine (set in its __init__; annotations only).
+    accelerator: Accelerator
+    device: torch.device
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    _plain_backward: PlainBackward
+    _zero: StageInterface
 
     def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                        non_blocking: bool = False) -> None:

@@ -202,9 +202,10 @@ class StepCore:
 
     def _model_step(self, lr_kwargs: dict | None) -> None:
         engine = self._engine()
+        assert engine is not None  # the engine drives its own step: it is alive
         clip = self.settings.gradient_clipping
         scale = self._loss_scaler.loss_scale
-        norm = None
+        norm = math.nan  # measured below whenever read: by clipping or the overflow check
         if clip > 0 or self._check_overflow:
             norm = float(self._zero.grad_norm()) / scale
         self.global_steps += 1
@@ -249,12 +250,13 @@ class StepCore:
         step line (mean loss of the window, samples/s, TFLOPS once profiled), the NVMe swap line and
         the phase times."""
         engine = self._engine()
+        assert engine is not None  # the engine logs its own step: it is alive
         every = self.settings.steps_per_print
         losses, self.window_losses = self.window_losses, []
         if self._monitor.enabled:
             self._monitor.write_step(engine, losses)
         if self._moe_stats is not None:  # per-layer expert counts, drop rate and l_aux
-            self._moe_stats.step_done(engine, bool(every) and self.global_steps % every == 0)
+            self._moe_stats.step_done(engine, bool(every and self.global_steps % every == 0))
         if not every or self.global_steps % every:
             return
         now = time.perf_counter()

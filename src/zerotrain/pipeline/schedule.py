@@ -38,13 +38,16 @@ last stage, the module's ``loss_fn`` and the gradient scale.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zerotrain.pipeline.partition import rank_virtual_stages
+
+if TYPE_CHECKING:
+    from zerotrain.pipeline.timeline import StageClock
 
 # The schedules offered (tested against single-process training; docs/pipeline.md).
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
@@ -127,6 +130,8 @@ class StageRunner:
     on this rank, placed by ``virtual_layout`` (``module.chunk(c)`` is virtual stage
     ``rank_virtual_stages(stage_id, ...)[c]``). ``is_first``/``is_last``: this rank holds the
     pipeline's first/last (virtual) stage (both on rank 0 in a V)."""
+
+    clock: StageClock | None  # set by a pipeline engine with a timeline; read with getattr (unset: none)
 
     def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
                  group, schedule: str = DEFAULT_SCHEDULE,
