@@ -7,11 +7,15 @@ the other way round (docs/design.md, "Dependency rule").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zerotrain.accelerator import get_accelerator
+
+if TYPE_CHECKING:
+    from zerotrain.offload.nvme import NvmeParamSettings, NvmeSettings
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,8 @@ class Placement:
     pin_memory: bool = False  # page-locked masters (where the accelerator supports it)
     param_device: torch.device | None = None  # stage-3 shards (offload_param); None: the device
     param_pin_memory: bool = False
-    nvme: object | None = None  # zerotrain.offload.NvmeSettings: masters and state in swap files
-    param_nvme: object | None = None  # zerotrain.offload.NvmeParamSettings: stage-3 shards on disk
+    nvme: NvmeSettings | None = None  # masters and optimizer state in swap files
+    param_nvme: NvmeParamSettings | None = None  # stage-3 shards on disk
     local_ranks: int = 1  # ranks sharing this node's disk (for the swap space check)
 
     def separate_master(self, shard: torch.Tensor, mixed: bool) -> bool:

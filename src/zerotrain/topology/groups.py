@@ -94,7 +94,8 @@ def own_rank_group():
 def weak_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh`` with its group cache holding the groups weakly (torch's registry keeps them
     until ``destroy_process_group()``; the mesh looks them up by name)."""
-    mesh._pg_registry = weakref.WeakValueDictionary(mesh._pg_registry)
+    # torch annotates the private cache as a dict; a WeakValueDictionary serves its lookups
+    mesh._pg_registry = weakref.WeakValueDictionary(mesh._pg_registry)  # type: ignore[assignment]
     return mesh
 
 

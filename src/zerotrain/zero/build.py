@@ -299,7 +299,7 @@ def _build_units(strategy, plan: _Plan, module, group, precision, placement, sha
     master placed or written to the swap files, resharded and cast; with each unit's
     ``UnitReduction`` and counted flag (by ``id``) and the group a unit is gathered over where
     it is not ``group``."""
-    name_of = {}
+    name_of: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(p), name)
     units: list[FlatParamUnit] = []

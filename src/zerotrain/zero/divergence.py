@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from zerotrain.comm.collectives import CollectiveMismatch, Identity
 from zerotrain.zero.partition import FlatParamUnit
+
+if TYPE_CHECKING:
+    from zerotrain.zero.agreement import CollectiveAgreement
 
 GATHER, REDUCE = 1, 2
 _VERBS = {GATHER: "gathered", REDUCE: "reduced the gradients of"}
@@ -114,4 +117,4 @@ class CollectiveChecks:
     ``CollectiveAgreement``, with ``ZEROTRAIN_CHECK_COLLECTIVES=1``), run before each."""
 
     identities: UnitIdentities | None = None
-    agreement: object | None = None
+    agreement: CollectiveAgreement | None = None

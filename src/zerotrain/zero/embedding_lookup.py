@@ -50,7 +50,7 @@ class Lookups:
     def __contains__(self, module) -> bool:
         return module in self.units
 
-    def forward(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         unit = self.units.get(module)
         if unit is not None and unit.gathered:
             # Gathered already (inside GatheredParameters over the whole model, for generation

@@ -9,7 +9,7 @@ parameter lives in a flat buffer and pads the buffer so its length divides by th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TypeVar
 
 import torch
 
@@ -96,12 +96,15 @@ class FlatLayout:
         return pieces
 
 
-def split_into_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[list[torch.Tensor]]:
+_T = TypeVar("_T", bound=torch.Tensor)  # parameters stay parameters through the split
+
+
+def split_into_buckets(params: Sequence[_T], bucket_numel: int) -> list[list[_T]]:
     """Group ``params`` (already in reduction order) into buckets of at most ``bucket_numel``
     elements each, one dtype and device per bucket. A parameter larger than the cap gets a
     bucket of its own."""
-    buckets: list[list[torch.Tensor]] = []
-    open_by_kind: dict[tuple, tuple[list[torch.Tensor], int]] = {}
+    buckets: list[list[_T]] = []
+    open_by_kind: dict[tuple, tuple[list[_T], int]] = {}
     for p in params:
         kind = (p.dtype, p.device)
         current, size = open_by_kind.get(kind, (None, 0))

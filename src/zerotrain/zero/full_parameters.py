@@ -9,12 +9,16 @@ flight while the caller consumes this one, and releases each as soon as the call
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
 from zerotrain.zero import registry
+
+if TYPE_CHECKING:
+    from zerotrain.zero.partition import FlatParamUnit
+    from zerotrain.zero.stage3 import ParameterCoordinator
 
 
 def named_full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -29,7 +33,8 @@ def named_full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     are yielded as they are.
     """
     module = model.module if hasattr(model, "zero_stage_object") else model
-    groups: dict[object, list[tuple[str, torch.Tensor]]] = {}
+    assert isinstance(module, nn.Module)  # an engine's module is one
+    groups: dict[FlatParamUnit | str, list[tuple[str, torch.Tensor]]] = {}
     for name, param in module.named_parameters():
         unit = registry.unit_of(param)
         key = unit if unit is not None and unit.resharded and unit.coordinator is not None else name
@@ -44,14 +49,20 @@ def named_full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
                 continue
             if not key.gathered:
                 started.add(key)
-            key.coordinator.fetch(key)  # waits for it when it is in flight
+            _coordinator(key).fetch(key)  # waits for it when it is in flight
             following = next(ahead, None)
-            if following is not None and following.coordinator.start_fetch(following):
+            if following is not None and _coordinator(following).start_fetch(following):
                 started.add(following)
             yield from ((name, param.detach()) for name, param in members)
             if key in started:
                 started.discard(key)
-                key.coordinator.release(key)
+                _coordinator(key).release(key)
     finally:  # closed early: what is still gathered, or in flight, is released
         for unit in started:
-            unit.coordinator.release(unit)
+            _coordinator(unit).release(unit)
+
+
+def _coordinator(unit: FlatParamUnit) -> ParameterCoordinator:
+    """The coordinator of a unit grouped above (only units with one are)."""
+    assert unit.coordinator is not None
+    return unit.coordinator

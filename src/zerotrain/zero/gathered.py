@@ -38,7 +38,7 @@ class GatheredParameters(contextlib.ContextDecorator):
             params = [params]
         # None entries and repeats are skipped, as in DeepSpeed: transformers'
         # resize_token_embeddings passes [weight, bias-or-None, weight, bias-or-None].
-        self.params = []
+        self.params: list[torch.Tensor] = []
         for p in (params if enabled and params is not None else ()):
             if p is not None and all(p is not q for q in self.params):
                 self.params.append(p)
@@ -103,6 +103,7 @@ class GatheredParameters(contextlib.ContextDecorator):
 
     def _global(self, group) -> int:
         """``modifier_rank`` as the global rank torch's collectives take."""
+        assert self.modifier_rank is not None  # only a modifying exit broadcasts
         return self.modifier_rank if group is None else dist.get_global_rank(group, self.modifier_rank)
 
 

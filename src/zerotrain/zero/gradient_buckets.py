@@ -14,7 +14,7 @@ same sequence even when autograd finishes parameters in a different order.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -31,6 +31,12 @@ from zerotrain.zero.flat import FlatLayout
 _in_backward: "weakref.WeakSet[BucketedGradients]" = weakref.WeakSet()
 
 
+class Pending(Protocol):
+    """A launched reduction: a collective's work handle, or anything else waited for alike."""
+
+    def wait(self) -> object: ...
+
+
 class GradientBucket:
     """Parameters whose gradients are reduced together."""
 
@@ -38,14 +44,15 @@ class GradientBucket:
                  persistent: bool = True, dtype: torch.dtype | None = None):
         self.params = list(params)
         self.layout = layout or FlatLayout(self.params)
-        self.flat = self.layout.empty(dtype=dtype) if persistent else None
-        self.views = self.layout.views(self.flat) if persistent else None
+        flat = self.layout.empty(dtype=dtype) if persistent else None
+        self.flat = flat
+        self.views = self.layout.views(flat) if flat is not None else None
         # A buffer of another dtype than the parameters (e.g. fp32 accumulation of bf16
         # gradients) cannot be autograd's .grad: each backward's gradient is added into it.
-        self.accumulates = persistent and self.flat.dtype != self.params[0].dtype
+        self.accumulates = flat is not None and flat.dtype != self.params[0].dtype
         self.seen = [False] * len(self.params)
         self.ready = 0
-        self.work = None
+        self.work: Pending | None = None
         self.launched = False
         self.attach()
 
@@ -71,7 +78,7 @@ class GradientBucket:
             view.copy_(p.grad)
         p.grad = view
 
-    def copy_grad_range(self, out: torch.Tensor, start: int, end: int, divisor: int = 1) -> None:
+    def copy_grad_range(self, out: torch.Tensor, start: int, end: int, divisor: float = 1) -> None:
         """Copy elements ``[start, end)`` of this bucket's flat gradient (as laid out, padding
         included) into ``out``, divided by ``divisor``, reading the parameters' ``.grad``."""
         filled = start
@@ -97,6 +104,11 @@ class GradientBucket:
         if filled < end:
             out.narrow(0, filled - start, end - filled).zero_()
 
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of a persistent bucket (a staged one has none)."""
+        assert self.flat is not None, "a staged bucket has no buffer of its own"
+        return self.flat
+
     def free_grads(self) -> None:
         for p in self.params:
             p.grad = None
@@ -116,8 +128,8 @@ class BucketedGradients:
     """
 
     def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]],
-                 launch: Callable[[GradientBucket], object], overlap: bool = True,
-                 layouts: Sequence[FlatLayout] | None = None, persistent: bool = True,
+                 launch: Callable[[GradientBucket], Pending | None], overlap: bool = True,
+                 layouts: Sequence[FlatLayout | None] | None = None, persistent: bool = True,
                  dtype: torch.dtype | None = None, ordered: bool = True):
         layouts = layouts or [None] * len(buckets)
         self.buckets = [GradientBucket(b, layout, persistent, dtype)

@@ -39,7 +39,7 @@ import contextlib
 import functools
 import sys
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,11 @@ from zerotrain.zero.flat import FlatLayout
 from zerotrain.zero.init_config import dtype_from_config
 from zerotrain.memory_release import configure_allocator, release_freed_memory
 from zerotrain.zero.partition import shard_alignment
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch.distributed import ProcessGroup
 
 _SHARD = "_zerotrain_shard"      # this rank's slice of an Init-partitioned parameter
 _LAYOUT = "_zerotrain_layout"    # its FlatLayout (shape, padding)
@@ -68,7 +73,7 @@ class Partitioning(NamedTuple):
     """How ``Init`` partitioned a parameter: over ``group`` (None: the world), with the slices
     in host memory (``host``), page-locked (``pin``)."""
 
-    group: object = None
+    group: ProcessGroup | None = None
     host: bool = False
     pin: bool = False
 
@@ -169,18 +174,20 @@ def materialize(param: nn.Parameter, group=_OWN_GROUP) -> None:
 
 # -- the torch-function mode -------------------------------------------------------------------
 _T = torch.Tensor
-# Answers that are the same for a placeholder and the whole parameter: no gather.
+# Answers that are the same for a placeholder and the whole parameter: no gather. (The
+# ignores: torch's stubs declare Tensor's C getset descriptors as plain attributes, so mypy
+# sees no __get__/__set__ on them; at runtime they are descriptors, as the mode receives them.)
 _VALUE_FREE = {
-    _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.requires_grad.__get__,
-    _T.requires_grad.__set__, _T.requires_grad_, _T.grad_fn.__get__, _T.is_leaf.__get__,
-    _T.grad.__get__, _T.retains_grad.__get__, _T.is_cuda.__get__, _T.is_cpu.__get__,
-    _T.is_meta.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__, _T.is_floating_point,
+    _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.requires_grad.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__set__, _T.requires_grad_, _T.grad_fn.__get__, _T.is_leaf.__get__,  # type: ignore[attr-defined, union-attr]
+    _T.grad.__get__, _T.retains_grad.__get__, _T.is_cuda.__get__, _T.is_cpu.__get__,  # type: ignore[attr-defined, union-attr]
+    _T.is_meta.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__, _T.is_floating_point,  # type: ignore[attr-defined]
     _T.is_complex, _T.element_size, _T.get_device, _T._is_view, _T.register_hook,
     _T.register_post_accumulate_grad_hook, _T.__repr__,
 }
 # Shape queries: answered from the placeholder's recorded shape, no gather.
 _SHAPE_QUERIES = {
-    _T.shape.__get__, _T.size, _T.dim, _T.ndimension, _T.ndim.__get__, _T.numel, _T.nelement,
+    _T.shape.__get__, _T.size, _T.dim, _T.ndimension, _T.ndim.__get__, _T.numel, _T.nelement,  # type: ignore[attr-defined]
     _T.__len__, torch.numel,
 }
 
@@ -230,7 +237,7 @@ _RUNTIME_PACKAGES = ("zerotrain.engine", "zerotrain.zero", "zerotrain.comm", "ze
 def _called_from_zerotrain(depth: int = 2) -> bool:
     """Whether the torch call (or module construction) ``depth`` frames up comes from
     zerotrain's runtime (``initialize`` run inside the context, say) rather than user code."""
-    frame = sys._getframe(depth)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if name != "torch" and not name.startswith("torch."):
@@ -267,7 +274,7 @@ _suspended: "Init | None" = None  # a context shut down by shutdown_init_context
 _nested: "list[Init]" = []  # contexts entered inside the outermost one, innermost last
 
 
-def _innermost() -> "Init":
+def _innermost() -> "Init | None":
     """The context whose settings partition the modules constructed now."""
     return _nested[-1] if _nested else _active
 
@@ -422,7 +429,8 @@ class Init:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             patch(cls)
 
-        nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        # Monkeypatching nn.Module's class hook, which mypy types as object's plain method.
+        nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign, assignment]
 
     def _patch(self, cls) -> None:
         original = cls.__dict__.get("__init__")
@@ -435,10 +443,10 @@ class Init:
         if self._saved_init_subclass is None:
             del nn.Module.__init_subclass__
         else:
-            nn.Module.__init_subclass__ = self._saved_init_subclass
+            nn.Module.__init_subclass__ = self._saved_init_subclass  # type: ignore[method-assign]  # restoring the saved hook
         for cls, original in self._patched.items():
             if getattr(cls.__dict__.get("__init__"), _WRAPPER, False):  # else someone replaced it
-                cls.__init__ = original
+                cls.__init__ = original  # type: ignore[misc]  # restoring the constructor wrapped above
         self._patched.clear()
 
     def _constructed(self, module: nn.Module, outermost: bool) -> None:
@@ -507,7 +515,9 @@ class Init:
         # GatheredParameters or initialize may have taken it over meanwhile.
         if not is_partitioned(param) and not _taken_over(param):
             with _own_code():
-                _broadcast_and_keep_shard(param, partitioning_of(param))
+                how = partitioning_of(param)
+                assert how is not None  # the mode gathers partitioned parameters only
+                _broadcast_and_keep_shard(param, how)
 
     def _flush(self) -> None:
         """Re-partition every parameter gathered whole by the mode."""

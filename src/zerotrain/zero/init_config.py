@@ -4,14 +4,18 @@ section and the memory-release policy, with unfilled ``"auto"`` values left to t
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zerotrain.memory_release import set_memory_release
 
+if TYPE_CHECKING:
+    from zerotrain.config import OffloadParamConfig
 
-def dtype_from_config(config_dict_or_path, group=None) -> torch.dtype:
+
+def dtype_from_config(config_dict_or_path, group=None) -> tuple[torch.dtype, OffloadParamConfig | None]:
     """DeepSpeed's reading of a ds_config in zero.Init: the partitions' dtype, and the
     ``offload_param`` section when its device is not "none". Also applies the config's
     ``memory_release`` (zerotrain only), before Init tunes the allocator. Batch sizes are

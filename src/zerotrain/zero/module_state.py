@@ -52,7 +52,7 @@ def load_module_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
         name = next((n for n in names_of.get(id(param), []) if n in state_dict), None)
         return None if name is None else checked(name, shape)
 
-    in_units = set()
+    in_units: set[int] = set()
     for unit in units:
         values = [value_for(p, slot.shape) for p, slot in zip(unit.params, unit.layout.slots)]
         unit.load_values([None if v is None else v.to(unit.device) for v in values])

@@ -33,6 +33,7 @@ def optimizer_offload(placement: Placement, plan, optimizer, shard_world: int, r
             planned.append((g, -(-numel // (world * align)) * align))
     first = next((p for _, params in plan for p in params), None)
     on_host = first is None or first.device.type == "cpu"
+    assert placement.nvme is not None  # called only where the placement swaps to NVMe
     return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
                                 swap_master=precision.mixed or not on_host,
                                 local_ranks=placement.local_ranks, activity=activity)
@@ -53,6 +54,7 @@ def param_offload(placement: Placement, plan, shard_world: int, rank: int,
         need += round_up(-(-numel // (world * align)) * align * itemsize) + ALIGN
     also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
             if optimizer_offload is not None else None)
+    assert placement.param_nvme is not None  # called only where the placement swaps to NVMe
     return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also,
                             activity=activity)
 

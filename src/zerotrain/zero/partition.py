@@ -9,7 +9,7 @@ the same buffer, so in fp32 no second "master" copy exists.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,12 @@ from zerotrain.comm import collectives
 from zerotrain.precision.masters import adopt_changed as _adopt_changed
 from zerotrain.zero.flat import FlatLayout
 from zerotrain.zero.leaves import unit_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from zerotrain.offload.params import ParamSwapper
+    from zerotrain.zero.stage3 import ParameterCoordinator
 
 
 def shard_alignment(dtype: torch.dtype) -> int:
@@ -46,12 +52,15 @@ class FlatParamUnit:
         self.group = group
         align = shard_alignment(dtype or self.params[0].dtype)
         self.layout = FlatLayout(self.params, world_size, align)
-        self.flat = self.layout.empty()
+        # The full buffer: None while released (stage 3, between gathers).
+        flat = self.layout.empty()
+        self.flat: torch.Tensor | None = flat
         with torch.no_grad():
-            self.layout.copy_in(self.flat, self.params)
-        self._point_params_at(self.flat)
+            self.layout.copy_in(flat, self.params)
+        self._point_params_at(flat)
         self._rank = rank
-        self.shard = nn.Parameter(self.layout.shard(self.flat, rank))
+        # None once derived from the fp32 master (``derive_shard_from_master``).
+        self.shard: nn.Parameter | None = nn.Parameter(self.layout.shard(flat, rank))
         self.record_versions()
 
     @property
@@ -82,7 +91,10 @@ class FlatParamUnit:
 
     @property
     def device(self) -> torch.device:
-        return self.master.device if self.shard is None else self.shard.device
+        if self.shard is None:
+            assert self.master is not None, "a derived shard has an fp32 master"
+            return self.master.device
+        return self.shard.device
 
     @property
     def derived(self) -> bool:
@@ -95,6 +107,7 @@ class FlatParamUnit:
         device its gathers fill (a master on a GPU's host keeps it: a gather would move fp32
         across the bus), and not swapped to NVMe."""
         return (self.resharded and self.master is not None and self.param_swapper is None
+                and self.shard is not None
                 and self.master.device == self.layout.device == self.shard.device)
 
     def derive_shard_from_master(self) -> None:
@@ -110,8 +123,13 @@ class FlatParamUnit:
     def shard_values(self) -> torch.Tensor:
         """This rank's shard in the parameters' dtype, to read (a new tensor when derived)."""
         if self.derived:
-            return self.master.detach().to(self.dtype)
+            return self._derived_from().to(self.dtype)
         return self.resident_shard().detach()
+
+    def _derived_from(self) -> torch.Tensor:
+        """The fp32 master a derived shard is cast from (detached)."""
+        assert self.master is not None, "a derived shard has an fp32 master"
+        return self.master.detach()
 
     def cast(self, dtype: torch.dtype) -> None:
         """Move the buffers (and so every module parameter) to ``dtype``, freeing the old ones."""
@@ -119,24 +137,32 @@ class FlatParamUnit:
             return
         self.layout = self.layout.with_dtype(dtype)
         if self.resharded:
+            assert self.shard is not None, "cast before the shard is derived"
             self.shard = nn.Parameter(self.shard.detach().to(dtype))
             return
-        self.flat = self.flat.to(dtype)
-        self._point_params_at(self.flat)
-        self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank))
+        flat = self.full_buffer()
+        self.flat = flat = flat.to(dtype)
+        self._point_params_at(flat)
+        self.shard = nn.Parameter(self.layout.shard(flat, self._rank))
 
     def all_gather(self, group=None):
         """Start gathering every rank's updated shard into the full buffer."""
-        return collectives.all_gather_into(self.flat, self.shard.detach(), group=group,
+        assert self.shard is not None, "a whole unit keeps its shard"
+        return collectives.all_gather_into(self.full_buffer(), self.shard.detach(), group=group,
                                            async_op=True)
+
+    def full_buffer(self) -> torch.Tensor:
+        """The full buffer, where the caller knows it is held (whole or gathered)."""
+        assert self.flat is not None, "the unit's full buffer is released"
+        return self.flat
 
     # -- stage 3 ------------------------------------------------------------------------
     resharded = False
-    coordinator = None    # the ParameterCoordinator that gathers this unit (stage 3)
-    master = None         # the optimizer's fp32 copy of the shard, when training in 16 bits
-    param_swapper = None  # offload_param "nvme": zerotrain.offload.params.ParamSwapper
+    coordinator: ParameterCoordinator | None = None  # the coordinator that gathers it (stage 3)
+    master: torch.Tensor | None = None  # the optimizer's fp32 copy of the shard, in 16 bits
+    param_swapper: ParamSwapper | None = None  # offload_param "nvme"
     shard_edited = False  # the shard was written outside the step (NVMe offload adopts it)
-    process_group = None  # the data-parallel group its shards are spread over
+    process_group: ProcessGroup | None = None  # the data-parallel group its shards are spread over
     _ds_status = False    # whether the parameters carry DeepSpeed's ds_status
 
     def expose_deepspeed_attributes(self, ids) -> None:
@@ -149,8 +175,9 @@ class FlatParamUnit:
         pieces = {piece.slot.index: piece for piece in self.layout.shard_pieces(self._rank)}
         # Views of the shard's storage (refilled in place); of the fp32 master where the shard
         # is derived from it.
-        shard = self.master.detach() if self.derived else self.resident_shard().detach()
-        for i, (p, slot) in enumerate(zip(self.params, self.layout.slots)):
+        shard = self._derived_from() if self.derived else self.resident_shard().detach()
+        for i, (param, slot) in enumerate(zip(self.params, self.layout.slots)):
+            p: Any = param  # DeepSpeed's ds_* read-outs are attributes set on torch's Parameter
             p.ds_id = next(ids)
             p.ds_numel = slot.numel
             p.ds_shape = slot.shape
@@ -165,10 +192,11 @@ class FlatParamUnit:
     def _set_status(self, available: bool) -> None:
         if self._ds_status:
             status = self._status.AVAILABLE if available else self._status.NOT_AVAILABLE
-            for p in self.params:
+            for param in self.params:
+                p: Any = param  # ds_status: an attribute set on torch's Parameter
                 p.ds_status = status
 
-    def resident_shard(self, dirty: bool = False, fill: bool = True) -> nn.Parameter:
+    def resident_shard(self, dirty: bool = False, fill: bool = True) -> torch.Tensor:
         """The shard, in memory (with NVMe parameter offload it may have been evicted to its
         swap file: read back now, unless ``fill`` is False: the caller overwrites all of it).
         ``dirty``: the caller writes it (so it is written back)."""
@@ -177,13 +205,14 @@ class FlatParamUnit:
                                "shard_values(), write the master")
         if self.param_swapper is not None:
             return self.param_swapper.ensure(self, dirty, fill)
+        assert self.shard is not None  # not derived
         return self.shard
 
     @torch.no_grad()
     def adopt_full_values(self) -> None:
         """The gathered full buffer was changed in place: make this rank's shard (and master)
         match it."""
-        new = self.layout.shard(self.flat, self._rank)
+        new = self.layout.shard(self.full_buffer(), self._rank)
         if not self.derived:
             self.resident_shard(dirty=True).data.copy_(new)
             self.shard_edited = True
@@ -211,7 +240,7 @@ class FlatParamUnit:
         if not edited:
             return
         if self.master is not None and not self.resharded:
-            full = self.layout.shard(self.flat, self._rank)
+            full = self.layout.shard(self.full_buffer(), self._rank)
             for piece in self.layout.shard_pieces(self._rank):
                 if piece.slot.index in edited:
                     window = slice(piece.shard_start, piece.shard_start + piece.numel)
@@ -240,7 +269,7 @@ class FlatParamUnit:
 
     def reshard(self) -> None:
         """Keep only this rank's shard (a private copy) and free the full buffer."""
-        self.shard = nn.Parameter(self.layout.shard(self.flat, self._rank).clone())
+        self.shard = nn.Parameter(self.layout.shard(self.full_buffer(), self._rank).clone())
         self.resharded = True
         self.release()  # the construction-time buffer is freed, not pooled
 
@@ -260,16 +289,16 @@ class FlatParamUnit:
         """Start gathering the shards into ``buffer`` (``layout.padded_numel`` elements of the
         shard's dtype), or into a newly allocated full buffer. ``identity``: what every rank
         must be gathering too (``collectives.Identity``, checked when the gather is waited for)."""
-        self.flat = buffer if buffer is not None else self.layout.empty(zero=False)
+        self.flat = flat = buffer if buffer is not None else self.layout.empty(zero=False)
         if self.derived:  # this rank's slice of the buffer is the input: nothing else to copy
-            shard = self.layout.shard(self.flat, self._rank)
-            shard.copy_(self.master.detach())
-            return collectives.all_gather_into(self.flat, shard, group=group, async_op=True,
+            shard = self.layout.shard(flat, self._rank)
+            shard.copy_(self._derived_from())
+            return collectives.all_gather_into(flat, shard, group=group, async_op=True,
                                                identity=identity)
         shard = self.resident_shard().detach()
-        if shard.device != self.flat.device:  # offload_param: the shard lives in host memory
-            shard = shard.to(self.flat.device, non_blocking=True)
-        return collectives.all_gather_into(self.flat, shard, group=group, async_op=True,
+        if shard.device != flat.device:  # offload_param: the shard lives in host memory
+            shard = shard.to(flat.device, non_blocking=True)
+        return collectives.all_gather_into(flat, shard, group=group, async_op=True,
                                            identity=identity)
 
     def attach(self, buffer: torch.Tensor) -> None:
@@ -280,7 +309,7 @@ class FlatParamUnit:
 
     def finish_gather(self) -> None:
         """After the gather has completed: point the module parameters at the full buffer."""
-        self._point_params_at(self.flat)
+        self._point_params_at(self.full_buffer())
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
         for p, view in zip(self.params, self.layout.views(flat)):
@@ -307,16 +336,16 @@ def plan_units(param_groups: Sequence[dict], unit_numel: int,
     units: list[tuple[int, list[nn.Parameter], int]] = []
     open_unit: dict[int, tuple[list[nn.Parameter], int, int]] = {}
     for position, p in enumerate(backward_order):
-        g = group_of.get(id(p))
-        if g is None or not p.requires_grad:
+        owner = group_of.get(id(p))
+        if owner is None or not p.requires_grad:
             continue
-        params, size, index = open_unit.get(g, (None, 0, -1))
+        params, size, index = open_unit.get(owner, (None, 0, -1))
         if params is None or (params and size + p.numel() > unit_numel):
             params, size, index = [], 0, len(units)
-            units.append((g, params, position))
+            units.append((owner, params, position))
         params.append(p)
-        units[index] = (g, params, position)
-        open_unit[g] = (params, size + p.numel(), index)
+        units[index] = (owner, params, position)
+        open_unit[owner] = (params, size + p.numel(), index)
     in_model = {id(p) for p in backward_order}
     missing = [p for group in param_groups for p in group["params"]
                if p.requires_grad and id(p) not in in_model]
@@ -350,7 +379,8 @@ def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: b
     ``frozen``, parameters that do not require gradients (every parameter, with ``all_frozen``:
     an engine without optimizer) form units of group None, partitioned too; nothing steps them."""
     leaf_of = leaf_of or {}
-    group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
+    group_of: dict[int, int | None] = {id(p): g for g, group in enumerate(param_groups)
+                                       for p in group["params"]}
     for p in module.parameters():
         if all_frozen or not p.requires_grad:  # frozen even if an optimizer group lists it
             if frozen:
@@ -359,9 +389,9 @@ def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: b
                 group_of.pop(id(p), None)
     first_owner: dict[int, nn.Module] = {}
     for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                first_owner.setdefault(id(p), leaf_of.get(m, m))
+        for owned in m._parameters.values():
+            if owned is not None:
+                first_owner.setdefault(id(owned), leaf_of.get(m, m))
     units = []
     for m in reversed(list(module.modules())):
         params = unit_parameters(m, leaf_of)

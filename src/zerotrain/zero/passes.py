@@ -79,7 +79,7 @@ def before_backward_of(tensors, hook) -> None:
 
 
 def unique(items) -> list:
-    out = []
+    out: list = []
     for item in items:
         if item is not None and all(item is not o for o in out):
             out.append(item)

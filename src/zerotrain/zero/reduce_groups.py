@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zerotrain.comm import collectives
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -36,7 +39,7 @@ class UnitReduction:
     communication dtype, the dtype they travel in (``comm_dtype``: torch_autocast's
     lower-precision-safe modules)."""
 
-    group: object
+    group: ProcessGroup | None
     size: int
     rank: int
     divide_factor: float

@@ -19,7 +19,7 @@ is divided by ("averaged" above: the default, the group's size).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -27,10 +27,13 @@ from zerotrain.comm import collectives
 from zerotrain.memory_release import TrimEvery, release_freed_memory
 from zerotrain.precision import PrecisionPolicy
 from zerotrain.zero.divergence import CollectiveChecks
-from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket, Pending
 from zerotrain.zero.partition import FlatParamUnit
 from zerotrain.zero.reduce_groups import UnitReduction
 from zerotrain.zero.staging import StagingPool
+
+if TYPE_CHECKING:
+    from zerotrain.offload.params import GradSwapper
 
 
 class _Reduction:
@@ -41,7 +44,7 @@ class _Reduction:
     staging: StagingPool | None
     reduces_every_backward = False
     checks: CollectiveChecks  # each reduction's identity (stage 3) and agreement check
-    grad_swapper = None  # NVMe gradient offload (stage 3, offload_param "nvme"): a GradSwapper
+    grad_swapper: GradSwapper | None = None  # NVMe gradient offload (stage 3, offload_param "nvme")
 
     def _agree(self, bucket: GradientBucket) -> None:
         if self.checks.agreement is not None:
@@ -125,7 +128,7 @@ class AllReduceGradients(_Reduction):
         # A unit sharded over its group (stage 1) holds the shard of its rank there.
         self._shard_ranks = [r.rank if b.layout.world_size > 1 else 0
                              for b, r in zip(self.grads.buckets, self.reductions)]
-        self.shard_grads = [b.layout.shard(b.flat, rank)
+        self.shard_grads = [b.layout.shard(b.buffer(), rank)
                             for b, rank in zip(self.grads.buckets, self._shard_ranks)]
         largest = max((u.layout.padded_numel for u in units), default=1)
         device = units[0].device if units else None
@@ -159,27 +162,29 @@ class AllReduceGradients(_Reduction):
                 continue
             start = self._shard_ranks[i] * bucket.layout.shard_numel
             end = start + bucket.layout.shard_numel
-            bucket.flat.narrow(0, 0, start).zero_()
-            bucket.flat.narrow(0, end, bucket.flat.numel() - end).zero_()
+            flat = bucket.buffer()
+            flat.narrow(0, 0, start).zero_()
+            flat.narrow(0, end, flat.numel() - end).zero_()
             shard.mul_(self.reductions[i].divide_factor)
             bucket.attach()
         self._scattered = False
 
-    def _launch(self, bucket: GradientBucket):
+    def _launch(self, bucket: GradientBucket) -> Pending | None:
         self._trim.reduced(bucket.layout.padded_numel)
         index = self._index[id(bucket)]
         spec = self.reductions[index]
+        flat = bucket.buffer()
         if spec.size == 1:
             if spec.divide_factor != 1.0:
-                bucket.flat.div_(spec.divide_factor)
+                flat.div_(spec.divide_factor)
             return None
         self._agree(bucket)
         if self._scatters[index]:
             self._scattered = True
-            bucket.flat.div_(spec.divide_factor)
+            flat.div_(spec.divide_factor)
             bucket.free_grads()  # the rest of the bucket is the peers' to hold: no .grad shows it
-            mine = bucket.layout.shard(bucket.flat, self._shard_ranks[index])
-            work = collectives.reduce_scatter_into(mine, bucket.flat, group=spec.group,
+            mine = bucket.layout.shard(flat, self._shard_ranks[index])
+            work = collectives.reduce_scatter_into(mine, flat, group=spec.group,
                                                    async_op=True)
             # Each reduction in flight holds a shard-sized receive buffer (and, on gloo, the
             # backend's copies of what it sends): two at a time, not the whole model's worth
@@ -191,13 +196,13 @@ class AllReduceGradients(_Reduction):
         pool = self._cast_pools[index]
         if pool is None:
             # Dividing before the sum keeps the launch inside backward, off the critical path.
-            bucket.flat.div_(spec.divide_factor)
-            return collectives.all_reduce(bucket.flat, group=spec.group, async_op=True)
+            flat.div_(spec.divide_factor)
+            return collectives.all_reduce(flat, group=spec.group, async_op=True)
         slot = pool.acquire()  # reduced in another dtype: cast through a slot
-        wire = slot.flat.narrow(0, 0, bucket.flat.numel())
-        wire.copy_(bucket.flat).div_(spec.divide_factor)
+        wire = slot.flat.narrow(0, 0, flat.numel())
+        wire.copy_(flat).div_(spec.divide_factor)
         work = collectives.all_reduce(wire, group=spec.group, async_op=True)
-        return slot.track(work, lambda: bucket.flat.copy_(wire))
+        return slot.track(work, lambda: flat.copy_(wire))
 
     def end_backward(self) -> None:
         super().end_backward()
@@ -270,10 +275,10 @@ class ReduceScatterGradients(_Reduction):
         self.staging = self._pools[precision.comm_dtype]
         self._unit_pools = [self._pools[w] for w in wires]
         if grad_offload is not None and units:
-            self.grad_swapper = grad_offload.grad_swapper(dict(zip(units, self.shard_grads)),
-                                                          self.wait_for)
+            swapper = grad_offload.grad_swapper(dict(zip(units, self.shard_grads)), self.wait_for)
+            self.grad_swapper = swapper
             for unit in units:
-                self.grad_swapper.add_unit(unit, write=False)  # zeros: nothing to write
+                swapper.add_unit(unit, write=False)  # zeros: nothing to write
 
     def wait_for(self, unit: FlatParamUnit) -> None:
         """Wait until ``unit``'s launched reduction has landed in its shard gradient."""
@@ -282,7 +287,7 @@ class ReduceScatterGradients(_Reduction):
             bucket.work.wait()
             bucket.work = None
 
-    def _launch(self, bucket: GradientBucket):
+    def _launch(self, bucket: GradientBucket) -> Pending | None:
         """Reduce a finished unit's gradients into this rank's shard, in chunks that fit the
         staging slots (so a huge parameter, e.g. an embedding, needs no model-sized buffer)."""
         unit, index = self._unit_of[id(bucket)]
@@ -317,7 +322,8 @@ class ReduceScatterGradients(_Reduction):
                 work = collectives.reduce_scatter_into(
                     mine, wire, group=spec.group, async_op=True,
                     scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None,
-                    identity=self.checks.identities and self.checks.identities.reduce(index, c0, n))
+                    identity=(None if self.checks.identities is None
+                              else self.checks.identities.reduce(index, c0, n)))
             else:
                 work = collectives.all_reduce(wire, group=spec.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which

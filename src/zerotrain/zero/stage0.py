@@ -14,7 +14,7 @@ from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.zero import registry
 from zerotrain.zero.flat import split_into_buckets
-from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket
+from zerotrain.zero.gradient_buckets import BucketedGradients, GradientBucket, Pending
 from zerotrain.zero.interface import ShardedState, StageInterface, StageStatistics
 from zerotrain.zero.memory import optimizer_state_bytes, optimizer_state_tensors, tensor_bytes
 from zerotrain.zero.reduce_groups import UnitReduction, check_divide_factor, counted_in_norm, global_norm
@@ -68,14 +68,15 @@ class ReplicatedGradients(StageInterface):
             registry.register_replicated(members, reg_group)
             self._registered.append((members, reg_group))
 
-    def _all_reduce(self, bucket: GradientBucket):
+    def _all_reduce(self, bucket: GradientBucket) -> Pending | None:
         spec = self.reductions[self._index[id(bucket)]]
+        flat = bucket.buffer()
         # Dividing before the sum keeps the launch inside backward, off the critical path.
         if spec.divide_factor != 1.0:
-            bucket.flat.div_(spec.divide_factor)
+            flat.div_(spec.divide_factor)
         if spec.size == 1:
             return None
-        return collectives.all_reduce(bucket.flat, group=spec.group, async_op=True)
+        return collectives.all_reduce(flat, group=spec.group, async_op=True)
 
     def set_gradient_divide_factor(self, factor: float, units=None) -> None:
         """Divide every bucket's reduced sum by ``factor`` instead of the group size (1: sum).
@@ -148,7 +149,7 @@ class ReplicatedGradients(StageInterface):
 
     def state_tensors(self, module: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
         """The module's own parameters are what the optimizer steps: hp and lp are the same."""
-        params = list(module.parameters())
+        params: list[torch.Tensor] = list(module.parameters())
         return {"optim_states": optimizer_state_tensors(optimizer), "hp_params": params,
                 "lp_params": params, "lp_grads": self.grads.flats(), "contiguous_grad_buffer": []}
 

@@ -27,7 +27,7 @@ re-records it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from zerotrain.zero.interface import GatherStatistics
 from zerotrain.zero.leaves import unit_parameters
 from zerotrain.zero.partition import FlatParamUnit
 from zerotrain.zero.passes import UseOrder, before_backward_of, in_backward, output_tensors, unique
+
+if TYPE_CHECKING:
+    from zerotrain.zero.gradient_buckets import Pending
 
 
 class _GatheringParameters(dict):
@@ -116,7 +119,7 @@ class ParameterCoordinator:
         self._position = {u: i for i, u in enumerate(self.units)}
         for u in self.units:
             u.coordinator = self
-        self._inflight: dict[FlatParamUnit, object] = {}
+        self._inflight: dict[FlatParamUnit, Pending] = {}  # gathers started, not waited for
         self._stack: list[tuple[nn.Module, set]] = []
         self._forward_order, self._backward_order = UseOrder(), UseOrder()
         self.hook_handles: list = []  # the forward hooks of register_hooks(), removable
@@ -525,6 +528,7 @@ class ParameterCoordinator:
             if (rest and all(reads_no_weights(m) for m in rest) and unit.gathered
                     and unit not in self._inflight and unit not in self._keep_whole
                     and self._own_storage.get(unit) is unit.flat and unit not in self._hollow):
+                assert unit.flat is not None  # gathered
                 unit.flat.untyped_storage().resize_(0)
                 self._hollow.add(unit)
                 self.hollowed += 1
@@ -557,7 +561,7 @@ class ParameterCoordinator:
         for unit in self.units:
             self.fetch(unit)
             with torch.no_grad():
-                for p, view in zip(unit.params, unit.layout.views(unit.flat)):
+                for p, view in zip(unit.params, unit.layout.views(unit.full_buffer())):
                     p.data = view.clone()
             unit.flat = None
             self.live_numel -= unit.layout.padded_numel

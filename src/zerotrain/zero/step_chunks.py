@@ -13,7 +13,8 @@ def plan_step_chunks(shard_numels: list[int]) -> list[list[int]]:
     """Consecutive indices into ``shard_numels`` grouped into chunks of at most an eighth of
     their sum, or the largest one where that is bigger (also the estimator's step transient)."""
     budget = max(max(shard_numels, default=0), sum(shard_numels) // 8)
-    chunks, numel = [[]], 0
+    chunks: list[list[int]] = [[]]
+    numel = 0
     for i, size in enumerate(shard_numels):
         if chunks[-1] and numel + size > budget:
             chunks.append([])
@@ -24,7 +25,7 @@ def plan_step_chunks(shard_numels: list[int]) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def steps_per_parameter(optimizer_class: type) -> bool:
+def steps_per_parameter(optimizer_class: type[torch.optim.Optimizer]) -> bool:
     """Whether the class's ``step()`` is one of the built-in steps that keep state per
     parameter and pass over parameters without a gradient, so several calls in one training
     step, each over some of the parameters, equal one call over all (a subclass overriding

@@ -11,6 +11,7 @@ all-gathered (stages 1-2) or gathered when next used (stage 3's partitioned unit
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -171,6 +172,7 @@ class ZeroStage(StageInterface):
     def grad_norm(self) -> torch.Tensor:
         """fp32 L2 norm of the whole reduced gradient, every unit's group and the ranks holding
         distinct parameters included (inf/NaN if any of them overflowed)."""
+        norms: Sequence[torch.Tensor]
         if self.grad_swapper is not None:  # evicted gradients: the norm kept when written out
             norms = [self.grad_swapper.norm_of(u) for u in self.trained]
         else:
@@ -209,7 +211,7 @@ class ZeroStage(StageInterface):
                 optimizer.step()
                 for i in chunk:
                     unit, master = self.trained[i], self.masters[i]
-                    if unit.master is not None and not unit.derived:
+                    if unit.master is not None and unit.shard is not None:  # not derived
                         unit.shard.data.copy_(master.detach())
                     master.grad = None  # gradients live for the step only (zero_grad may free them)
         if self.strategy.shards_optimizer:
@@ -232,7 +234,9 @@ class ZeroStage(StageInterface):
         step. An optimizer known to keep per-parameter state and skip parameters without a
         gradient then steps one chunk (``plan_step_chunks``) at a time (bf16 GPT-2 110M stage 3:
         peak 1505 -> 1442 MiB, now in backward). Otherwise one call steps everything."""
-        if any(u.master is not None for u in self.trained) and steps_per_parameter(type(optimizer)):
+        # mypy sees a class's __hash__ as an unbound method, so a class is not Hashable to it
+        if (any(u.master is not None for u in self.trained)
+                and steps_per_parameter(type(optimizer))):  # type: ignore[arg-type]
             return self._chunk_plan
         return [list(range(len(self.trained)))]
 
@@ -282,7 +286,7 @@ class ZeroStage(StageInterface):
         if self.outside is not None:
             grads += self.outside.grads.nbytes
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
-        shards = [u.shard for u in self.units if u.resharded and not u.derived]
+        shards = [u.shard for u in self.units if u.resharded and u.shard is not None]  # not derived
         gathered = {id(p) for u in self.units if u.resharded and u.gathered for p in u.params}
         persistent = [p for p in module.parameters() if id(p) not in gathered]
         out = {
