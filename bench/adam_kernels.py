@@ -52,8 +52,10 @@ def main() -> None:
             opt.step()
             if rep >= 2:
                 times[name].append(time.perf_counter() - start)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {numel / 1e6:.0f}M fp32 "
-          f"params in {args.tensors} tensors, median of {args.reps} steps")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {numel / 1e6:.0f}M fp32 "
+        f"params in {args.tensors} tensors, median of {args.reps} steps"
+    )
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3
         print(f"  {name:34s} {ms:8.1f} ms/step  {numel * 4 / (ms / 1e3) / 1e9:6.2f} GB/s of params")

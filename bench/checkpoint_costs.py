@@ -33,9 +33,13 @@ def _engine(model_kwargs: dict, stage: int, micro: int = 4):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**model_kwargs))
-    cfg = {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -66,10 +70,14 @@ def save_costs(folder: str) -> dict:
         background.append(timed(engine.wait_for_checkpoint))  # the write, had training not overlapped it
     n = sum(p.numel() for p in engine.module.parameters())
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file() and "global_step" in str(f.parent))
-    return {"params": n, "plain_step_s": statistics.median(plain), "sync_save_s": statistics.median(sync),
-            "async_save_blocking_s": statistics.median(blocking),
-            "async_background_write_s": statistics.median(background),
-            "checkpoint_bytes_per_tag": size // len(list(Path(folder).glob("global_step*")))}
+    return {
+        "params": n,
+        "plain_step_s": statistics.median(plain),
+        "sync_save_s": statistics.median(sync),
+        "async_save_blocking_s": statistics.median(blocking),
+        "async_background_write_s": statistics.median(background),
+        "checkpoint_bytes_per_tag": size // len(list(Path(folder).glob("global_step*"))),
+    }
 
 
 def make_large(folder: str) -> dict:
@@ -92,21 +100,40 @@ def main() -> None:
         for fmt in (["--safe_serialization"], []):
             start = time.perf_counter()
             # the child reports its own peak RSS after the CLI ran (RUSAGE_SELF: that process only)
-            code = ("import resource, sys, zerotrain.launcher.cli as c; "
-                    f"rc = c.main(['consolidate', {tmp!r}, {str(out)!r}, '--max_shard_size', '200MB', *{fmt!r}]); "
-                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+            code = (
+                "import resource, sys, zerotrain.launcher.cli as c; "
+                f"rc = c.main(['consolidate', {tmp!r}, {str(out)!r}, '--max_shard_size', '200MB', *{fmt!r}]); "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
+            )
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(done.stdout + done.stderr)
             peak = int(done.stdout.strip().splitlines()[-1])
-            baseline = subprocess.run([sys.executable, "-c", "import resource, torch, zerotrain.launcher.cli; "
-                                       "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
-                                      capture_output=True, text=True, check=True).stdout
-            print(json.dumps({**info, "format": "torch.save" if not fmt else "safetensors",
-                              "fp32_model_MiB": info["params"] * 4 / 2**20,
-                              "shard_MiB": 200e6 / 2**20, "peak_rss_MiB": peak / 1024,
-                              "python_torch_baseline_MiB": int(baseline) / 1024,
-                              "seconds": time.perf_counter() - start}, indent=1))
+            baseline = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import resource, torch, zerotrain.launcher.cli; "
+                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            print(
+                json.dumps(
+                    {
+                        **info,
+                        "format": "torch.save" if not fmt else "safetensors",
+                        "fp32_model_MiB": info["params"] * 4 / 2**20,
+                        "shard_MiB": 200e6 / 2**20,
+                        "peak_rss_MiB": peak / 1024,
+                        "python_torch_baseline_MiB": int(baseline) / 1024,
+                        "seconds": time.perf_counter() - start,
+                    },
+                    indent=1,
+                )
+            )
 
 
 if __name__ == "__main__":

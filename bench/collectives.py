@@ -96,16 +96,21 @@ def _rank(sizes_mib: list[int], reps: int):
         def rs_p2p():
             collectives.reduce_scatter_into(shard, flat, scratch=scratch)
 
-        ops = {"all_gather (list)": ag_list, "all_gather_into_tensor": ag_tensor,
-               "all-gather as in-place all_reduce": ag_in_place,
-               "reduce_scatter (list)": rs_list, "reduce_scatter_tensor": rs_tensor,
-               "reduce-scatter as in-place all_reduce": rs_in_place,
-               "all-gather by send/recv": ag_p2p, "reduce-scatter by send/recv": rs_p2p}
+        ops = {
+            "all_gather (list)": ag_list,
+            "all_gather_into_tensor": ag_tensor,
+            "all-gather as in-place all_reduce": ag_in_place,
+            "reduce_scatter (list)": rs_list,
+            "reduce_scatter_tensor": rs_tensor,
+            "reduce-scatter as in-place all_reduce": rs_in_place,
+            "all-gather by send/recv": ag_p2p,
+            "reduce-scatter by send/recv": rs_p2p,
+        }
         times = {k: [] for k in ops}
         growth = {k: [] for k in ops}
         names = list(ops)
         for r in range(reps + 1):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 dist.barrier()
                 before = _status_kib("VmRSS")
@@ -119,8 +124,7 @@ def _rank(sizes_mib: list[int], reps: int):
                 if r:  # round 0 warms up gloo's buffers
                     times[name].append(slowest.item())
                     growth[name].append((peak - before) / 1024)
-        results[mib] = {k: {"ms": 1e3 * statistics.median(times[k]),
-                            "rss_growth_mib": max(growth[k])} for k in ops}
+        results[mib] = {k: {"ms": 1e3 * statistics.median(times[k]), "rss_growth_mib": max(growth[k])} for k in ops}
     dist.destroy_process_group()
     return results
 
@@ -135,17 +139,19 @@ def main() -> None:
     from zerotrain.testing import run_on_ranks
 
     sizes = [int(s) for s in args.mib.split(",")]
-    res = run_on_ranks(_rank, args.world, args=(sizes, args.reps), timeout=1800,
-                       env={"OMP_NUM_THREADS": "1"})[0]
-    print(f"gloo, {args.world} ranks, median of {args.reps} rounds (slowest rank), "
-          "peak RSS growth per call (max over rounds, rank 0)")
+    res = run_on_ranks(_rank, args.world, args=(sizes, args.reps), timeout=1800, env={"OMP_NUM_THREADS": "1"})[0]
+    print(
+        f"gloo, {args.world} ranks, median of {args.reps} rounds (slowest rank), "
+        "peak RSS growth per call (max over rounds, rank 0)"
+    )
     for mib, ops in res.items():
         print(f"\n{mib} MiB fp32 buffer\n")
         print("| op | ms | / in-place all_reduce | RSS growth MiB |")
         print("|---|---|---|---|")
         for name, r in ops.items():
-            base = ops["all-gather as in-place all_reduce" if "gather" in name
-                       else "reduce-scatter as in-place all_reduce"]["ms"]
+            base = ops[
+                "all-gather as in-place all_reduce" if "gather" in name else "reduce-scatter as in-place all_reduce"
+            ]["ms"]
             print(f"| {name} | {r['ms']:.1f} | {r['ms'] / base:.2f} | {r['rss_growth_mib']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -31,8 +31,13 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**PRESETS[preset]))
-    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.0, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 0},
+    }
     engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
     vocab = PRESETS[preset]["vocab_size"]
     batch = torch.randint(0, vocab, (micro, seq), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -46,7 +51,7 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
     times = {"off": [], "on": []}
     logged_wait = logged_wall = latency_sum = 0.0
     for r in range(rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
             zerotrain.comm.configure(enabled=mode == "on")
             comms_logger.reset()
             for _ in range(steps):
@@ -58,8 +63,7 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
                 s = comms_logger.summary()
                 logged_wait += s["wait_ms"]
                 logged_wall += s["wall_ms"]
-                latency_sum += sum(row["total_latency_ms"] for sizes in s["ops"].values()
-                                   for row in sizes.values())
+                latency_sum += sum(row["total_latency_ms"] for sizes in s["ops"].values() for row in sizes.values())
     step_on_ms = statistics.median(times["on"]) * 1e3
     # per-call cost of the logger's hook itself, around a collective that does nothing
     from zerotrain.comm.hooks import Call
@@ -79,10 +83,15 @@ def _rank(preset: str, rounds: int, steps: int, micro: int, seq: int):
         best["wrapped"] = min(best["wrapped"], (time.perf_counter() - t0) / 20000 * 1e6)
     comms_logger.reset()
     zerotrain.comm.configure(enabled=False)
-    return {"step_off_ms": statistics.median(times["off"]) * 1e3, "step_on_ms": step_on_ms,
-            "wait_ms": logged_wait, "wall_ms": logged_wall, "latency_sum_ms": latency_sum,
-            "wrapper_us": best["wrapped"] - best["bare"],
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "step_off_ms": statistics.median(times["off"]) * 1e3,
+        "step_on_ms": step_on_ms,
+        "wait_ms": logged_wait,
+        "wall_ms": logged_wall,
+        "latency_sum_ms": latency_sum,
+        "wrapper_us": best["wrapped"] - best["bare"],
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -95,14 +104,15 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     args = p.parse_args()
-    results = run_on_ranks(_rank, 2, args=(args.preset, args.rounds, args.steps, args.micro, args.seq),
-                           timeout=1800)
+    results = run_on_ranks(_rank, 2, args=(args.preset, args.rounds, args.steps, args.micro, args.seq), timeout=1800)
     for rank, r in enumerate(results):
         overhead = 100 * (r["step_on_ms"] / r["step_off_ms"] - 1)
-        print(f"rank {rank}: {r['params'] / 1e6:.1f}M params | step off {r['step_off_ms']:.1f} ms, "
-              f"on {r['step_on_ms']:.1f} ms ({overhead:+.1f}%) | waiting in collectives "
-              f"{100 * r['wait_ms'] / r['wall_ms']:.1f}% of wall; sum of op latencies "
-              f"{100 * r['latency_sum_ms'] / r['wall_ms']:.1f}% of wall | wrapper {r['wrapper_us']:.2f} us per op")
+        print(
+            f"rank {rank}: {r['params'] / 1e6:.1f}M params | step off {r['step_off_ms']:.1f} ms, "
+            f"on {r['step_on_ms']:.1f} ms ({overhead:+.1f}%) | waiting in collectives "
+            f"{100 * r['wait_ms'] / r['wall_ms']:.1f}% of wall; sum of op latencies "
+            f"{100 * r['latency_sum_ms'] / r['wall_ms']:.1f}% of wall | wrapper {r['wrapper_us']:.2f} us per op"
+        )
     print(json.dumps(results))
 
 

@@ -30,14 +30,19 @@ def main() -> None:
     args = p.parse_args()
     before, after = _load(args.before), _load(args.after)
     same = {tuple(r["losses"]) for r in before} == {tuple(r["losses"]) for r in after}
-    print(f"runs: before {len(before)} records, after {len(after)}; "
-          f"losses bit-identical: {'yes' if same else 'NO'}")
+    print(f"runs: before {len(before)} records, after {len(after)}; losses bit-identical: {'yes' if same else 'NO'}")
     print(f"{'figure':<22}{'before':>10}{'after':>10}{'ratio':>8}")
-    figures = [("step s", lambda rows: _median_steps(rows, "step_s", args.skip)),
-               ("peak RSS MiB", lambda rows: statistics.median(r["peak_rss_mib"] for r in rows))]
+    figures = [
+        ("step s", lambda rows: _median_steps(rows, "step_s", args.skip)),
+        ("peak RSS MiB", lambda rows: statistics.median(r["peak_rss_mib"] for r in rows)),
+    ]
     for i, phase in enumerate(("forward", "backward", "optimizer step")):  # phase_s rows
-        figures.append((f"{phase} s", lambda rows, i=i: statistics.median(
-            step[i] for r in rows for step in r["phase_s"][args.skip:])))
+        figures.append(
+            (
+                f"{phase} s",
+                lambda rows, i=i: statistics.median(step[i] for r in rows for step in r["phase_s"][args.skip :]),
+            )
+        )
     for name, fn in figures:
         b, a = fn(before), fn(after)
         print(f"{name:<22}{b:>10.4f}{a:>10.4f}{a / b:>8.3f}")

@@ -33,9 +33,12 @@ def measure(hold_s: float = 0.3, idle_s: float = 0.2, last_s: float = 0.1) -> di
         t.join()
     time.sleep(idle_s)  # idle: not counted
     hold(last_s)
-    return {"busy_s": round(clock.busy_s, 4), "expected_s": hold_s + last_s,
-            "wall_s": round(time.perf_counter() - start, 4),
-            "summed_holds_s": 2 * hold_s + last_s}
+    return {
+        "busy_s": round(clock.busy_s, 4),
+        "expected_s": hold_s + last_s,
+        "wall_s": round(time.perf_counter() - start, 4),
+        "summed_holds_s": 2 * hold_s + last_s,
+    }
 
 
 if __name__ == "__main__":

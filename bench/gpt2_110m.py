@@ -85,21 +85,22 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import transformers
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported now, not mid-build)
 
     from rss_sampler import malloc_in_use_mib
-    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported now, not mid-build)
 
     rss_at = {"imports": proc_status_mib("VmRSS")}
     in_use_at = {"imports": malloc_in_use_mib()}
-    cfg = transformers.GPT2Config(**MODELS[args.model][0], resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(**MODELS[args.model][0], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     mode, stage, dtype = args.mode, args.stage, args.dtype
     torch.manual_seed(0)
-    ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-          "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW",
-                        "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
-          "zero_optimization": {"stage": stage, **json.loads(args.zero)}}
+    ds = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, **json.loads(args.zero)},
+    }
     leaf_classes = os.environ.get("BENCH_LEAF_CLASSES")  # zt3:BENCH_LEAF_CLASSES= : per-module units
     if leaf_classes is not None and mode == "zerotrain":
         ds["zero_optimization"]["leaf_module"] = {"classes": [c for c in leaf_classes.split(",") if c]}
@@ -132,8 +133,9 @@ def worker(args) -> None:
                 model = transformers.GPT2LMHeadModel(cfg)
         else:
             model = transformers.GPT2LMHeadModel(cfg)
-    init_weights(model, cfg.n_layer, partitioned=mode in ("zerotrain", "deepspeed") and stage == 3,
-                 deepspeed=mode == "deepspeed")
+    init_weights(
+        model, cfg.n_layer, partitioned=mode in ("zerotrain", "deepspeed") and stage == 3, deepspeed=mode == "deepspeed"
+    )
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rank = dist.get_rank()
@@ -156,16 +158,13 @@ def worker(args) -> None:
         engine = fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     elif mode == "deepspeed":
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                 config=ds)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     else:
-        engine, opt, _, _ = zerotrain.initialize(model=model,
-                                                 model_parameters=model.parameters(), config=ds)
+        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
     rss_at["initialized"] = proc_status_mib("VmRSS")
 
     gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=gen)
-               for _ in range(args.steps)]
+    batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=gen) for _ in range(args.steps)]
     if cuda:
         batches = [b.cuda() for b in batches]
         sync()
@@ -238,16 +237,28 @@ def worker(args) -> None:
         from host_work import host_work
 
         host_per_step = host_work(pstats.Stats(profiler), len(batches) - 1)
-    record = {"rank": rank, "params": params, "losses": losses, "step_s": step_s, "cpu_s": cpu_s, "faults": faults,
-              "phase_faults": phase_faults, "gc_s": gc_per_step,
-              "phase_s": phase_s, "rss_mib": rss,
-              "rss_at_mib": rss_at,
-              "peak_device_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None, "malloc_in_use_mib": in_use_at, "peak_rss_mib": proc_status_mib("VmHWM"),
-              "memory_breakdown": live[-1] if live else None,
-              "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
-              "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
-              "malloc_in_use_at_phase_peak_mib": sampler.in_use_at_peak if sampler else None,
-              "host_per_step": host_per_step, "allocator": _allocator_in_use()}
+    record = {
+        "rank": rank,
+        "params": params,
+        "losses": losses,
+        "step_s": step_s,
+        "cpu_s": cpu_s,
+        "faults": faults,
+        "phase_faults": phase_faults,
+        "gc_s": gc_per_step,
+        "phase_s": phase_s,
+        "rss_mib": rss,
+        "rss_at_mib": rss_at,
+        "peak_device_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "malloc_in_use_mib": in_use_at,
+        "peak_rss_mib": proc_status_mib("VmHWM"),
+        "memory_breakdown": live[-1] if live else None,
+        "peak_live_bytes": max((_live_bytes(b) for b in live), default=None),
+        "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
+        "malloc_in_use_at_phase_peak_mib": sampler.in_use_at_peak if sampler else None,
+        "host_per_step": host_per_step,
+        "allocator": _allocator_in_use(),
+    }
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     dist.barrier()
@@ -285,6 +296,7 @@ def label_modules(model, sampler) -> None:
         def hook(module, inputs):
             step = sampler.label.split()[0]
             sampler.phase(f"{step} forward {name}")
+
         return hook
 
     def post(name):
@@ -292,6 +304,7 @@ def label_modules(model, sampler) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if out.requires_grad:
                 out.register_hook(lambda g: sampler.phase(f"{sampler.label.split()[0]} backward {name}"))
+
         return hook
 
     for name, m in named:
@@ -311,6 +324,7 @@ def init_weights(model, n_layer: int, partitioned: bool, deepspeed: bool = False
 
     import torch
     import torch.distributed as dist
+
     if deepspeed:
         import deepspeed as ds  # deepspeed.zero is an attribute, not an importable module
 
@@ -326,8 +340,7 @@ def init_weights(model, n_layer: int, partitioned: bool, deepspeed: bool = False
         if not own:
             continue
         seen.update(id(p) for _, p in own)
-        ctx = (GatheredParameters([p for _, p in own], modifier_rank=0) if partitioned
-               else contextlib.nullcontext())
+        ctx = GatheredParameters([p for _, p in own], modifier_rank=0) if partitioned else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for name, p in own:
                 index += 1
@@ -343,8 +356,7 @@ def init_weights(model, n_layer: int, partitioned: bool, deepspeed: bool = False
 
 def _live_bytes(b: dict) -> int:
     """Bytes the engine holds at peak: persistent states + the peak of gathered parameters."""
-    keys = ("parameters", "master_parameters", "gradients", "optimizer_state",
-            "communication_buffers", "gather_pool")
+    keys = ("parameters", "master_parameters", "gradients", "optimizer_state", "communication_buffers", "gather_pool")
     total = sum(int(b.get(k, 0)) for k in keys)
     return total + int(b.get("peak_gathered_parameters", 0))
 
@@ -381,22 +393,41 @@ def launch(key: str, args, out: Path) -> list[dict]:
     label, mode, stage, dtype, extra_env = system(key)
     if mode in ("ddp", "fsdp2", "deepspeed"):
         python = args.deepspeed_python if mode == "deepspeed" else sys.executable
-        cmd = [python, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc)]
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     else:
         cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", str(args.nproc)]
-    cmd += [__file__, "--worker", "--mode", mode, "--stage", str(stage), "--dtype", dtype,
-            "--device", args.device,
-            "--model", args.model, "--steps", str(args.steps), "--micro", str(args.micro), "--seq", str(args.seq),
-            "--rss-sample-ms", str(args.rss_sample_ms), "--zero", args.zero, "--out", str(out)]
+    cmd += [
+        __file__,
+        "--worker",
+        "--mode",
+        mode,
+        "--stage",
+        str(stage),
+        "--dtype",
+        dtype,
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--micro",
+        str(args.micro),
+        "--seq",
+        str(args.seq),
+        "--rss-sample-ms",
+        str(args.rss_sample_ms),
+        "--zero",
+        args.zero,
+        "--out",
+        str(out),
+    ]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
     if proc.returncode != 0:
-        raise RuntimeError(f"{label} exited {proc.returncode}:\n"
-                           + "\n".join(proc.stderr.splitlines()[-20:]))
+        raise RuntimeError(f"{label} exited {proc.returncode}:\n" + "\n".join(proc.stderr.splitlines()[-20:]))
     recs = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["rank"])
     print(f"  {label}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return recs
@@ -406,22 +437,31 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="110m")
     ap.add_argument("--systems", default="ddp,zt1,zt2,zt3,zt3_bf16")
-    ap.add_argument("--deepspeed-python",
-                    help="interpreter of a venv with deepspeed installed (for the ds* systems)")
+    ap.add_argument("--deepspeed-python", help="interpreter of a venv with deepspeed installed (for the ds* systems)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--micro", type=int, default=None, help="default: the model's")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="model.gradient_checkpointing_enable(use_reentrant=False)")
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="model.gradient_checkpointing_enable(use_reentrant=False)",
+    )
     ap.add_argument("--json")
-    ap.add_argument("--zero", default="{}",
-                    help='extra zero_optimization keys for zerotrain, as JSON, e.g. '
-                         '\'{"stage3_prefetch_bucket_size": 13000000}\'')
-    ap.add_argument("--rss-sample-ms", type=float, default=0.0,
-                    help="sample RSS every N ms and report the peak per phase (module running)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: one GPU per rank, NCCL (default: CPU, gloo)")
+    ap.add_argument(
+        "--zero",
+        default="{}",
+        help="extra zero_optimization keys for zerotrain, as JSON, e.g. '{\"stage3_prefetch_bucket_size\": 13000000}'",
+    )
+    ap.add_argument(
+        "--rss-sample-ms",
+        type=float,
+        default=0.0,
+        help="sample RSS every N ms and report the peak per phase (module running)",
+    )
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL (default: CPU, gloo)"
+    )
     ap.add_argument("--nproc", type=int, default=2, help="ranks per system (default 2)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--mode", default="ddp")
@@ -461,75 +501,108 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
     rows = {}
     for k, reps in runs.items():
         peak = med([max(r["peak_rss_mib"] for r in recs) for recs in reps])
-        step = med([med([max(r["step_s"][i] for r in recs)
-                         for i in range(1, len(recs[0]["step_s"]))]) for recs in reps])
-        cpu = med([med([max(r["cpu_s"][i] for r in recs)
-                        for i in range(1, len(recs[0]["cpu_s"]))]) for recs in reps])
+        step = med(
+            [med([max(r["step_s"][i] for r in recs) for i in range(1, len(recs[0]["step_s"]))]) for recs in reps]
+        )
+        cpu = med([med([max(r["cpu_s"][i] for r in recs) for i in range(1, len(recs[0]["cpu_s"]))]) for recs in reps])
         recs = reps[0]
         rss_steps = [max(r["rss_mib"][i] for r in recs) for i in range(len(recs[0]["rss_mib"]))]
         live = max((r["peak_live_bytes"] or 0) for r in recs) / MIB
-        rows[k] = {"label": system(k)[0] + f" [{recs[0].get('allocator', '?')}]", "peak_rss_mib": peak, "step_s": step, "cpu_s": cpu,
-                   "peak_by_rank": [r["peak_rss_mib"] for r in recs],
-                   "rss_steps_mib": rss_steps, "losses": recs[0]["losses"],
-                   "live_mib": live, "rss_at_mib": recs[0]["rss_at_mib"],
-                   "memory_breakdown": recs[0]["memory_breakdown"], "params": recs[0]["params"],
-                   "peak_device_mib": med([max(r.get("peak_device_mib") or 0 for r in recs)
-                                           for recs in reps])}
+        rows[k] = {
+            "label": system(k)[0] + f" [{recs[0].get('allocator', '?')}]",
+            "peak_rss_mib": peak,
+            "step_s": step,
+            "cpu_s": cpu,
+            "peak_by_rank": [r["peak_rss_mib"] for r in recs],
+            "rss_steps_mib": rss_steps,
+            "losses": recs[0]["losses"],
+            "live_mib": live,
+            "rss_at_mib": recs[0]["rss_at_mib"],
+            "memory_breakdown": recs[0]["memory_breakdown"],
+            "params": recs[0]["params"],
+            "peak_device_mib": med([max(r.get("peak_device_mib") or 0 for r in recs) for recs in reps]),
+        }
     base = rows.get("ddp")
     P = next(iter(rows.values()))["params"]
-    where = (f"{args.nproc} CUDA device(s), NCCL" if args.device == "cuda"
-             else f"{args.nproc} gloo ranks")
-    print(f"\nHF GPT-2 {P / 1e6:.1f}M parameters, micro-batch {args.micro} x seq {args.seq} per "
-          f"rank, {where}, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
-          f"{args.steps} steps, {args.repeats} launch(es) per system; peak = VmHWM, max over "
-          "ranks; step = median of steps 2.., slower rank\n")
-    print("| system | peak RSS MiB | / DDP | step s | / DDP | CPU s per step | / DDP | "
-          "live MiB (engine) | peak - live | RSS after steps 1..N (max rank) | step-1 loss | "
-          "last loss |")
+    where = f"{args.nproc} CUDA device(s), NCCL" if args.device == "cuda" else f"{args.nproc} gloo ranks"
+    print(
+        f"\nHF GPT-2 {P / 1e6:.1f}M parameters, micro-batch {args.micro} x seq {args.seq} per "
+        f"rank, {where}, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping; "
+        f"{args.steps} steps, {args.repeats} launch(es) per system; peak = VmHWM, max over "
+        "ranks; step = median of steps 2.., slower rank\n"
+    )
+    print(
+        "| system | peak RSS MiB | / DDP | step s | / DDP | CPU s per step | / DDP | "
+        "live MiB (engine) | peak - live | RSS after steps 1..N (max rank) | step-1 loss | "
+        "last loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for k, r in rows.items():
+    for r in rows.values():
         rr = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
         sr = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         cr = f"{r['cpu_s'] / base['cpu_s']:.2f}" if base else "-"
         live = f"{r['live_mib']:.0f}" if r["live_mib"] else "-"
         gap = f"{r['peak_rss_mib'] - r['live_mib']:.0f}" if r["live_mib"] else "-"
         steps = " ".join(f"{x:.0f}" for x in r["rss_steps_mib"])
-        print(f"| {r['label']} | {r['peak_rss_mib']:.0f} | {rr} | {r['step_s']:.2f} | {sr} | "
-              f"{r['cpu_s']:.2f} | {cr} | "
-              f"{live} | {gap} | {steps} | {r['losses'][0]:.5f} | {r['losses'][-1]:.5f} |")
+        print(
+            f"| {r['label']} | {r['peak_rss_mib']:.0f} | {rr} | {r['step_s']:.2f} | {sr} | "
+            f"{r['cpu_s']:.2f} | {cr} | "
+            f"{live} | {gap} | {steps} | {r['losses'][0]:.5f} | {r['losses'][-1]:.5f} |"
+        )
     if args.device == "cuda":
         print("\n| system | peak device MiB (max_memory_allocated, max rank) | / DDP | step ms | / DDP |")
         print("|---|---|---|---|---|")
-        for k, r in rows.items():
+        for r in rows.values():
             dr = f"{r['peak_device_mib'] / base['peak_device_mib']:.2f}" if base else "-"
             sr = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
             print(f"| {r['label']} | {r['peak_device_mib']:.0f} | {dr} | {r['step_s'] * 1e3:.1f} | {sr} |")
     if base:
-        print("\nstep-1 loss difference vs DDP: " + ", ".join(
-            f"{k} {abs(r['losses'][0] - base['losses'][0]):.2e}" for k, r in rows.items()
-            if k != "ddp"))
-    print("\nforward / backward / optimizer step s (median of steps 2.., rank 0): " + "; ".join(
-        f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
-        for k, reps in runs.items()))
+        print(
+            "\nstep-1 loss difference vs DDP: "
+            + ", ".join(f"{k} {abs(r['losses'][0] - base['losses'][0]):.2e}" for k, r in rows.items() if k != "ddp")
+        )
+    print(
+        "\nforward / backward / optimizer step s (median of steps 2.., rank 0): "
+        + "; ".join(
+            f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_s'][1:]]):.2f}" for j in range(3))
+            for k, reps in runs.items()
+        )
+    )
     from host_work import describe_host_work
 
     describe_host_work({k: reps[0][0].get("host_per_step") for k, reps in runs.items()})
-    print("\ngarbage collector s per step, generations 0 / 1 / 2 (mean of steps 2.., rank 0): " + "; ".join(
-        f"{k} " + " / ".join(f"{statistics.mean([g[j] for g in reps[0][0]['gc_s'][1:]]):.3f}" for j in range(3))
-        for k, reps in runs.items()))
-    print("\npage faults in forward / backward / optimizer step (median of steps 2.., rank 0): "
-          + "; ".join(f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_faults'][1:]]):.0f}"
-                                           for j in range(3)) for k, reps in runs.items()))
-    print("\npage faults / system CPU s per step (median of steps 2.., rank 0): " + "; ".join(
-        f"{k} {med([f[0] for f in reps[0][0]['faults'][1:]]):.0f} / "
-        f"{med([f[1] for f in reps[0][0]['faults'][1:]]):.2f}" for k, reps in runs.items()))
-    print("\nRSS (MiB, rank 0) after imports / model built / initialize: " + "; ".join(
-        f"{k} {r['rss_at_mib']['imports']:.0f}/{r['rss_at_mib']['model']:.0f}/"
-        f"{r['rss_at_mib']['initialized']:.0f}" for k, r in rows.items()))
+    print(
+        "\ngarbage collector s per step, generations 0 / 1 / 2 (mean of steps 2.., rank 0): "
+        + "; ".join(
+            f"{k} " + " / ".join(f"{statistics.mean([g[j] for g in reps[0][0]['gc_s'][1:]]):.3f}" for j in range(3))
+            for k, reps in runs.items()
+        )
+    )
+    print(
+        "\npage faults in forward / backward / optimizer step (median of steps 2.., rank 0): "
+        + "; ".join(
+            f"{k} " + " / ".join(f"{med([ph[j] for ph in reps[0][0]['phase_faults'][1:]]):.0f}" for j in range(3))
+            for k, reps in runs.items()
+        )
+    )
+    print(
+        "\npage faults / system CPU s per step (median of steps 2.., rank 0): "
+        + "; ".join(
+            f"{k} {med([f[0] for f in reps[0][0]['faults'][1:]]):.0f} / "
+            f"{med([f[1] for f in reps[0][0]['faults'][1:]]):.2f}"
+            for k, reps in runs.items()
+        )
+    )
+    print(
+        "\nRSS (MiB, rank 0) after imports / model built / initialize: "
+        + "; ".join(
+            f"{k} {r['rss_at_mib']['imports']:.0f}/{r['rss_at_mib']['model']:.0f}/{r['rss_at_mib']['initialized']:.0f}"
+            for k, r in rows.items()
+        )
+    )
     for k, r in rows.items():
         if r["memory_breakdown"]:
-            mb = {n: round(v / MIB, 1) for n, v in r["memory_breakdown"].items()
-                  if isinstance(v, (int, float))}
+            mb = {n: round(v / MIB, 1) for n, v in r["memory_breakdown"].items() if isinstance(v, (int, float))}
             print(f"memory_breakdown MiB {k}: {mb}")
     for k, reps in runs.items():
         phases = reps[0][0]["rss_peak_by_phase_mib"]
@@ -539,8 +612,7 @@ def report(runs: dict[str, list[list[dict]]], args) -> None:
             fmt = lambda p, v: f"{p} {v:.0f}" + (f" ({in_use[p]:.0f} in use)" if p in in_use else "")  # noqa: E731
             later = {p: v for p, v in phases.items() if p.split()[0].isdigit() and int(p.split()[0]) >= 2}
             top = sorted(later.items(), key=lambda kv: -kv[1])[:8]
-            print(f"RSS peak by phase, rank 0, steps >= 2, {k}: "
-                  + "; ".join(fmt(p, v) for p, v in top))
+            print(f"RSS peak by phase, rank 0, steps >= 2, {k}: " + "; ".join(fmt(p, v) for p, v in top))
             step1 = [(p, v) for p, v in phases.items() if not p.split()[0].isdigit() or p.startswith("1 ")]
             print("  start and step 1: " + "; ".join(fmt(p, v) for p, v in step1))
             rows[k]["rss_peak_by_phase_mib"] = phases
@@ -567,19 +639,25 @@ def print_gap_breakdown(runs) -> None:
         live = (r["peak_live_bytes"] or 0) / MIB
         transient = in_use[peak_phase] - at_rest
         retained = later[peak_phase] - in_use[peak_phase] - (imports_rss - imports_heap)
-        lines.append(f"| {system(k)[0]} | {later[peak_phase]:.0f} ({peak_phase}) | "
-                     f"{imports_rss - imports_heap:.0f} | {imports_heap:.0f} | "
-                     f"{at_rest - imports_heap:.0f} | {transient:.0f} | {retained:.0f} | {live:.0f} |")
+        lines.append(
+            f"| {system(k)[0]} | {later[peak_phase]:.0f} ({peak_phase}) | "
+            f"{imports_rss - imports_heap:.0f} | {imports_heap:.0f} | "
+            f"{at_rest - imports_heap:.0f} | {transient:.0f} | {retained:.0f} | {live:.0f} |"
+        )
     if lines:
-        print("\nPeak RSS split (rank 0, highest sampled phase of steps >= 2; MiB): not malloc = "
-              "RSS - malloc in use after imports (library code and data); import heap = malloc in "
-              "use after imports; at rest = malloc in use after the previous step minus import "
-              "heap (engine states, buffers, Python objects); transient = malloc in use at the "
-              "peak minus at rest (activations, full-size gradients and gathered parameters, "
-              "autograd temporaries); retained = RSS - malloc in use - not malloc (freed memory "
-              "glibc had not returned)\n")
-        print("| system | peak sampled RSS (phase) | not malloc | import heap | at rest | transient "
-              "| retained | engine live (peak) |")
+        print(
+            "\nPeak RSS split (rank 0, highest sampled phase of steps >= 2; MiB): not malloc = "
+            "RSS - malloc in use after imports (library code and data); import heap = malloc in "
+            "use after imports; at rest = malloc in use after the previous step minus import "
+            "heap (engine states, buffers, Python objects); transient = malloc in use at the "
+            "peak minus at rest (activations, full-size gradients and gathered parameters, "
+            "autograd temporaries); retained = RSS - malloc in use - not malloc (freed memory "
+            "glibc had not returned)\n"
+        )
+        print(
+            "| system | peak sampled RSS (phase) | not malloc | import heap | at rest | transient "
+            "| retained | engine live (peak) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         print("\n".join(lines))
 

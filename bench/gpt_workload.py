@@ -63,19 +63,30 @@ LR, WEIGHT_DECAY = 1e-4, 0.0
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=MODES)
-    p.add_argument("--interleave", default=None, metavar="KEY:MODE:STAGE:fused|plain,...",
-                   help="run these systems side by side in these processes (step time only)")
+    p.add_argument(
+        "--interleave",
+        default=None,
+        metavar="KEY:MODE:STAGE:fused|plain,...",
+        help="run these systems side by side in these processes (step time only)",
+    )
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--preset", default="gpt17m", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--out", required=True)
-    p.add_argument("--fused", action="store_true",
-                   help="ddp / zero_redundancy: torch.optim.AdamW(fused=True) instead of the default")
-    p.add_argument("--rss-sample-ms", type=float, default=0.0,
-                   help="sample RSS in a thread every N ms and record the peak per phase "
-                        "(diagnosis only: the sampling thread perturbs step times)")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="ddp / zero_redundancy: torch.optim.AdamW(fused=True) instead of the default",
+    )
+    p.add_argument(
+        "--rss-sample-ms",
+        type=float,
+        default=0.0,
+        help="sample RSS in a thread every N ms and record the peak per phase "
+        "(diagnosis only: the sampling thread perturbs step times)",
+    )
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
 
@@ -87,8 +98,7 @@ def ds_config(args, stage: int) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**6,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
     }
 
@@ -107,13 +117,15 @@ def build(args, model, mode: str, stage: int, fused: bool) -> Step:
             import zerotrain as lib
         else:
             import deepspeed as lib
-        engine, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(),
-                                         config=ds_config(args, stage))
+        engine, _, _, _ = lib.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config(args, stage)
+        )
 
         def extra():
             if mode == "zerotrain":
                 return {"memory_breakdown": engine.memory_breakdown()}
             return {}
+
         return Step(lambda b: engine(b, labels=b).loss, engine.backward, engine.step, extra)
 
     if not dist.is_initialized():
@@ -125,12 +137,14 @@ def build(args, model, mode: str, stage: int, fused: bool) -> Step:
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                      lr=LR, weight_decay=WEIGHT_DECAY, **kernel)
+        opt = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **kernel
+        )
 
     def update():
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return Step(lambda b: ddp(b, labels=b).loss, lambda loss: loss.backward(), update)
 
 
@@ -153,7 +167,7 @@ def interleave(args) -> None:
     out = {k: {"losses": [], "step_s": [], "cpu_s": [], "phase_s": []} for k in systems}
     keys = list(systems)
     for i in range(args.steps):
-        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
             step, rec = systems[key], out[key]
             batch = torch.randint(0, vocab, (args.micro, args.seq), generator=gens[key])
             dist.barrier()
@@ -169,8 +183,12 @@ def interleave(args) -> None:
             rec["phase_s"].append([t1 - t0, t2 - t1, t3 - t2])
             rec["losses"].append(loss.item())
     with open(args.out, "a") as f:
-        f.write(json.dumps({"mode": "interleave", "rank": rank, "world": dist.get_world_size(),
-                            "order": keys, "systems": out}) + "\n")
+        f.write(
+            json.dumps(
+                {"mode": "interleave", "rank": rank, "world": dist.get_world_size(), "order": keys, "systems": out}
+            )
+            + "\n"
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -215,14 +233,29 @@ def main():
         losses.append(loss.item())
         rss.append(rss_mib())
         heap.append(mallinfo_mib())
-    record = {"mode": args.mode, "stage": args.stage, "fused": args.fused, "rank": rank,
-              "world": world,
-              "preset": args.preset, "micro": args.micro, "seq": args.seq,
-              "torch": torch.__version__, "losses": losses, "step_s": times,
-              "phase_s": phases, "rss_mib": rss, "rss_at_mib": RSS_AT, "malloc_mib": heap,
-              "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
-              "first_step_s": first_step_at, "t_at_s": T_AT,
-              "peak_rss_mib": peak_rss_mib(), "params": n_params, **step.extra()}
+    record = {
+        "mode": args.mode,
+        "stage": args.stage,
+        "fused": args.fused,
+        "rank": rank,
+        "world": world,
+        "preset": args.preset,
+        "micro": args.micro,
+        "seq": args.seq,
+        "torch": torch.__version__,
+        "losses": losses,
+        "step_s": times,
+        "phase_s": phases,
+        "rss_mib": rss,
+        "rss_at_mib": RSS_AT,
+        "malloc_mib": heap,
+        "rss_peak_by_phase_mib": sampler.stop() if sampler else None,
+        "first_step_s": first_step_at,
+        "t_at_s": T_AT,
+        "peak_rss_mib": peak_rss_mib(),
+        "params": n_params,
+        **step.extra(),
+    }
     if args.mode == "deepspeed":
         import deepspeed
 

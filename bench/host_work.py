@@ -5,20 +5,34 @@ from __future__ import annotations
 
 # Each part: the profiled functions it counts, as (file suffix, or "~" for built-ins; function name).
 HOST_WORK = {
-    "collectives": [("zerotrain/comm/collectives.py", n) for n in
-                    ("all_gather_into", "reduce_scatter_into", "all_reduce", "broadcast")]
-                   + [("torch/distributed/distributed_c10d.py", n) for n in
-                      ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")],
-    "gloo sends+recvs": [("~", "<built-in method torch._C._distributed_c10d.send>"),
-                         ("~", "<built-in method torch._C._distributed_c10d.recv>")],
-    "waits": [("~", "<built-in method torch._C._distributed_c10d.wait>"),
-              ("~", "<method 'wait' of 'torch._C._distributed_c10d.Work' objects>")],
-    "stage-3 hooks": [("zerotrain/zero/stage3.py", n) for n in
-                      ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "on_access")],
-    "gradient hooks": [("zerotrain/zero/gradient_buckets.py", "_on_grad_ready"),
-                       ("zerotrain/zero/stage0.py", "_on_grad_ready")],
-    "narrow/view": [("~", "<method 'narrow' of 'torch._C.TensorBase' objects>"),
-                    ("~", "<method 'view' of 'torch._C.TensorBase' objects>")],
+    "collectives": [
+        ("zerotrain/comm/collectives.py", n)
+        for n in ("all_gather_into", "reduce_scatter_into", "all_reduce", "broadcast")
+    ]
+    + [
+        ("torch/distributed/distributed_c10d.py", n)
+        for n in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    ],
+    "gloo sends+recvs": [
+        ("~", "<built-in method torch._C._distributed_c10d.send>"),
+        ("~", "<built-in method torch._C._distributed_c10d.recv>"),
+    ],
+    "waits": [
+        ("~", "<built-in method torch._C._distributed_c10d.wait>"),
+        ("~", "<method 'wait' of 'torch._C._distributed_c10d.Work' objects>"),
+    ],
+    "stage-3 hooks": [
+        ("zerotrain/zero/stage3.py", n)
+        for n in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "on_access")
+    ],
+    "gradient hooks": [
+        ("zerotrain/zero/gradient_buckets.py", "_on_grad_ready"),
+        ("zerotrain/zero/stage0.py", "_on_grad_ready"),
+    ],
+    "narrow/view": [
+        ("~", "<method 'narrow' of 'torch._C.TensorBase' objects>"),
+        ("~", "<method 'view' of 'torch._C.TensorBase' objects>"),
+    ],
     "malloc_trim": [("zerotrain/memory_release.py", "release_freed_memory")],
 }
 
@@ -42,5 +56,7 @@ def describe_host_work(per_system: dict) -> None:
         return
     print("\nhost work per step (BENCH_CPROFILE, rank 0; calls / own ms / cumulative ms):")
     for k, parts in profiled.items():
-        print(f"  {k}: " + "; ".join(f"{part} {c:.0f} / {o * 1e3:.1f} / {cu * 1e3:.1f}"
-                                     for part, (c, o, cu) in parts.items()))
+        print(
+            f"  {k}: "
+            + "; ".join(f"{part} {c:.0f} / {o * 1e3:.1f} / {cu * 1e3:.1f}" for part, (c, o, cu) in parts.items())
+        )

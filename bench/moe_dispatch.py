@@ -73,8 +73,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue
@@ -125,9 +128,17 @@ def _worker(opts) -> None:
     rank = int(os.environ["RANK"])  # the launcher's; this bench has one group
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(opts.hidden, opts.ffn), nn.ReLU(), nn.Linear(opts.ffn, opts.hidden))
-    moe = MoE(opts.hidden, expert, num_experts=opts.experts, ep_size=opts.ranks, k=opts.k,
-              capacity_factor=opts.capacity_factor, eval_capacity_factor=opts.capacity_factor, min_capacity=4,
-              drop_tokens=mode != "dropless")
+    moe = MoE(
+        opts.hidden,
+        expert,
+        num_experts=opts.experts,
+        ep_size=opts.ranks,
+        k=opts.k,
+        capacity_factor=opts.capacity_factor,
+        eval_capacity_factor=opts.capacity_factor,
+        min_capacity=4,
+        drop_tokens=mode != "dropless",
+    )
     moe.set_deepspeed_parallelism()
     if opts.case == "ds_einsum":
         moe.deepspeed_moe.forward = lambda *inp, **kw: _einsum_forward(moe.deepspeed_moe, *inp)
@@ -169,12 +180,19 @@ def _worker(opts) -> None:
     every = [torch.zeros_like(numbers) for _ in range(opts.ranks)]
     dist.all_gather(every, numbers)
     if rank == 0:
-        print("RESULT " + json.dumps({
-            "tokens_per_s": opts.steps * opts.tokens * opts.ranks / float(took),
-            "cpu_ms_per_step": 1000 * float(cpu) / opts.steps,
-            "peak_mib": max(float(e[0]) for e in every) / 2**20,
-            "dropped": statistics.mean(float(e[1]) for e in every),
-            "loss": [float(e[2]) for e in every]}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "tokens_per_s": opts.steps * opts.tokens * opts.ranks / float(took),
+                    "cpu_ms_per_step": 1000 * float(cpu) / opts.steps,
+                    "peak_mib": max(float(e[0]) for e in every) / 2**20,
+                    "dropped": statistics.mean(float(e[1]) for e in every),
+                    "loss": [float(e[2]) for e in every],
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -192,13 +210,22 @@ def _launch(case: str, opts, passthrough: list) -> dict:
         torchrun = [os.path.join(opts.ds_venv, "bin", "torchrun")]
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    cmd = torchrun + ["--nproc_per_node", str(opts.ranks), "--master_port", str(_port()), str(HERE), "--worker",
-                      "--case", case, *passthrough]
+    cmd = torchrun + [
+        "--nproc_per_node",
+        str(opts.ranks),
+        "--master_port",
+        str(_port()),
+        str(HERE),
+        "--worker",
+        "--case",
+        case,
+        *passthrough,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise SystemExit(f"{case} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -212,10 +239,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--skew", type=float, default=0.0,
-                        help="shift every token by this much along expert 0's gate row (imbalanced routing)")
-    parser.add_argument("--ranks", type=int, default=2, choices=(1, 2),
-                        help="processes per launch, also the ep_size (1: no all-to-all)")
+    parser.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="shift every token by this much along expert 0's gate row (imbalanced routing)",
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=2, choices=(1, 2), help="processes per launch, also the ep_size (1: no all-to-all)"
+    )
     parser.add_argument("--ds-venv", default="/tmp/dsvenv")
     parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -228,26 +260,36 @@ def main() -> None:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"--only: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
-    passthrough = [f"--{name.replace('_', '-')}={getattr(opts, name)}" for name in
-                   ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor", "skew", "ranks")]
+    passthrough = [
+        f"--{name.replace('_', '-')}={getattr(opts, name)}"
+        for name in ("steps", "warmup", "tokens", "hidden", "ffn", "experts", "k", "capacity_factor", "skew", "ranks")
+    ]
     print(f"load average before: {os.getloadavg()}", flush=True)
     results = {case: [] for case in cases}
     for r in range(opts.rounds):
         for case in cases:
             results[case].append(_launch(case, opts, passthrough))
             res = results[case][-1]
-            print(f"round {r} {case}: {res['tokens_per_s']:.0f} tokens/s, {res['cpu_ms_per_step']:.1f} CPU ms/step, "
-                  f"peak {res['peak_mib']:.1f} MiB, dropped {100 * res['dropped']:.1f}%, loss {res['loss']}",
-                  flush=True)
+            print(
+                f"round {r} {case}: {res['tokens_per_s']:.0f} tokens/s, {res['cpu_ms_per_step']:.1f} CPU ms/step, "
+                f"peak {res['peak_mib']:.1f} MiB, dropped {100 * res['dropped']:.1f}%, loss {res['loss']}",
+                flush=True,
+            )
     print(f"load average after: {os.getloadavg()}")
     print("\n| case | tokens/s (median of rounds) | CPU ms/step (median) | peak MiB (per rank, max) | routes dropped |")
     print("|---|---|---|---|---|")
     for case, runs in results.items():
-        print(f"| {case} | {statistics.median(x['tokens_per_s'] for x in runs):.0f} | "
-              f"{statistics.median(x['cpu_ms_per_step'] for x in runs):.1f} | "
-              f"{statistics.median(x['peak_mib'] for x in runs):.1f} | {100 * runs[0]['dropped']:.1f}% |")
-    pairs = [("zt_capacity", "ds_einsum"), ("zt_capacity", "ds_capacity"), ("zt_dropless", "zt_capacity"),
-             ("ds_capacity", "ds_einsum")]
+        print(
+            f"| {case} | {statistics.median(x['tokens_per_s'] for x in runs):.0f} | "
+            f"{statistics.median(x['cpu_ms_per_step'] for x in runs):.1f} | "
+            f"{statistics.median(x['peak_mib'] for x in runs):.1f} | {100 * runs[0]['dropped']:.1f}% |"
+        )
+    pairs = [
+        ("zt_capacity", "ds_einsum"),
+        ("zt_capacity", "ds_capacity"),
+        ("zt_dropless", "zt_capacity"),
+        ("ds_capacity", "ds_einsum"),
+    ]
     print("\n| ratio | tokens/s (median of per-round ratios) | CPU time per step | peak memory |")
     print("|---|---|---|---|")
     for a, b in pairs:

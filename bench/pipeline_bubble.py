@@ -41,10 +41,22 @@ from pipeline_vs_deepspeed import Embed, Head, loss_fn  # noqa: E402
 def _layers(args) -> list:
     from zerotrain.pipeline import LayerSpec
 
-    return ([LayerSpec(Embed, args.vocab, args.hidden, args.seq)]
-            + [LayerSpec(nn.TransformerEncoderLayer, args.hidden, args.heads, 4 * args.hidden, dropout=0.0,
-                         activation="gelu", batch_first=True) for _ in range(args.layers)]
-            + [LayerSpec(Head, args.vocab, args.hidden)])
+    return (
+        [LayerSpec(Embed, args.vocab, args.hidden, args.seq)]
+        + [
+            LayerSpec(
+                nn.TransformerEncoderLayer,
+                args.hidden,
+                args.heads,
+                4 * args.hidden,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+            )
+            for _ in range(args.layers)
+        ]
+        + [LayerSpec(Head, args.vocab, args.hidden)]
+    )
 
 
 def _run(args, pipe: int, m: int) -> dict:
@@ -53,12 +65,17 @@ def _run(args, pipe: int, m: int) -> dict:
 
     zerotrain.init_distributed()
     torch.manual_seed(0)
-    model = PipelineModule(_layers(args), num_stages=pipe, loss_fn=loss_fn,
-                           partition_method="type:TransformerEncoderLayer")
-    config = {"train_micro_batch_size_per_gpu": args.batch // m, "gradient_accumulation_steps": m,
-              "train_batch_size": args.batch, "steps_per_print": 10**6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "pipeline": {"schedule": "gpipe" if m < pipe else "1f1b", "timeline": True}}
+    model = PipelineModule(
+        _layers(args), num_stages=pipe, loss_fn=loss_fn, partition_method="type:TransformerEncoderLayer"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch // m,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": args.batch,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "pipeline": {"schedule": "gpipe" if m < pipe else "1f1b", "timeline": True},
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     g = torch.Generator().manual_seed(1)
     micro = args.batch // m
@@ -109,11 +126,15 @@ def main(argv=None) -> None:
     from zerotrain.pipeline.timeline import ideal_bubble
     from zerotrain.testing import run_on_ranks
 
-    print(f"BERT-like encoder: {args.layers} x TransformerEncoderLayer(hidden {args.hidden}, {args.heads} heads, "
-          f"ffn {4 * args.hidden}), seq {args.seq}, vocab {args.vocab}; batch {args.batch} per step; "
-          f"{args.steps} measured steps after {args.warmup}; {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'P':>2} {'M':>2} {'schedule':>8} {'s/step':>8} {'samples/s':>9} {'ideal':>6}  measured idle share per stage")
+    print(
+        f"BERT-like encoder: {args.layers} x TransformerEncoderLayer(hidden {args.hidden}, {args.heads} heads, "
+        f"ffn {4 * args.hidden}), seq {args.seq}, vocab {args.vocab}; batch {args.batch} per step; "
+        f"{args.steps} measured steps after {args.warmup}; {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'P':>2} {'M':>2} {'schedule':>8} {'s/step':>8} {'samples/s':>9} {'ideal':>6}  measured idle share per stage"
+    )
     rows = []
     for pipe in (int(p) for p in args.stages.split(",")):
         for m in (int(x) for x in args.micro_batches.split(",")):
@@ -125,13 +146,23 @@ def main(argv=None) -> None:
             per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
             step = statistics.median(per_step)
             shares = [statistics.mean(s[i] for s in first["shares"]) for i in range(pipe)]
-            row = {"P": pipe, "M": m, "schedule": "gpipe" if m < pipe else "1f1b", "s_per_step": step,
-                   "samples_per_s": args.batch / step, "ideal": ideal_bubble(pipe, m), "idle_share": shares,
-                   "busy_s": [statistics.mean(b[i] for b in first["busy"]) for i in range(pipe)],
-                   "load": os.getloadavg()[0]}
+            row = {
+                "P": pipe,
+                "M": m,
+                "schedule": "gpipe" if m < pipe else "1f1b",
+                "s_per_step": step,
+                "samples_per_s": args.batch / step,
+                "ideal": ideal_bubble(pipe, m),
+                "idle_share": shares,
+                "busy_s": [statistics.mean(b[i] for b in first["busy"]) for i in range(pipe)],
+                "load": os.getloadavg()[0],
+            }
             rows.append(row)
-            print(f"{pipe:>2} {m:>2} {row['schedule']:>8} {step:>8.3f} {row['samples_per_s']:>9.1f} "
-                  f"{row['ideal']:>6.1%}  " + " ".join(f"{s:.1%}" for s in shares), flush=True)
+            print(
+                f"{pipe:>2} {m:>2} {row['schedule']:>8} {step:>8.3f} {row['samples_per_s']:>9.1f} "
+                f"{row['ideal']:>6.1%}  " + " ".join(f"{s:.1%}" for s in shares),
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

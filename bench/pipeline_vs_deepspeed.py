@@ -103,15 +103,19 @@ def loss_fn(logits, labels):
 
 
 def layer_specs(spec_cls, a: dict) -> list:
-    return ([spec_cls(Embed, a["vocab"], a["hidden"], a["seq"], 0)]
-            + [spec_cls(Block, a["hidden"], a["heads"], 1 + i) for i in range(a["layers"])]
-            + [spec_cls(Head, a["vocab"], a["hidden"], 1 + a["layers"])])
+    return (
+        [spec_cls(Embed, a["vocab"], a["hidden"], a["seq"], 0)]
+        + [spec_cls(Block, a["hidden"], a["heads"], 1 + i) for i in range(a["layers"])]
+        + [spec_cls(Head, a["vocab"], a["hidden"], 1 + a["layers"])]
+    )
 
 
 def sequential(a: dict) -> nn.Sequential:
-    return nn.Sequential(Embed(a["vocab"], a["hidden"], a["seq"], 0),
-                         *[Block(a["hidden"], a["heads"], 1 + i) for i in range(a["layers"])],
-                         Head(a["vocab"], a["hidden"], 1 + a["layers"]))
+    return nn.Sequential(
+        Embed(a["vocab"], a["hidden"], a["seq"], 0),
+        *[Block(a["hidden"], a["heads"], 1 + i) for i in range(a["layers"])],
+        Head(a["vocab"], a["hidden"], 1 + a["layers"]),
+    )
 
 
 def batches(a: dict, m: int) -> list:
@@ -121,23 +125,34 @@ def batches(a: dict, m: int) -> list:
     out = []
     for _ in range(a["warmup"] + a["steps"]):
         ids = torch.randint(0, a["vocab"], (a["batch"], a["seq"]), generator=g)
-        out.append([(ids[i * micro:(i + 1) * micro], ids[i * micro:(i + 1) * micro]) for i in range(m)])
+        out.append([(ids[i * micro : (i + 1) * micro], ids[i * micro : (i + 1) * micro]) for i in range(m)])
     return out
 
 
 def train_config(a: dict, m: int, dp: int, zero_stage: int) -> dict:
     """DeepSpeed's config for M micro-batches per global batch over ``dp`` data-parallel ranks."""
-    return {"train_batch_size": a["batch"], "train_micro_batch_size_per_gpu": a["batch"] // m,
-            "gradient_accumulation_steps": m // dp, "steps_per_print": 10**9,
-            "zero_optimization": {"stage": zero_stage}, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+    return {
+        "train_batch_size": a["batch"],
+        "train_micro_batch_size_per_gpu": a["batch"] // m,
+        "gradient_accumulation_steps": m // dp,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+    }
 
 
 # -- worker: one case on one rank (under torchrun) ------------------------------------------------------
 class _Clock:
     """Seconds per category of DeepSpeed's pipeline instructions, per train_batch."""
 
-    CATEGORY = {"ForwardPass": "forward", "BackwardPass": "backward", "SendActivation": "comm",
-                "RecvActivation": "comm", "SendGrad": "comm", "RecvGrad": "comm"}
+    CATEGORY = {
+        "ForwardPass": "forward",
+        "BackwardPass": "backward",
+        "SendActivation": "comm",
+        "RecvActivation": "comm",
+        "SendGrad": "comm",
+        "RecvGrad": "comm",
+    }
 
     def __init__(self):
         self.now = {}
@@ -154,6 +169,7 @@ class _Clock:
                 return fn(engine, **kwargs)
             finally:
                 self.now[category] = self.now.get(category, 0.0) + time.perf_counter() - start
+
         return timed
 
 
@@ -185,10 +201,12 @@ def _worker_deepspeed(a: dict, case: dict) -> dict:
     if a.get("breakdown_run"):
         clock = _Clock()
         clock.wrap(PipelineEngine)
-    net = PipelineModule(layers=layer_specs(LayerSpec, a), num_stages=2, loss_fn=loss_fn,
-                         partition_method="type:Block")
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                      config=train_config(a, m, 1, a["zero_stage"]))
+    net = PipelineModule(layers=layer_specs(LayerSpec, a), num_stages=2, loss_fn=loss_fn, partition_method="type:Block")
+    engine, *_ = deepspeed.initialize(
+        model=net,
+        model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=train_config(a, m, 1, a["zero_stage"]),
+    )
     data = batches(a, m)
     breakdown = []
 
@@ -202,8 +220,7 @@ def _worker_deepspeed(a: dict, case: dict) -> dict:
             breakdown.append(dict(clock.now, total=total))
 
     block, times, losses = _run_steps(a, step, dist.barrier, record)
-    return {"stage": engine.stage_id, "block": block, "times": times, "losses": losses,
-            "breakdown": breakdown}
+    return {"stage": engine.stage_id, "block": block, "times": times, "losses": losses, "breakdown": breakdown}
 
 
 def _worker_zerotrain(a: dict, case: dict) -> dict:
@@ -213,13 +230,21 @@ def _worker_zerotrain(a: dict, case: dict) -> dict:
     if case["system"] == "zerotrain_dp":
         return _worker_dp(a, case)
     m = case["m"]
-    config = {**train_config(a, m, 1, a["zero_stage"]),
-              "pipeline": {"schedule": case["schedule"], "timeline": bool(a.get("breakdown_run"))}}
+    config = {
+        **train_config(a, m, 1, a["zero_stage"]),
+        "pipeline": {"schedule": case["schedule"], "timeline": bool(a.get("breakdown_run"))},
+    }
     from zerotrain.pipeline import LayerSpec, PipelineModule
 
     layout = {"virtual_layout": case["layout"]} if case.get("layout", "looped") != "looped" else {}
-    net = PipelineModule(layer_specs(LayerSpec, a), num_stages=2, loss_fn=loss_fn, partition_method="type:Block",
-                         virtual_stages=case.get("virtual", 1), **layout)
+    net = PipelineModule(
+        layer_specs(LayerSpec, a),
+        num_stages=2,
+        loss_fn=loss_fn,
+        partition_method="type:Block",
+        virtual_stages=case.get("virtual", 1),
+        **layout,
+    )
     engine, *_ = zerotrain.initialize(model=net, model_parameters=net.parameters(), config=config)
     data = batches(a, m)
     breakdown = []
@@ -228,12 +253,20 @@ def _worker_zerotrain(a: dict, case: dict) -> dict:
         if a.get("breakdown_run"):
             bubble = engine.pipeline_bubble()
             mine = bubble["stages"][engine.stage_id]
-            breakdown.append({"busy": mine["busy"], "comm": mine["comm"], "idle": mine["idle"],
-                              "schedule": bubble["duration"], "total": total})
+            breakdown.append(
+                {
+                    "busy": mine["busy"],
+                    "comm": mine["comm"],
+                    "idle": mine["idle"],
+                    "schedule": bubble["duration"],
+                    "total": total,
+                }
+            )
 
     group = engine.topology.group("pipe")
-    block, times, losses = _run_steps(a, lambda i: engine.train_batch(iter(data[i])),
-                                      lambda: torch.distributed.barrier(group=group), record)
+    block, times, losses = _run_steps(
+        a, lambda i: engine.train_batch(iter(data[i])), lambda: torch.distributed.barrier(group=group), record
+    )
     out = {"stage": engine.stage_id, "block": block, "times": times, "losses": losses, "breakdown": breakdown}
     engine.destroy()
     return out
@@ -251,7 +284,7 @@ def _worker_dp(a: dict, case: dict) -> dict:
 
     def step(i):
         total = torch.zeros(())
-        for x, y in data[i][rank * mine:(rank + 1) * mine]:
+        for x, y in data[i][rank * mine : (rank + 1) * mine]:
             loss = loss_fn(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -298,8 +331,9 @@ def _placement(sched, name: str) -> tuple[int, str]:
             return virtual, layout
         except ValueError:
             continue
-    raise SystemExit(f"--schedules: {name!r} takes none of 1 chunk per rank, 2 looped or 2 in a V; "
-                     "leave it out of --schedules")
+    raise SystemExit(
+        f"--schedules: {name!r} takes none of 1 chunk per rank, 2 looped or 2 in a V; leave it out of --schedules"
+    )
 
 
 def _cases(args) -> list[dict]:
@@ -312,14 +346,24 @@ def _cases(args) -> list[dict]:
     names = [s for s in sched.SCHEDULES if s != "1f1b"] if args.schedules == "all" else args.schedules.split(",")
     for name in names:
         if name not in sched.SCHEDULES:
-            raise SystemExit(f"--schedules: {name!r} is not a schedule this zerotrain offers "
-                             f"({', '.join(sched.SCHEDULES)}); pick from those or 'all'")
+            raise SystemExit(
+                f"--schedules: {name!r} is not a schedule this zerotrain offers "
+                f"({', '.join(sched.SCHEDULES)}); pick from those or 'all'"
+            )
         virtual, layout = _placement(sched, name)
         for m in args.ext_micro_batches:
             if name == "1f1b" and m in args.micro_batches:
                 continue
-            cases.append({"name": f"zt_{name}_m{m}", "system": "zerotrain", "schedule": name, "m": m,
-                          "virtual": virtual, "layout": layout})
+            cases.append(
+                {
+                    "name": f"zt_{name}_m{m}",
+                    "system": "zerotrain",
+                    "schedule": name,
+                    "m": m,
+                    "virtual": virtual,
+                    "layout": layout,
+                }
+            )
     for m in args.ext_micro_batches:
         if f"zt_1f1b_m{m}" not in {c["name"] for c in cases}:
             cases.append({"name": f"zt_1f1b_m{m}", "system": "zerotrain", "schedule": "1f1b", "m": m})
@@ -345,15 +389,32 @@ def _launch(args, a: dict, case: dict, tmp: str) -> dict:
     else:
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    cmd = [torchrun, "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE), "--worker", json.dumps(a), json.dumps(case), out]
+    cmd = [
+        torchrun,
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(HERE),
+        "--worker",
+        json.dumps(a),
+        json.dumps(case),
+        out,
+    ]
     load = os.getloadavg()[0]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
     wall = time.perf_counter() - started
     if proc.returncode != 0 or not os.path.exists(out):
-        errors = [line for line in (proc.stdout + proc.stderr).splitlines()
-                  if line.split(":")[0].endswith(("Error", "Exception")) and "ChildFailedError" not in line]
+        errors = [
+            line
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if line.split(":")[0].endswith(("Error", "Exception")) and "ChildFailedError" not in line
+        ]
         why = errors[-1] if errors else (proc.stdout + proc.stderr)[-2000:]
         print(f"case {case['name']} failed (exit {proc.returncode}); left out of the tables: {why}", flush=True)
         return None
@@ -362,9 +423,16 @@ def _launch(args, a: dict, case: dict, tmp: str) -> dict:
     os.remove(out)
     block = ranks[0]["block"]
     per_step = [max(r["times"][i] for r in ranks) for i in range(a["steps"])]
-    return {"case": case["name"], "samples_per_s": a["steps"] * a["batch"] / block, "s_per_step": block / a["steps"],
-            "step_median": statistics.median(per_step), "losses": ranks[-1]["losses"], "load": load,
-            "launch_s": wall, "ranks": ranks}
+    return {
+        "case": case["name"],
+        "samples_per_s": a["steps"] * a["batch"] / block,
+        "s_per_step": block / a["steps"],
+        "step_median": statistics.median(per_step),
+        "losses": ranks[-1]["losses"],
+        "load": load,
+        "launch_s": wall,
+        "ranks": ranks,
+    }
 
 
 def _fmt_row(cells, widths):
@@ -403,15 +471,19 @@ def _breakdown_text(case, result) -> list[str]:
             busy = mean.get("forward", 0) + mean.get("backward", 0)
             comm = mean.get("comm", 0)
             rest = mean["total"] - busy - comm
-            lines.append(f"  {case['name']:>22} stage {r['stage']}: train_batch {mean['total']:.0f} ms = "
-                         f"forward+backward {busy:.0f} + send/recv {comm:.0f} + rest {rest:.0f} "
-                         f"(load, reduce, optimizer, loss)")
+            lines.append(
+                f"  {case['name']:>22} stage {r['stage']}: train_batch {mean['total']:.0f} ms = "
+                f"forward+backward {busy:.0f} + send/recv {comm:.0f} + rest {rest:.0f} "
+                f"(load, reduce, optimizer, loss)"
+            )
         else:
             sched_ms = statistics.mean(row["schedule"] for row in rows) * 1000
-            lines.append(f"  {case['name']:>22} stage {r['stage']}: train_batch {mean['total']:.0f} ms = schedule "
-                         f"{sched_ms:.0f} (busy {mean['busy']:.0f} + comm {mean['comm']:.0f} + idle "
-                         f"{mean['idle']:.0f}) + rest {mean['total'] - sched_ms:.0f} (reduce, optimizer, loss, "
-                         f"timeline barriers)")
+            lines.append(
+                f"  {case['name']:>22} stage {r['stage']}: train_batch {mean['total']:.0f} ms = schedule "
+                f"{sched_ms:.0f} (busy {mean['busy']:.0f} + comm {mean['comm']:.0f} + idle "
+                f"{mean['idle']:.0f}) + rest {mean['total'] - sched_ms:.0f} (reduce, optimizer, loss, "
+                f"timeline barriers)"
+            )
     return lines
 
 
@@ -440,20 +512,28 @@ def main(argv=None) -> dict:
     args.ext_micro_batches = [int(x) for x in args.ext_micro_batches.split(",")]
     for m in set(args.micro_batches + args.ext_micro_batches):
         if args.batch % m or m % 2:
-            raise SystemExit(f"--batch {args.batch}: every M must be even (2 data-parallel ranks) and divide it; "
-                             f"M={m} does not")
-    a = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "hidden", "heads", "layers", "vocab",
-                                       "zero_stage")}
+            raise SystemExit(
+                f"--batch {args.batch}: every M must be even (2 data-parallel ranks) and divide it; M={m} does not"
+            )
+    a = {
+        k: getattr(args, k)
+        for k in ("steps", "warmup", "batch", "seq", "hidden", "heads", "layers", "vocab", "zero_stage")
+    }
     cases = _cases(args)
     if any(c["system"] == "deepspeed" for c in cases) and not os.path.exists(
-            os.path.join(args.ds_venv, "bin", "torchrun")):
-        raise SystemExit(f"--ds-venv {args.ds_venv}: no bin/torchrun there; create it as docs/benchmarks.md says "
-                         "or leave DeepSpeed's cases out (--only)")
+        os.path.join(args.ds_venv, "bin", "torchrun")
+    ):
+        raise SystemExit(
+            f"--ds-venv {args.ds_venv}: no bin/torchrun there; create it as docs/benchmarks.md says "
+            "or leave DeepSpeed's cases out (--only)"
+        )
     start_load = os.getloadavg()
-    print(f"BERT-like encoder: {args.layers} x Block(hidden {args.hidden}, {args.heads} heads, ffn "
-          f"{4 * args.hidden}), seq {args.seq}, vocab {args.vocab}; batch {args.batch} per step; P=2, 2 gloo "
-          f"processes; {args.steps} measured steps after {args.warmup}; {args.rounds} rounds of "
-          f"{len(cases)} cases; torch {torch.__version__}; {os.cpu_count()} cores")
+    print(
+        f"BERT-like encoder: {args.layers} x Block(hidden {args.hidden}, {args.heads} heads, ffn "
+        f"{4 * args.hidden}), seq {args.seq}, vocab {args.vocab}; batch {args.batch} per step; P=2, 2 gloo "
+        f"processes; {args.steps} measured steps after {args.warmup}; {args.rounds} rounds of "
+        f"{len(cases)} cases; torch {torch.__version__}; {os.cpu_count()} cores"
+    )
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in start_load)}", flush=True)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -464,9 +544,12 @@ def main(argv=None) -> dict:
                     continue
                 r["round"] = rnd
                 runs.append(r)
-                print(f"round {rnd} {case['name']:>22}: {r['samples_per_s']:7.1f} samples/s "
-                      f"({r['s_per_step']:.3f} s/step, launch {r['launch_s']:.0f} s, load {r['load']:.1f}, "
-                      f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f})", flush=True)
+                print(
+                    f"round {rnd} {case['name']:>22}: {r['samples_per_s']:7.1f} samples/s "
+                    f"({r['s_per_step']:.3f} s/step, launch {r['launch_s']:.0f} s, load {r['load']:.1f}, "
+                    f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f})",
+                    flush=True,
+                )
         breakdowns = []
         if args.breakdown:
             for case in cases:
@@ -487,15 +570,31 @@ def main(argv=None) -> dict:
             continue
         t = table[case["name"]]
         first = next(r for r in runs if r["case"] == case["name"])
-        print(_fmt_row((case["name"], case["schedule"], case["m"], f"{t['min']:.1f}", f"{t['median']:.1f}",
-                        f"{t['max']:.1f}", f"{first['losses'][0]:.6f}", f"{first['losses'][-1]:.6f}"), widths))
+        print(
+            _fmt_row(
+                (
+                    case["name"],
+                    case["schedule"],
+                    case["m"],
+                    f"{t['min']:.1f}",
+                    f"{t['median']:.1f}",
+                    f"{t['max']:.1f}",
+                    f"{first['losses'][0]:.6f}",
+                    f"{first['losses'][-1]:.6f}",
+                ),
+                widths,
+            )
+        )
 
     print("\nratios of samples/s, per round (min / median / max)")
     names = {c["name"] for c in cases}
     pairs = [(f"zt_1f1b_m{m}", f"ds_m{m}") for m in args.micro_batches]
     for m in args.ext_micro_batches:
-        pairs += [(c["name"], f"zt_1f1b_m{m}") for c in cases
-                  if c["system"] == "zerotrain" and c["m"] == m and c["schedule"] != "1f1b"]
+        pairs += [
+            (c["name"], f"zt_1f1b_m{m}")
+            for c in cases
+            if c["system"] == "zerotrain" and c["m"] == m and c["schedule"] != "1f1b"
+        ]
     pairs += [(f"zt_1f1b_m{m}", f"dp_m{m}") for m in args.micro_batches]
     pairs += [(f"zt_1f1b_m{m}", "dp_gas1") for m in args.micro_batches]
     ratios = {}
@@ -512,8 +611,16 @@ def main(argv=None) -> dict:
             for line in _breakdown_text(case, result):
                 print(line)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in end_load)}")
-    out = {"args": vars(args), "start_load": start_load, "end_load": end_load, "cases": cases, "table": table,
-           "ratios": ratios, "runs": runs, "breakdowns": [{"case": c["name"], "ranks": r["ranks"]} for c, r in breakdowns]}
+    out = {
+        "args": vars(args),
+        "start_load": start_load,
+        "end_load": end_load,
+        "cases": cases,
+        "table": table,
+        "ratios": ratios,
+        "runs": runs,
+        "breakdowns": [{"case": c["name"], "ranks": r["ranks"]} for c, r in breakdowns],
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

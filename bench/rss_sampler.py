@@ -23,9 +23,21 @@ def rss_mib() -> float:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                "usmblks", "fsmblks", "uordblks", "fordblks",
-                                                "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo2():
@@ -45,8 +57,7 @@ def mallinfo_mib() -> dict[str, float] | None:
     if _MALLINFO2 is None:
         return None
     m = _MALLINFO2()
-    return {"heap_in_use": m.uordblks / 2**20, "heap_free_retained": m.fordblks / 2**20,
-            "mmapped": m.hblkhd / 2**20}
+    return {"heap_in_use": m.uordblks / 2**20, "heap_free_retained": m.fordblks / 2**20, "mmapped": m.hblkhd / 2**20}
 
 
 def malloc_in_use_mib() -> float:

@@ -21,5 +21,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zero_vs_ddp import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(["--systems", "ddp,ddp_fused,zt0", "--repeats", "5", "--interleave-steps", "16",
-          *sys.argv[1:]])
+    main(["--systems", "ddp,ddp_fused,zt0", "--repeats", "5", "--interleave-steps", "16", *sys.argv[1:]])

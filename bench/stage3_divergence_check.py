@@ -41,10 +41,18 @@ def parse_args():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--out")
-    p.add_argument("--summarize", nargs="+", metavar="JSONL",
-                   help="no run: pool the per-round ratios of every launch recorded in these files")
-    p.add_argument("--gather-reps", type=int, default=200,
-                   help="also time this many all-gathers with and without an identity, per size")
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSONL",
+        help="no run: pool the per-round ratios of every launch recorded in these files",
+    )
+    p.add_argument(
+        "--gather-reps",
+        type=int,
+        default=200,
+        help="also time this many all-gathers with and without an identity, per size",
+    )
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
 
@@ -64,8 +72,7 @@ def time_gathers(reps: int) -> dict:
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    collectives.all_gather_into(flat, flat.narrow(0, rank * n, n), async_op=True,
-                                                identity=ident).wait()
+                    collectives.all_gather_into(flat, flat.narrow(0, rank * n, n), async_op=True, identity=ident).wait()
                 us = (time.perf_counter() - t0) / reps * 1e6
                 best[key] = min(best.get(key, us), us)
         out[n] = best
@@ -89,10 +96,12 @@ def summarize(paths, skip: int) -> None:
                 plain += b
         if ratios:
             geo = math.exp(statistics.mean(math.log(r) for r in ratios))
-            print(f"{figure}: {launches} launches, {len(ratios)} rounds; median of per-round "
-                  f"ratios {statistics.median(ratios):.4f}, geometric mean {geo:.4f}, ratio of "
-                  f"medians {statistics.median(check) / statistics.median(plain):.4f} "
-                  f"({statistics.median(check):.3f} s / {statistics.median(plain):.3f} s)")
+            print(
+                f"{figure}: {launches} launches, {len(ratios)} rounds; median of per-round "
+                f"ratios {statistics.median(ratios):.4f}, geometric mean {geo:.4f}, ratio of "
+                f"medians {statistics.median(check) / statistics.median(plain):.4f} "
+                f"({statistics.median(check):.3f} s / {statistics.median(plain):.3f} s)"
+            )
 
 
 def main():
@@ -117,7 +126,7 @@ def main():
     out = {k: {"losses": [], "step_s": [], "cpu_s": []} for k in systems}
     keys = list(systems)
     for i in range(args.steps):
-        for key in (keys if i % 2 == 0 else keys[::-1]):
+        for key in keys if i % 2 == 0 else keys[::-1]:
             step, rec = systems[key], out[key]
             batch = torch.randint(0, vocab, (args.micro, args.seq), generator=gens[key])
             dist.barrier()
@@ -130,17 +139,29 @@ def main():
             rec["losses"].append(loss.item())
     summary = {}
     for figure in ("step_s", "cpu_s"):
-        check, plain = (out[k][figure][args.skip:] for k in ("check", "no_check"))
-        summary[figure] = {"check_median": statistics.median(check),
-                           "no_check_median": statistics.median(plain),
-                           "ratio_of_medians": statistics.median(check) / statistics.median(plain),
-                           "median_of_ratios": statistics.median(a / b for a, b in zip(check, plain))}
+        check, plain = (out[k][figure][args.skip :] for k in ("check", "no_check"))
+        summary[figure] = {
+            "check_median": statistics.median(check),
+            "no_check_median": statistics.median(plain),
+            "ratio_of_medians": statistics.median(check) / statistics.median(plain),
+            "median_of_ratios": statistics.median(a / b for a, b in zip(check, plain)),
+        }
     same_losses = out["check"]["losses"] == out["no_check"]["losses"]
     summary["gather_us"] = time_gathers(args.gather_reps) if args.gather_reps else None
     with open(args.out, "a") as f:
-        f.write(json.dumps({"rank": rank, "preset": args.preset, "stage": args.stage,
-                            "systems": out, "summary": summary,
-                            "identical_losses": same_losses}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "preset": args.preset,
+                    "stage": args.stage,
+                    "systems": out,
+                    "summary": summary,
+                    "identical_losses": same_losses,
+                }
+            )
+            + "\n"
+        )
     if rank == 0:
         print(json.dumps({**summary, "identical_losses": same_losses}), flush=True)
     dist.barrier()

@@ -26,8 +26,10 @@ import json
 import statistics
 import time
 
-MODELS = {"110m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256),
-          "17m": dict(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256)}
+MODELS = {
+    "110m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256),
+    "17m": dict(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256),
+}
 
 
 def _rank(model_name: str, repeats: int) -> dict:
@@ -40,9 +42,14 @@ def _rank(model_name: str, repeats: int) -> dict:
     zerotrain.init_distributed()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**MODELS[model_name]))
-    engine, *_ = zerotrain.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3}})
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3},
+        },
+    )
     coordinator = engine.zero_stage_object.parameter_coordinator
     params = list(engine.module.named_parameters())
 
@@ -72,8 +79,7 @@ def _rank(model_name: str, repeats: int) -> dict:
 
     results = {}
     reference = None
-    for name, fn in (("whole", whole), ("whole_serial", whole_serial), ("per_param", per_param),
-                     ("stream", stream)):
+    for name, fn in (("whole", whole), ("whole_serial", whole_serial), ("per_param", per_param), ("stream", stream)):
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -83,8 +89,11 @@ def _rank(model_name: str, repeats: int) -> dict:
             times.append(time.perf_counter() - start)
         reference = reference or out
         same = all(torch.equal(out[n], reference[n]) for n in reference)
-        results[name] = {"median_s": statistics.median(times), "peak_gathered_elements": coordinator.peak_live_numel,
-                         "same_as_whole": same}
+        results[name] = {
+            "median_s": statistics.median(times),
+            "peak_gathered_elements": coordinator.peak_live_numel,
+            "same_as_whole": same,
+        }
     results["elements"] = sum(t.numel() for t in reference.values())
     engine.destroy()
     return results
@@ -99,13 +108,17 @@ def main() -> None:
 
     result = run_on_ranks(_rank, world_size=2, args=(args.model, args.repeats), timeout=1800)[0]
     base = result["whole"]["median_s"]
-    print(f"GPT-2 {args.model} ({result['elements'] / 1e6:.1f}M elements), ZeRO-3 fp32, 2 gloo ranks, "
-          f"median of {args.repeats}")
+    print(
+        f"GPT-2 {args.model} ({result['elements'] / 1e6:.1f}M elements), ZeRO-3 fp32, 2 gloo ranks, "
+        f"median of {args.repeats}"
+    )
     print(f"{'pattern':<10} {'seconds':>9} {'vs whole':>9} {'peak gathered':>14} same")
     for name in ("whole", "whole_serial", "per_param", "stream"):
         row = result[name]
-        print(f"{name:<10} {row['median_s']:>9.3f} {row['median_s'] / base:>8.2f}x "
-              f"{row['peak_gathered_elements'] / 1e6:>13.1f}M {row['same_as_whole']}")
+        print(
+            f"{name:<10} {row['median_s']:>9.3f} {row['median_s'] / base:>8.2f}x "
+            f"{row['peak_gathered_elements'] / 1e6:>13.1f}M {row['same_as_whole']}"
+        )
     print(json.dumps(result))
 
 

@@ -69,10 +69,8 @@ class System:
 
 SYSTEMS = [
     System("ddp", "torch DDP", "ddp", 0, "torchrun"),
-    System("ddp_fused", "torch DDP, AdamW(fused=True)", "ddp", 0, "torchrun", fused=True,
-           own=False),
-    System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", "zero_redundancy", 0,
-           "torchrun", "opt"),
+    System("ddp_fused", "torch DDP, AdamW(fused=True)", "ddp", 0, "torchrun", fused=True, own=False),
+    System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", "zero_redundancy", 0, "torchrun", "opt"),
     System("zt0", "zerotrain stage 0", "zerotrain", 0, "zerotrain"),
     System("zt1", "zerotrain stage 1", "zerotrain", 1, "zerotrain", "opt"),
     System("zt2", "zerotrain stage 2", "zerotrain", 2, "zerotrain", "opt+grad"),
@@ -87,14 +85,18 @@ MIB = 2**20
 # -- launching ----------------------------------------------------------------------------
 def deepspeed_python(explicit: str | None) -> tuple[str | None, str]:
     """An interpreter that imports deepspeed, and deepspeed's version (or why not)."""
-    candidates = [explicit] if explicit else [os.environ.get("DEEPSPEED_PYTHON"), sys.executable,
-                                              "/tmp/dsvenv/bin/python"]
+    candidates = (
+        [explicit] if explicit else [os.environ.get("DEEPSPEED_PYTHON"), sys.executable, "/tmp/dsvenv/bin/python"]
+    )
     for py in filter(None, candidates):
         if not Path(py).exists():
             continue
-        probe = subprocess.run([py, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                               env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            [py, "-c", "import deepspeed; print(deepspeed.__version__)"],
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            capture_output=True,
+            text=True,
+        )
         if probe.returncode == 0:
             return py, probe.stdout.strip().splitlines()[-1]
     return None, "deepspeed is not importable (see the module docstring to install it)"
@@ -115,11 +117,11 @@ def command(system: System, ds_python: str | None) -> list[str]:
 def launch(cmd: list[str], args, out: Path, label: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     if args.zerotrain_src:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.zerotrain_src,
-                                                           env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.zerotrain_src, env.get("PYTHONPATH")]))
     env["BENCH_T0"] = repr(time.time())
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, timeout=args.timeout)
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=args.timeout
+    )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.splitlines()[-15:])
         raise RuntimeError(f"{label} exited {proc.returncode}:\n{tail}")
@@ -130,14 +132,29 @@ def launch(cmd: list[str], args, out: Path, label: str) -> list[dict]:
 
 
 def workload_args(args, steps, preset=None, seq=None) -> list[str]:
-    return ["--preset", preset or args.preset, "--steps", str(steps), "--micro", str(args.micro),
-            "--seq", str(seq or args.seq)]
+    return [
+        "--preset",
+        preset or args.preset,
+        "--steps",
+        str(steps),
+        "--micro",
+        str(args.micro),
+        "--seq",
+        str(seq or args.seq),
+    ]
 
 
 def run_own(system: System, args, ds_python, out: Path, steps: int, **shape) -> list[dict]:
     cmd = command(system, ds_python) + [
-        str(WORKLOAD), "--mode", system.mode, "--stage", str(system.stage),
-        *workload_args(args, steps, **shape), "--out", str(out)]
+        str(WORKLOAD),
+        "--mode",
+        system.mode,
+        "--stage",
+        str(system.stage),
+        *workload_args(args, steps, **shape),
+        "--out",
+        str(out),
+    ]
     if system.fused:
         cmd.append("--fused")
     return launch(cmd, args, out, system.label)
@@ -145,10 +162,15 @@ def run_own(system: System, args, ds_python, out: Path, steps: int, **shape) -> 
 
 def run_interleaved(systems: list[System], args, ds_python, out: Path) -> list[dict]:
     python = ds_python if any(s.launcher == "deepspeed" for s in systems) else sys.executable
-    spec = ",".join(f"{s.key}:{s.mode}:{s.stage}:{'fused' if s.fused else 'plain'}"
-                    for s in systems)
-    cmd = torchrun(python) + [str(WORKLOAD), "--interleave", spec,
-                              *workload_args(args, args.interleave_steps), "--out", str(out)]
+    spec = ",".join(f"{s.key}:{s.mode}:{s.stage}:{'fused' if s.fused else 'plain'}" for s in systems)
+    cmd = torchrun(python) + [
+        str(WORKLOAD),
+        "--interleave",
+        spec,
+        *workload_args(args, args.interleave_steps),
+        "--out",
+        str(out),
+    ]
     return launch(cmd, args, out, "interleaved run")
 
 
@@ -176,11 +198,9 @@ def summarize_own(records: list[dict], skip: int) -> dict:
         "rss_init_mib": max(r["rss_at_mib"]["initialized"] for r in records),
         "rss_step1_mib": max(r["rss_mib"][0] for r in records),
         "rss_last_mib": max(r["rss_mib"][-1] for r in records),
-        "heap_retained_last_mib": max((r["malloc_mib"][-1] or {}).get("heap_free_retained", 0)
-                                      for r in records),
+        "heap_retained_last_mib": max((r["malloc_mib"][-1] or {}).get("heap_free_retained", 0) for r in records),
         "first_step_s": max(r["first_step_s"] for r in records),
-        **{f"t_{k}_s": max(r["t_at_s"][k] for r in records)
-           for k in ("python", "torch", "model", "initialized")},
+        **{f"t_{k}_s": max(r["t_at_s"][k] for r in records) for k in ("python", "torch", "model", "initialized")},
         "losses": records[0]["losses"],
         "params": records[0]["params"],
         "memory_breakdown": records[0].get("memory_breakdown"),
@@ -214,9 +234,21 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
     keys = [k for k in own if own[k]]
     ikeys = list(inter) if inter else []
     fused = "ddp_fused" in ikeys
-    fields = ("step_s", "peak_rss_mib", "rss_torch_mib", "rss_model_mib", "rss_init_mib",
-              "rss_step1_mib", "rss_last_mib", "heap_retained_last_mib", "first_step_s",
-              "t_python_s", "t_torch_s", "t_model_s", "t_initialized_s")
+    fields = (
+        "step_s",
+        "peak_rss_mib",
+        "rss_torch_mib",
+        "rss_model_mib",
+        "rss_init_mib",
+        "rss_step1_mib",
+        "rss_last_mib",
+        "heap_retained_last_mib",
+        "first_step_s",
+        "t_python_s",
+        "t_torch_s",
+        "t_model_s",
+        "t_initialized_s",
+    )
     med = {k: {f: median([r[f] for r in own[k]]) for f in fields} for k in keys}
     P = own["ddp"][0]["params"] if keys else None
     summary: dict = {"meta": meta, "params": P, "systems": {}}
@@ -228,20 +260,28 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
     def paired_own(k, f, base="ddp"):
         return [a[f] / b[f] for a, b in zip(own.get(k, []), own.get(base, []))]
 
-    print(f"\nGPT workload {args.preset} (micro-batch {args.micro} x seq {args.seq} per rank), "
-          f"{NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping, fp32"
-          + (f"; {P:,} parameters" if P else ""))
-    print(f"zerotrain {meta['zerotrain']}; torch {meta['torch']}; DeepSpeed {meta['deepspeed']}; "
-          f"Python {meta['python']}; {meta['cpus']} CPUs")
+    print(
+        f"\nGPT workload {args.preset} (micro-batch {args.micro} x seq {args.seq} per rank), "
+        f"{NPROC} gloo ranks, OMP_NUM_THREADS=1, AdamW lr 1e-4 wd 0, no clipping, fp32"
+        + (f"; {P:,} parameters" if P else "")
+    )
+    print(
+        f"zerotrain {meta['zerotrain']}; torch {meta['torch']}; DeepSpeed {meta['deepspeed']}; "
+        f"Python {meta['python']}; {meta['cpus']} CPUs"
+    )
 
     # Step time.
     if inter:
         n_rounds = len(inter["ddp"]["step_s"])
-        print(f"\n### Step time: all systems interleaved in one launch ({args.interleave_steps} "
-              f"rounds, first {min(args.skip, args.interleave_steps - 1)} excluded: "
-              f"{n_rounds} steps per system)\n")
-        print("Ratios are taken within each round, then median [quartiles] over rounds. "
-              "`CPU` = process CPU seconds per step, all threads.\n")
+        print(
+            f"\n### Step time: all systems interleaved in one launch ({args.interleave_steps} "
+            f"rounds, first {min(args.skip, args.interleave_steps - 1)} excluded: "
+            f"{n_rounds} steps per system)\n"
+        )
+        print(
+            "Ratios are taken within each round, then median [quartiles] over rounds. "
+            "`CPU` = process CPU seconds per step, all threads.\n"
+        )
         head = "| system | step s | step / DDP |" + (" step / DDP fused |" if fused else "")
         head += " CPU s | CPU / DDP | fwd / bwd / opt s | own launches: step / DDP |"
         print(head)
@@ -252,23 +292,30 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
             c = [a / b for a, b in zip(it["cpu_s"], base["cpu_s"])]
             entry = summary["systems"][k]
             own_r = paired_own(k, "step_s")
-            entry.update(step_s=median(it["step_s"]), cpu_s=median(it["cpu_s"]),
-                         step_ratio=median(r), step_ratio_q=quartiles(r), cpu_ratio=median(c),
-                         phase_s=[median(x) for x in it["phase_s"]],
-                         own_step_ratio=median(own_r) if own_r else None)
+            entry.update(
+                step_s=median(it["step_s"]),
+                cpu_s=median(it["cpu_s"]),
+                step_ratio=median(r),
+                step_ratio_q=quartiles(r),
+                cpu_ratio=median(c),
+                phase_s=[median(x) for x in it["phase_s"]],
+                own_step_ratio=median(own_r) if own_r else None,
+            )
             row = f"| {BY_KEY[k].label} | {median(it['step_s']):.3f} | {fmt_ratio(r)} |"
             if fused:
                 rf = [a / b for a, b in zip(it["step_s"], inter["ddp_fused"]["step_s"])]
                 entry.update(step_ratio_fused=median(rf))
                 row += f" {fmt_ratio(rf)} |"
             ph = " / ".join(f"{median(x):.3f}" for x in it["phase_s"])
-            row += (f" {median(it['cpu_s']):.3f} | {median(c):.3f} | {ph} | "
-                    + (f"{median(own_r):.3f} |" if own_r else "– |"))
+            row += f" {median(it['cpu_s']):.3f} | {median(c):.3f} | {ph} | " + (
+                f"{median(own_r):.3f} |" if own_r else "– |"
+            )
             print(row)
-        worst = max(abs(a - b) for k in ikeys
-                    for a, b in zip(inter[k]["losses"], inter["ddp"]["losses"]))
-        print(f"\nLosses in the interleaved run: largest difference to DDP's over "
-              f"{args.interleave_steps} steps {worst:.1e}.")
+        worst = max(abs(a - b) for k in ikeys for a, b in zip(inter[k]["losses"], inter["ddp"]["losses"]))
+        print(
+            f"\nLosses in the interleaved run: largest difference to DDP's over "
+            f"{args.interleave_steps} steps {worst:.1e}."
+        )
 
     if not keys:
         return _goals(summary, fused)
@@ -277,57 +324,66 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
     repeats = len(own["ddp"])
 
     # Memory and start-up.
-    print(f"\n### Peak memory and start-up: one launch per system ({repeats} repeats of "
-          f"{args.steps} steps, medians)\n")
-    print("| system | peak RSS MiB (rank 0/1) | RSS / DDP | launch→end of step 1 s | / DDP | "
-          "step-1 loss |")
+    print(f"\n### Peak memory and start-up: one launch per system ({repeats} repeats of {args.steps} steps, medians)\n")
+    print("| system | peak RSS MiB (rank 0/1) | RSS / DDP | launch→end of step 1 s | / DDP | step-1 loss |")
     print("|---|---|---|---|---|---|")
     for k in keys:
         m = med[k]
-        ranks = "/".join(f"{median([r['peak_rss_by_rank'][i] for r in own[k]]):.0f}"
-                         for i in range(NPROC))
+        ranks = "/".join(f"{median([r['peak_rss_by_rank'][i] for r in own[k]]):.0f}" for i in range(NPROC))
         start = paired_own(k, "first_step_s")
-        summary["systems"][k].update(rss_ratio=m["peak_rss_mib"] / med["ddp"]["peak_rss_mib"],
-                                     startup_ratio=median(start), startup_ratios=start)
-        print(f"| {BY_KEY[k].label} | {m['peak_rss_mib']:.0f} ({ranks}) | "
-              f"{m['peak_rss_mib'] / med['ddp']['peak_rss_mib']:.3f} | "
-              f"{m['first_step_s']:.1f} | {median(start):.2f} | {own[k][0]['losses'][0]:.6f} |")
+        summary["systems"][k].update(
+            rss_ratio=m["peak_rss_mib"] / med["ddp"]["peak_rss_mib"], startup_ratio=median(start), startup_ratios=start
+        )
+        print(
+            f"| {BY_KEY[k].label} | {m['peak_rss_mib']:.0f} ({ranks}) | "
+            f"{m['peak_rss_mib'] / med['ddp']['peak_rss_mib']:.3f} | "
+            f"{m['first_step_s']:.1f} | {median(start):.2f} | {own[k][0]['losses'][0]:.6f} |"
+        )
 
-    print("\nStart-up: seconds from the launch command to each point on the slower rank "
-          "(medians): the rank's interpreter running the script, `import torch` done, model "
-          "built, initialize() done, end of step 1\n")
+    print(
+        "\nStart-up: seconds from the launch command to each point on the slower rank "
+        "(medians): the rank's interpreter running the script, `import torch` done, model "
+        "built, initialize() done, end of step 1\n"
+    )
     print("| system | script starts | torch imported | model built | initialized | step 1 done |")
     print("|---|---|---|---|---|---|")
     for k in keys:
         m = med[k]
-        print(f"| {BY_KEY[k].label} | {m['t_python_s']:.1f} | {m['t_torch_s']:.1f} | "
-              f"{m['t_model_s']:.1f} | {m['t_initialized_s']:.1f} | {m['first_step_s']:.1f} |")
+        print(
+            f"| {BY_KEY[k].label} | {m['t_python_s']:.1f} | {m['t_torch_s']:.1f} | "
+            f"{m['t_model_s']:.1f} | {m['t_initialized_s']:.1f} | {m['first_step_s']:.1f} |"
+        )
 
-    print("\nWhere the memory is: RSS in MiB (larger rank, medians) after `import torch`, after "
-          "building the model, after initialize, after step 1, after the last step, glibc's "
-          "free-but-retained heap after the last step, and the peak\n")
-    print("| system | torch imported | model built | initialized | step 1 | last step | "
-          "heap retained | peak |")
+    print(
+        "\nWhere the memory is: RSS in MiB (larger rank, medians) after `import torch`, after "
+        "building the model, after initialize, after step 1, after the last step, glibc's "
+        "free-but-retained heap after the last step, and the peak\n"
+    )
+    print("| system | torch imported | model built | initialized | step 1 | last step | heap retained | peak |")
     print("|---|---|---|---|---|---|---|---|")
     for k in keys:
         m = med[k]
-        print(f"| {BY_KEY[k].label} | {m['rss_torch_mib']:.0f} | {m['rss_model_mib']:.0f} | "
-              f"{m['rss_init_mib']:.0f} | {m['rss_step1_mib']:.0f} | {m['rss_last_mib']:.0f} | "
-              f"{m['heap_retained_last_mib']:.0f} | {m['peak_rss_mib']:.0f} |")
-    breakdowns = {k: summary["systems"][k]["memory_breakdown"] for k in keys
-                  if summary["systems"][k]["memory_breakdown"]}
+        print(
+            f"| {BY_KEY[k].label} | {m['rss_torch_mib']:.0f} | {m['rss_model_mib']:.0f} | "
+            f"{m['rss_init_mib']:.0f} | {m['rss_step1_mib']:.0f} | {m['rss_last_mib']:.0f} | "
+            f"{m['heap_retained_last_mib']:.0f} | {m['peak_rss_mib']:.0f} |"
+        )
+    breakdowns = {
+        k: summary["systems"][k]["memory_breakdown"] for k in keys if summary["systems"][k]["memory_breakdown"]
+    }
     if breakdowns:
         print("\nzerotrain `engine.memory_breakdown()` after the last step, rank 0, MiB\n")
         cats = list(next(iter(breakdowns.values())))
         print("| system | " + " | ".join(c.replace("_", " ") for c in cats) + " |")
         print("|---" * (len(cats) + 1) + "|")
         for k, b in breakdowns.items():
-            print(f"| {BY_KEY[k].label} | " + " | ".join(f"{b.get(c, 0) / MIB:.1f}" for c in cats)
-                  + " |")
+            print(f"| {BY_KEY[k].label} | " + " | ".join(f"{b.get(c, 0) / MIB:.1f}" for c in cats) + " |")
 
-    print(f"\nSaving in peak RSS per rank against DDP vs theory (P = {P:,}, N = {NPROC}: "
-          f"optimizer-only {theory['opt']:.1f} MiB, optimizer+gradients "
-          f"{theory['opt+grad']:.1f} MiB)\n")
+    print(
+        f"\nSaving in peak RSS per rank against DDP vs theory (P = {P:,}, N = {NPROC}: "
+        f"optimizer-only {theory['opt']:.1f} MiB, optimizer+gradients "
+        f"{theory['opt+grad']:.1f} MiB)\n"
+    )
     print("| system | shards | theoretical saving MiB | achieved (DDP peak - peak) MiB | fraction |")
     print("|---|---|---|---|---|")
     for k in keys:
@@ -336,8 +392,9 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
             continue
         achieved = med["ddp"]["peak_rss_mib"] - med[k]["peak_rss_mib"]
         frac = achieved / theory[s.sharded]
-        summary["systems"][k].update(theoretical_saving_mib=theory[s.sharded],
-                                     achieved_saving_mib=achieved, saving_fraction=frac)
+        summary["systems"][k].update(
+            theoretical_saving_mib=theory[s.sharded], achieved_saving_mib=achieved, saving_fraction=frac
+        )
         what = "optimizer state" if s.sharded == "opt" else "optimizer state + gradients"
         print(f"| {s.label} | {what} | {theory[s.sharded]:.1f} | {achieved:.1f} | {frac:.2f} |")
 
@@ -345,9 +402,11 @@ def report(own: dict[str, list[dict]], inter: dict[str, dict] | None, args, meta
     first = {k: own[k][0]["losses"][0] for k in keys}
     last = {k: own[k][0]["losses"][-1] for k in keys}
     spread = max(first.values()) - min(first.values())
-    print(f"\nStep-1 loss (rank 0): {first['ddp']:.6f} for every system, spread {spread:.1e} "
-          f"({'same init and data everywhere' if spread < 1e-5 else 'MISMATCH'}); step-"
-          f"{args.steps} loss spread {max(last.values()) - min(last.values()):.1e}.")
+    print(
+        f"\nStep-1 loss (rank 0): {first['ddp']:.6f} for every system, spread {spread:.1e} "
+        f"({'same init and data everywhere' if spread < 1e-5 else 'MISMATCH'}); step-"
+        f"{args.steps} loss spread {max(last.values()) - min(last.values()):.1e}."
+    )
     summary["losses_step1"] = first
     return _goals(summary, fused)
 
@@ -361,33 +420,35 @@ def _goals(summary: dict, fused: bool) -> dict:
             alt = z[k].get(field + "_fused")
             goals.append((name, z[k][field], alt, target, ok(z[k][field])))
 
-    goal("stage 0 step time within 5% of DDP", "zt0", "step_ratio", "<= 1.05",
-         lambda v: v <= 1.05)
-    goal("stage 0 launch-to-first-step no slower than torchrun + DDP", "zt0", "startup_ratio",
-         "<= 1.00", lambda v: v <= 1.0)
-    goal("stage 1 step time within 10% of DDP", "zt1", "step_ratio", "<= 1.10",
-         lambda v: v <= 1.10)
-    goal("stage 2 step time within 10% of DDP", "zt2", "step_ratio", "<= 1.10",
-         lambda v: v <= 1.10)
-    goal("stage 2 peak RSS saving >= 70% of theory", "zt2", "saving_fraction", ">= 0.70",
-         lambda v: v >= 0.70)
+    goal("stage 0 step time within 5% of DDP", "zt0", "step_ratio", "<= 1.05", lambda v: v <= 1.05)
+    goal(
+        "stage 0 launch-to-first-step no slower than torchrun + DDP",
+        "zt0",
+        "startup_ratio",
+        "<= 1.00",
+        lambda v: v <= 1.0,
+    )
+    goal("stage 1 step time within 10% of DDP", "zt1", "step_ratio", "<= 1.10", lambda v: v <= 1.10)
+    goal("stage 2 step time within 10% of DDP", "zt2", "step_ratio", "<= 1.10", lambda v: v <= 1.10)
+    goal("stage 2 peak RSS saving >= 70% of theory", "zt2", "saving_fraction", ">= 0.70", lambda v: v >= 0.70)
     print("\n### Goals\n")
     print("| goal | measured vs DDP |" + (" vs DDP fused |" if fused else "") + " target | met |")
     print("|---|---|" + ("---|" if fused else "") + "---|---|")
     for name, value, alt, target, ok in goals:
-        extra = ((f" {alt:.3f} |" if alt is not None else " – |") if fused else "")
+        extra = (f" {alt:.3f} |" if alt is not None else " – |") if fused else ""
         print(f"| {name} | {value:.3f} |{extra} {target} | {'yes' if ok else 'NO'} |")
-    summary["goals"] = [dict(goal=n, measured=v, measured_vs_fused=a, target=t, met=ok)
-                        for n, v, a, t, ok in goals]
+    summary["goals"] = [dict(goal=n, measured=v, measured_vs_fused=a, target=t, met=ok) for n, v, a, t, ok in goals]
     return summary
 
 
 def git_describe(src: Path) -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True, text=True
+        ).stdout.strip()
         return rev + (" + uncommitted changes" if dirty else "")
     except (subprocess.CalledProcessError, FileNotFoundError):
         return "unknown revision"
@@ -396,11 +457,11 @@ def git_describe(src: Path) -> str:
 def export_revision(rev: str) -> tuple[tempfile.TemporaryDirectory, str, str]:
     """``git archive`` of src/ at ``rev`` into a temporary directory."""
     repo = HERE.parent
-    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
     tmp = tempfile.TemporaryDirectory(prefix=f"zerotrain-{sha}-")
-    archive = subprocess.run(["git", "-C", str(repo), "archive", sha, "src"],
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "-C", str(repo), "archive", sha, "src"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
     return tmp, str(Path(tmp.name) / "src"), sha
 
@@ -409,23 +470,31 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2, help="own launches per system")
     p.add_argument("--steps", type=int, default=4, help="steps per own launch")
-    p.add_argument("--interleave-steps", type=int, default=8,
-                   help="rounds of the interleaved step-time launch (0: skip it)")
+    p.add_argument(
+        "--interleave-steps", type=int, default=8, help="rounds of the interleaved step-time launch (0: skip it)"
+    )
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of step times")
     p.add_argument("--preset", default="gpt17m")
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--systems", default=",".join(s.key for s in SYSTEMS))
     p.add_argument("--deepspeed-python", default=None)
-    p.add_argument("--zerotrain-src", default=None,
-                   help="put this src/ directory first on PYTHONPATH (e.g. a patched copy)")
-    p.add_argument("--zerotrain-rev", default=None,
-                   help="measure this git revision (e.g. HEAD): its src/ is exported to a "
-                        "temporary directory, so uncommitted work in the tree is not measured")
+    p.add_argument(
+        "--zerotrain-src", default=None, help="put this src/ directory first on PYTHONPATH (e.g. a patched copy)"
+    )
+    p.add_argument(
+        "--zerotrain-rev",
+        default=None,
+        help="measure this git revision (e.g. HEAD): its src/ is exported to a "
+        "temporary directory, so uncommitted work in the tree is not measured",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed tiny DeepSpeed launch (DeepSpeed builds a JIT op on "
-                        "its first run on a machine; this keeps that out of its start-up time)")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed tiny DeepSpeed launch (DeepSpeed builds a JIT op on "
+        "its first run on a machine; this keeps that out of its start-up time)",
+    )
     p.add_argument("--json", default=None, help="also write every record here")
     args = p.parse_args(argv)
 
@@ -445,6 +514,7 @@ def main(argv=None) -> dict:
     systems = [BY_KEY[k] for k in wanted]
 
     import torch
+
     import zerotrain
 
     snapshot = None
@@ -452,12 +522,17 @@ def main(argv=None) -> dict:
         snapshot, args.zerotrain_src, sha = export_revision(args.zerotrain_rev)
         where = f"commit {sha} (git archive of src/)"
     else:
-        src = (Path(args.zerotrain_src) if args.zerotrain_src
-               else Path(zerotrain.__file__).resolve().parents[1])
+        src = Path(args.zerotrain_src) if args.zerotrain_src else Path(zerotrain.__file__).resolve().parents[1]
         where = f"{src} @ {git_describe(src)}"
-    meta = {"zerotrain": where, "torch": torch.__version__, "deepspeed": ds_version,
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "argv": sys.argv[1:] if argv is None else argv}
+    meta = {
+        "zerotrain": where,
+        "torch": torch.__version__,
+        "deepspeed": ds_version,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
     started = time.time()
     own: dict[str, list[dict]] = {s.key: [] for s in systems}
     raw: dict = {s.key: [] for s in systems}
@@ -471,35 +546,38 @@ def main(argv=None) -> dict:
             if not args.no_warmup:
                 ds = [x for x in systems if x.launcher == "deepspeed"]
                 if ds:
-                    run_own(ds[0], args, ds_python, Path(tmp) / "warmup.jsonl", steps=1,
-                            preset="tiny", seq=32)
+                    run_own(ds[0], args, ds_python, Path(tmp) / "warmup.jsonl", steps=1, preset="tiny", seq=32)
                     progress("DeepSpeed warm-up launch done")
             if args.interleave_steps > 0:
                 records = run_interleaved(systems, args, ds_python, Path(tmp) / "interleaved.jsonl")
                 raw["interleaved"] = records
                 inter = summarize_interleaved(records, args.skip)
-                progress("interleaved step-time launch: " + ", ".join(
-                    f"{k} {median(v['step_s']):.3f} s" for k, v in inter.items()))
+                progress(
+                    "interleaved step-time launch: "
+                    + ", ".join(f"{k} {median(v['step_s']):.3f} s" for k, v in inter.items())
+                )
             alone = [s for s in systems if s.own]
             for i in range(args.repeats):
-                order = alone[i % len(alone):] + alone[:i % len(alone)]
+                order = alone[i % len(alone) :] + alone[: i % len(alone)]
                 for s in order:
-                    records = run_own(s, args, ds_python, Path(tmp) / f"{s.key}-{i}.jsonl",
-                                      steps=args.steps)
+                    records = run_own(s, args, ds_python, Path(tmp) / f"{s.key}-{i}.jsonl", steps=args.steps)
                     raw[s.key].append(records)
                     own[s.key].append(summarize_own(records, args.skip))
                     r = own[s.key][-1]
-                    progress(f"repeat {i + 1}/{args.repeats} {s.label}: step "
-                             f"{r['step_s']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
-                             f"launch→step 1 {r['first_step_s']:.1f} s")
+                    progress(
+                        f"repeat {i + 1}/{args.repeats} {s.label}: step "
+                        f"{r['step_s']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+                        f"launch→step 1 {r['first_step_s']:.1f} s"
+                    )
     finally:
         if snapshot is not None:
             snapshot.cleanup()
     summary = report(own, inter, args, meta)
     print(f"\n(wall time of the benchmark: {time.time() - started:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "own": own,
-                                               "interleaved": inter, "raw": raw}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"summary": summary, "own": own, "interleaved": inter, "raw": raw}, indent=1)
+        )
     return summary
 
 

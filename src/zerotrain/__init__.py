@@ -43,9 +43,27 @@ _EXPORTS = {
 _ALIASES = {"DeepSpeedEngine": "ZeroTrainEngine"}
 # Subpackages reachable as attributes, as ``import deepspeed`` makes its own (``zerotrain.runtime.utils``
 # works too: each package loads its DeepSpeed-named submodules on first access, zerotrain._lazy).
-_SUBMODULES = {"comm", "config", "engine", "optim", "zero", "models", "testing", "launcher", "monitor",
-               "runtime", "accelerator", "ops", "moe", "pipe", "utils", "compression", "checkpointing",
-               "checkpoint", "profiling"}
+_SUBMODULES = {
+    "comm",
+    "config",
+    "engine",
+    "optim",
+    "zero",
+    "models",
+    "testing",
+    "launcher",
+    "monitor",
+    "runtime",
+    "accelerator",
+    "ops",
+    "moe",
+    "pipe",
+    "utils",
+    "compression",
+    "checkpointing",
+    "checkpoint",
+    "profiling",
+}
 
 __all__ = sorted(set(_EXPORTS) | set(_ALIASES) | {"__version__"})
 

@@ -19,12 +19,16 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Iterable, Mapping, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 
-def lazy_attributes(package: str, submodules: Iterable[str] = (),
-                    names: Optional[Mapping[str, str]] = None,
-                    fallback: Optional[Callable[[str], Any]] = None):
+def lazy_attributes(
+    package: str,
+    submodules: Iterable[str] = (),
+    names: Mapping[str, str] | None = None,
+    fallback: Callable[[str], Any] | None = None,
+):
     """``(__getattr__, __dir__)`` for ``package``'s ``__init__``.
 
     ``submodules``: short names of ``package``'s submodules; ``names``: re-exported name -> the
@@ -62,7 +66,7 @@ _FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_pa
 def public_name(module_name: str) -> str:
     """``zerotrain.deepspeed_paths.runtime.zero`` -> ``zerotrain.runtime.zero`` (others unchanged)."""
     if module_name.startswith(DEEPSPEED_PATHS + "."):
-        return "zerotrain." + module_name[len(DEEPSPEED_PATHS) + 1:]
+        return "zerotrain." + module_name[len(DEEPSPEED_PATHS) + 1 :]
     return module_name
 
 
@@ -96,8 +100,9 @@ class DeepSpeedPathFinder(importlib.abc.MetaPathFinder):
             found = importlib.util.find_spec(public)
             if found is None:
                 return None
-            return importlib.machinery.ModuleSpec(fullname, _SameModule(public),
-                                                  is_package=found.submodule_search_locations is not None)
+            return importlib.machinery.ModuleSpec(
+                fullname, _SameModule(public), is_package=found.submodule_search_locations is not None
+            )
         return None
 
 

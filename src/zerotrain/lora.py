@@ -14,8 +14,9 @@ from torch import nn
 
 # bitsandbytes' quantized layer and parameter classes (peft's LoRA wrappers of them keep the
 # names); any class defined in a quantization package counts too.
-QUANTIZED_LAYER_CLASSES = frozenset({"Linear4bit", "Linear8bitLt", "LinearFP4", "LinearNF4", "Params4bit",
-                                     "Int8Params"})
+QUANTIZED_LAYER_CLASSES = frozenset(
+    {"Linear4bit", "Linear8bitLt", "LinearFP4", "LinearNF4", "Params4bit", "Int8Params"}
+)
 _QUANTIZED_PACKAGES = ("bitsandbytes", "hqq", "auto_gptq", "gptqmodel", "awq", "optimum.quanto")
 
 
@@ -43,14 +44,16 @@ def check_quantized_base(model: nn.Module, stage: int) -> None:
     found = find_quantized_layers(model)
     if not found:
         return
-    shown = "\n".join(f"  - {line}" for line in found[:8]) + (f"\n  ... ({len(found) - 8} more)"
-                                                              if len(found) > 8 else "")
+    shown = "\n".join(f"  - {line}" for line in found[:8]) + (
+        f"\n  ... ({len(found) - 8} more)" if len(found) > 8 else ""
+    )
     raise NotImplementedError(
         "QLoRA (a 4-bit/8-bit quantized base model) is incompatible with ZeRO stage 3: stage 3 "
         "partitions every parameter into flat floating-point shards and gathers them back, which "
         "packed quantized weights and their quantization state cannot go through (DeepSpeed "
         f"ZeRO-3 does not support QLoRA either). Found:\n{shown}\n"
-        "Use zero_optimization.stage 0-2 for a quantized base, or LoRA on a bf16/fp16 base at stage 3.")
+        "Use zero_optimization.stage 0-2 for a quantized base, or LoRA on a bf16/fp16 base at stage 3."
+    )
 
 
 def _is_quantized_type(cls: type) -> bool:

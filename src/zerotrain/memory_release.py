@@ -59,8 +59,10 @@ def resolve_memory_release(policy: str | None, stage: int = 3) -> str:
     (:func:`default_memory_release`); a one-line error naming both sources for anything else."""
     name = policy or os.environ.get("ZEROTRAIN_MEMORY_RELEASE") or default_memory_release(stage)
     if name not in MEMORY_RELEASE_POLICIES:
-        raise ValueError(f"memory_release must be one of {', '.join(MEMORY_RELEASE_POLICIES)}, "
-                         f"got {name!r} (config key memory_release or ZEROTRAIN_MEMORY_RELEASE)")
+        raise ValueError(
+            f"memory_release must be one of {', '.join(MEMORY_RELEASE_POLICIES)}, "
+            f"got {name!r} (config key memory_release or ZEROTRAIN_MEMORY_RELEASE)"
+        )
     return name
 
 
@@ -91,7 +93,7 @@ class ReleasePolicy:
         if self.eager:
             release_freed_memory()
 
-    def trim_every(self, numel: int) -> "TrimEvery":
+    def trim_every(self, numel: int) -> TrimEvery:
         return TrimEvery(numel, self)
 
     def __repr__(self) -> str:

@@ -25,7 +25,8 @@ import pickle
 import queue as queue_mod
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zerotrain.comm.distributed import free_port
 
@@ -37,8 +38,12 @@ class RankFailed(RuntimeError):
 def _rank_main(fn, rank, world_size, port, args, kwargs, env, results):
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     import torch
 
@@ -63,8 +68,7 @@ def _context():
     (no thread pools exist when it forks), which keeps forking safe. ``torch._dynamo`` too: the
     first optimizer a rank builds imports it (~1 CPU-s a rank); importing it starts no thread."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotrain.engine",
-                                "zerotrain.zero"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotrain.engine", "zerotrain.zero"])
     return ctx
 
 
@@ -84,9 +88,9 @@ def run_on_ranks(
     rank_env = {"OMP_NUM_THREADS": "1", "ZEROTRAIN_COMM_TIMEOUT": str(comm_timeout)}
     rank_env.update(env or {})
     procs = [
-        ctx.Process(target=_rank_main,
-                    args=(fn, r, world_size, port, args, kwargs or {}, rank_env, results),
-                    daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, rank_env, results), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -108,14 +112,13 @@ def _collect(procs, results, world_size, timeout) -> list[Any]:
         try:
             rank, ok, value = results.get(timeout=0.5)
         except queue_mod.Empty:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out
-                    and p.exitcode not in (0, None)]
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode not in (0, None)]
             if dead:
                 r = dead[0]
-                raise RankFailed(f"rank {r} died with exit code {procs[r].exitcode}")
+                raise RankFailed(f"rank {r} died with exit code {procs[r].exitcode}") from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s")
+                raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f} s") from None
             continue
         if not ok:
             raise RankFailed(f"rank {rank} raised:\n{value}")

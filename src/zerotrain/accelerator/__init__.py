@@ -28,16 +28,25 @@ _CLASSES = {"cpu": CPUAccelerator, "cuda": CUDAAccelerator}
 _instances: dict[str, Accelerator] = {}
 _chosen: Accelerator | None = None
 
-__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "DeepSpeedAccelerator",
-           "get_accelerator", "set_accelerator", "is_current_accelerator_supported"]
+__all__ = [
+    "Accelerator",
+    "CPUAccelerator",
+    "CUDAAccelerator",
+    "DeepSpeedAccelerator",
+    "get_accelerator",
+    "set_accelerator",
+    "is_current_accelerator_supported",
+]
 
 
 def _name_from_environment() -> str:
     forced = os.environ.get("ZEROTRAIN_ACCELERATOR") or os.environ.get("DS_ACCELERATOR")
     if forced:
         if forced not in _CLASSES:
-            raise ValueError(f"ZEROTRAIN_ACCELERATOR={forced!r} (or DS_ACCELERATOR): expected 'cpu' or "
-                             f"'cuda'; unset it to pick CUDA when available, else the CPU")
+            raise ValueError(
+                f"ZEROTRAIN_ACCELERATOR={forced!r} (or DS_ACCELERATOR): expected 'cpu' or "
+                f"'cuda'; unset it to pick CUDA when available, else the CPU"
+            )
         return forced
     return "cuda" if torch.cuda.is_available() else "cpu"
 

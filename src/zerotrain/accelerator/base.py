@@ -239,8 +239,7 @@ class Accelerator(abc.ABC):
 
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
-            raise ValueError(f"compile backend {backend!r} is not supported on {self.name}; "
-                             f"choose one of {known}")
+            raise ValueError(f"compile backend {backend!r} is not supported on {self.name}; choose one of {known}")
         self._compile_backend = backend
 
     def build_extension(self):
@@ -272,4 +271,5 @@ class Accelerator(abc.ABC):
 
 _NO_OP_BUILDERS = (
     "zerotrain has no compiled DeepSpeed ops (op builders); it runs torch's kernels. Use "
-    "zerotrain.ops.adam.FusedAdam / DeepSpeedCPUAdam instead of FusedAdamBuilder / CPUAdamBuilder")
+    "zerotrain.ops.adam.FusedAdam / DeepSpeedCPUAdam instead of FusedAdamBuilder / CPUAdamBuilder"
+)

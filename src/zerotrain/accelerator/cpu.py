@@ -44,7 +44,7 @@ class HostEvent:
     def wait(self, stream=None) -> None:
         return None
 
-    def elapsed_time(self, end_event: "HostEvent") -> float:
+    def elapsed_time(self, end_event: HostEvent) -> float:
         """Milliseconds from this event to ``end_event`` (both must have been recorded)."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
@@ -225,7 +225,7 @@ class CPUAccelerator(Accelerator):
             self._ranges.pop().__exit__(None, None, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _computes_in(dtype: torch.dtype) -> bool:
     try:
         a = torch.ones(4, 4, dtype=dtype)

@@ -11,7 +11,6 @@ import torch
 
 from zerotrain.accelerator.base import Accelerator
 
-
 # Dense (no sparsity) 16-bit tensor-core peaks from NVIDIA's data sheets, TFLOPS; first match
 # of the marker in torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100").
 _PEAK_16BIT_TFLOPS = (

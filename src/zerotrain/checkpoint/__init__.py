@@ -10,10 +10,17 @@
 
 from zerotrain.checkpoint.format import CheckpointError
 from zerotrain.checkpoint.model16 import full_state_dict, save_16bit_model
-from zerotrain.checkpoint.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                                               get_fp32_state_dict_from_zero_checkpoint,
-                                               load_state_dict_from_zero_checkpoint)
+from zerotrain.checkpoint.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 
-__all__ = ["CheckpointError", "convert_zero_checkpoint_to_fp32_state_dict", "full_state_dict",
-           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "save_16bit_model"]
+__all__ = [
+    "CheckpointError",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "full_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+    "save_16bit_model",
+]

@@ -57,12 +57,14 @@ def recover(save_dir: Path) -> None:
                 shutil.rmtree(entry)
                 changed = True
             elif not final.exists() and (entry / METADATA).is_file():  # it did not: put it back
-                logger.warning("checkpoint %s: restoring it from %s (a re-save of this tag was "
-                               "interrupted)", final, entry)
+                logger.warning(
+                    "checkpoint %s: restoring it from %s (a re-save of this tag was interrupted)", final, entry
+                )
                 os.replace(entry, final)
                 changed = True
-        elif name.endswith(".tmp") and entry.is_file() and (
-                name[1:-4] == LATEST or name[1:-4] in SCRIPT_NAMES.values()):
+        elif (
+            name.endswith(".tmp") and entry.is_file() and (name[1:-4] == LATEST or name[1:-4] in SCRIPT_NAMES.values())
+        ):
             entry.unlink()
     if changed:
         fsync_dir(save_dir)
@@ -87,8 +89,10 @@ def commit(partial: Path, save_dir: Path, tag: str, metadata: bytes, save_latest
         if moved_aside:
             _quietly(os.replace, old, final)
         _quietly(shutil.rmtree, partial)
-        raise CheckpointError(f"{type(error).__name__}: {error} (nothing was changed: "
-                              f"{save_dir / LATEST} still names the previous checkpoint)") from error
+        raise CheckpointError(
+            f"{type(error).__name__}: {error} (nothing was changed: "
+            f"{save_dir / LATEST} still names the previous checkpoint)"
+        ) from error
     try:
         try:
             fsync_dir(save_dir)
@@ -102,15 +106,15 @@ def commit(partial: Path, save_dir: Path, tag: str, metadata: bytes, save_latest
     except Exception as error:
         raise CheckpointError(
             f"{type(error).__name__}: {error} ({final} is in place, but {save_dir / LATEST} was not "
-            f"updated: load it with tag={tag!r}, or save again)") from error
+            f"updated: load it with tag={tag!r}, or save again)"
+        ) from error
 
 
 def _quietly(fn, *args) -> None:
     try:
         fn(*args)
     except OSError as error:
-        logger.warning("checkpoint clean-up: %s(%s) failed: %s", fn.__name__,
-                       ", ".join(map(str, args)), error)
+        logger.warning("checkpoint clean-up: %s(%s) failed: %s", fn.__name__, ", ".join(map(str, args)), error)
 
 
 def write_durably(path: Path, data: bytes) -> None:

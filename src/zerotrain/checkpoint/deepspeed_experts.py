@@ -29,17 +29,23 @@ class DeepSpeedExperts:
         self.source = source
         counts = main.get("num_experts")
         if not isinstance(counts, list):
-            raise CheckpointError(f"{source.model_files[0]}: expert files but no per-layer 'num_experts' list "
-                                  "(DeepSpeed's old MoE layout cannot be converted)")
+            raise CheckpointError(
+                f"{source.model_files[0]}: expert files but no per-layer 'num_experts' list "
+                "(DeepSpeed's old MoE layout cannot be converted)"
+            )
         if config.get("use_data_before_expert_parallelism"):
-            raise CheckpointError(f"{source.folder}: use_data_before_expert_parallelism (D+E rank layout) "
-                                  "cannot be converted; only DeepSpeed's default E+D layout can")
+            raise CheckpointError(
+                f"{source.folder}: use_data_before_expert_parallelism (D+E rank layout) "
+                "cannot be converted; only DeepSpeed's default E+D layout can"
+            )
         self.layers: list[tuple[str, int]] = []  # (the experts' key prefix, num_experts) by layer id
         for layer, count in enumerate(counts):
             ids = sorted(e for (lay, e) in source.expert_files if lay == layer)
             if ids != list(range(count)):
-                raise CheckpointError(f"{source.folder}: MoE layer {layer} has {count} experts but files for "
-                                      f"experts {ids}: copy every layer_{layer}_expert_*_mp_rank_00_model_states.pt")
+                raise CheckpointError(
+                    f"{source.folder}: MoE layer {layer} has {count} experts but files for "
+                    f"experts {ids}: copy every layer_{layer}_expert_*_mp_rank_00_model_states.pt"
+                )
             prefix = None
             for key in self.expert_state(layer, 0):
                 head, infix, _ = key.partition(EXPERTS_INFIX)
@@ -50,16 +56,20 @@ class DeepSpeedExperts:
             self.layers.append((prefix, count))
         extra = sorted(lay for lay, _ in source.expert_files if lay >= len(counts))
         if extra:
-            raise CheckpointError(f"{source.folder}: expert files of layer {extra[0]}, the model-states file "
-                                  f"lists {len(counts)} MoE layers")
+            raise CheckpointError(
+                f"{source.folder}: expert files of layer {extra[0]}, the model-states file "
+                f"lists {len(counts)} MoE layers"
+            )
         # expert param group index -> its ep_size (DeepSpeed names the groups "ep_size_N")
         self.groups: dict[int, int] = {}
         for g, group in enumerate(param_groups):
             if group.get("moe"):
                 name = str(group.get("name", ""))
                 if not name.startswith("ep_size_") or not name[8:].isdigit():
-                    raise CheckpointError(f"{source.optim_files[0]}: expert param group {g} is named {name!r}, "
-                                          "not DeepSpeed's 'ep_size_N'")
+                    raise CheckpointError(
+                        f"{source.optim_files[0]}: expert param group {g} is named {name!r}, "
+                        "not DeepSpeed's 'ep_size_N'"
+                    )
                 ep = int(name[8:])
                 if world % ep:
                     raise CheckpointError(f"{source.optim_files[0]}: ep_size {ep} does not divide the {world} ranks")
@@ -79,12 +89,13 @@ class DeepSpeedExperts:
         for layer, (prefix, count) in enumerate(self.layers):
             if name.startswith(prefix):
                 return layer, prefix, count
-        raise CheckpointError(f"{self.source.optim_files[0]}: expert parameter {name!r} belongs to no MoE "
-                              "layer of the expert files")
+        raise CheckpointError(
+            f"{self.source.optim_files[0]}: expert parameter {name!r} belongs to no MoE layer of the expert files"
+        )
 
     def global_name(self, local: str, ep_rank: int, ep_size: int) -> str:
         layer, prefix, count = self._layer(local)
-        number, _, rest = local[len(prefix):].partition(".")
+        number, _, rest = local[len(prefix) :].partition(".")
         return f"{prefix}{ep_rank * (count // ep_size) + int(number)}.{rest}"
 
     def shard_files(self, ep_rank: int, ep_size: int) -> list[str]:
@@ -92,13 +103,19 @@ class DeepSpeedExperts:
         return [shard_file(ep_rank + k * ep_size) for k in range(self.world // ep_size)]
 
     def layers_meta(self, ep_of_layer: dict[int, int]) -> dict:
-        layers = [{"id": i, "module": prefix[:-len(EXPERTS_INFIX) - 1] if prefix != EXPERTS_INFIX else "",
-                   "num_experts": count, "ep_size": ep_of_layer.get(i, 1),
-                   "num_local_experts": count // ep_of_layer.get(i, 1)}
-                  for i, (prefix, count) in enumerate(self.layers)]
+        layers = [
+            {
+                "id": i,
+                "module": prefix[: -len(EXPERTS_INFIX) - 1] if prefix != EXPERTS_INFIX else "",
+                "num_experts": count,
+                "ep_size": ep_of_layer.get(i, 1),
+                "num_local_experts": count // ep_of_layer.get(i, 1),
+            }
+            for i, (prefix, count) in enumerate(self.layers)
+        ]
         return {"layers": layers, "num_experts": [count for _, count in self.layers]}
 
-    def plan_group(self, g, group_shapes: dict, flat, count: int, paddings, units: list, dtype, mixed) -> "ByExpertRank":
+    def plan_group(self, g, group_shapes: dict, flat, count: int, paddings, units: list, dtype, mixed) -> ByExpertRank:
         """Expert group ``g``: one unit per expert-parallel rank (appended to ``units``),
         partitioned over its expert-data group like DeepSpeed's buffer, its parameters named by
         global expert id, its shards in the files of the data ranks that held them."""
@@ -106,8 +123,10 @@ class DeepSpeedExperts:
 
         ep = self.groups[g]
         if count != self.world // ep:
-            raise CheckpointError(f"{self.source.optim_files[0]}: expert group {g} (ep_size {ep}) is partitioned "
-                                  f"over {count} ranks, not the {self.world // ep} of its expert-data group")
+            raise CheckpointError(
+                f"{self.source.optim_files[0]}: expert group {g} (ep_size {ep}) is partitioned "
+                f"over {count} ranks, not the {self.world // ep} of its expert-data group"
+            )
         out = ByExpertRank()
         for ep_rank in range(ep):
             params, offset = [], 0
@@ -126,8 +145,12 @@ class DeepSpeedExperts:
         """The experts' buffers and frozen parameters from the expert files into ``layout``, and
         every expert key into the key order (after its layer's gate: the single-process order).
         Returns the metadata's ``"moe"`` section."""
-        ep_of_layer = {self._layer(name)[0]: self.groups[unit["group"]]
-                       for unit in units if unit.get("_local") for name, *_ in unit["params"]}
+        ep_of_layer = {
+            self._layer(name)[0]: self.groups[unit["group"]]
+            for unit in units
+            if unit.get("_local")
+            for name, *_ in unit["params"]
+        }
         trained = {name for unit in units for name, *_ in unit["params"]}
         for layer, (prefix, count) in enumerate(self.layers):
             ep = ep_of_layer.get(layer, 1)
@@ -138,13 +161,13 @@ class DeepSpeedExperts:
                     keys.append(key)
                     if key in trained:
                         continue
-                    number, _, rest = key[len(prefix):].partition(".")
+                    number, _, rest = key[len(prefix) :].partition(".")
                     local = f"{prefix}{int(number) % local_count}.{rest}"
                     if local in buffer_names:
                         layout.buffers[key] = value
                     else:  # in no optimizer group: frozen
                         layout.frozen[key] = value
-            moe = prefix[:-len("experts.deepspeed_experts.")]  # "<path>.deepspeed_moe."
+            moe = prefix[: -len("experts.deepspeed_experts.")]  # "<path>.deepspeed_moe."
             at = max((i + 1 for i, k in enumerate(layout.keys) if k.startswith(moe)), default=len(layout.keys))
             layout.keys[at:at] = keys
         return self.layers_meta(ep_of_layer)

@@ -72,8 +72,10 @@ def safe_load(path: Path):
     """``torch.load(path, weights_only=True)`` allowing only DeepSpeed's own few types (as
     stand-ins); any other pickled type raises ``CheckpointError`` naming it."""
     if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
-        raise CheckpointError(f"reading DeepSpeed's pickles safely needs torch >= 2.6 (this is "
-                              f"{torch.__version__}): upgrade torch to convert {path}")
+        raise CheckpointError(
+            f"reading DeepSpeed's pickles safely needs torch >= 2.6 (this is "
+            f"{torch.__version__}): upgrade torch to convert {path}"
+        )
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception as error:  # noqa: BLE001 - not a torch.save zip file, truncated, ...
@@ -83,7 +85,8 @@ def safe_load(path: Path):
         raise CheckpointError(
             f"{path} holds pickled objects of type {', '.join(refused)}, which a DeepSpeed "
             "checkpoint does not contain; refusing to load it (unpickling could run arbitrary "
-            f"code). Allowed besides tensors and containers: {', '.join(sorted(ALLOWED))}")
+            f"code). Allowed besides tensors and containers: {', '.join(sorted(ALLOWED))}"
+        )
     with torch.serialization.safe_globals([(cls, name) for name, cls in ALLOWED.items()]):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -118,9 +121,11 @@ class DeepSpeedFolder:
             if tag is None:
                 latest = root / "latest"
                 if not latest.is_file():
-                    raise CheckpointError(f"{latest} does not exist: pass --tag (e.g. global_step100) "
-                                          f"or the tag folder itself; {root} holds "
-                                          f"{sorted(p.name for p in root.iterdir())[:10]}")
+                    raise CheckpointError(
+                        f"{latest} does not exist: pass --tag (e.g. global_step100) "
+                        f"or the tag folder itself; {root} holds "
+                        f"{sorted(p.name for p in root.iterdir())[:10]}"
+                    )
                 tag = latest.read_text().strip()
             self.folder, self.tag = root / tag, tag
         if not self.folder.is_dir():
@@ -149,20 +154,25 @@ class DeepSpeedFolder:
                 raise CheckpointError(
                     f"{self.folder / name}: pipeline-parallel (layer_XX-model_states.pt) checkpoints and "
                     "DeepSpeed's old mixture-of-experts layout (expert_E_mp_rank_XX) cannot be converted; "
-                    "only data-parallel ZeRO checkpoints, with or without MoE layers, can")
+                    "only data-parallel ZeRO checkpoints, with or without MoE layers, can"
+                )
         if 0 not in self.model_files:
-            raise CheckpointError(f"{self.folder} holds no mp_rank_00_model_states.pt (nor "
-                                  f"zero_pp_rank_0_mp_rank_00_model_states.pt): not a DeepSpeed "
-                                  f"checkpoint tag folder (it holds {names[:10]})")
+            raise CheckpointError(
+                f"{self.folder} holds no mp_rank_00_model_states.pt (nor "
+                f"zero_pp_rank_0_mp_rank_00_model_states.pt): not a DeepSpeed "
+                f"checkpoint tag folder (it holds {names[:10]})"
+            )
         if self.optim_files and sorted(self.optim_files) != list(range(len(self.optim_files))):
-            raise CheckpointError(f"{self.folder}: optimizer files of ranks {sorted(self.optim_files)}: "
-                                  "some ranks' files are missing")
+            raise CheckpointError(
+                f"{self.folder}: optimizer files of ranks {sorted(self.optim_files)}: some ranks' files are missing"
+            )
 
     def _check_mp(self, mp_rank: int, name: str) -> None:
         if mp_rank != 0:
             raise CheckpointError(
                 f"{self.folder / name}: a tensor/model-parallel checkpoint (mp_rank {mp_rank}); "
-                "only data-parallel checkpoints (mp_rank_00 alone) can be converted")
+                "only data-parallel checkpoints (mp_rank_00 alone) can be converted"
+            )
 
     def model_states(self, rank: int = 0) -> dict:
         return self._dict(self.model_files[rank])
@@ -172,8 +182,7 @@ class DeepSpeedFolder:
         path = self.optim_files[rank]
         state = self._dict(path)
         if "optimizer_state_dict" not in state:
-            raise CheckpointError(f"{path} has no 'optimizer_state_dict': not a DeepSpeed ZeRO "
-                                  "optimizer file")
+            raise CheckpointError(f"{path} has no 'optimizer_state_dict': not a DeepSpeed ZeRO optimizer file")
         return state["optimizer_state_dict"]
 
     @staticmethod

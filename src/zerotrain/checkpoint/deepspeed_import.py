@@ -36,9 +36,20 @@ import torch
 from zerotrain.checkpoint.deepspeed_experts import ByExpertRank
 from zerotrain.checkpoint.deepspeed_files import DeepSpeedFolder, plain
 from zerotrain.checkpoint.deepspeed_params import assign_groups, module_layout, unit_entry
-from zerotrain.checkpoint.format import (FORMAT, FORMAT_VERSION, LATEST, METADATA, MODEL_FILE,
-                                         CheckpointError, dtype_name, encode_metadata, file_digest, shard_file,
-                                         state_file, write_safetensors)
+from zerotrain.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    MODEL_FILE,
+    CheckpointError,
+    dtype_name,
+    encode_metadata,
+    file_digest,
+    shard_file,
+    state_file,
+    write_safetensors,
+)
 from zerotrain.checkpoint.stateful import COUNTERS, LOSS_SCALER, LR_SCHEDULER
 from zerotrain.checkpoint.training_state import plain as plain_state
 
@@ -46,15 +57,33 @@ logger = logging.getLogger("zerotrain")
 
 # Keys of DeepSpeed's model-states file that are its own; the rest is the client state.
 DEEPSPEED_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "sparse_tensor_module_names",
-    "num_experts"}
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+    "sparse_tensor_module_names",
+    "num_experts",
+}
 
 
-def convert_deepspeed_checkpoint(checkpoint_dir, output_dir, tag: str | None = None,
-                                 param_groups: list[list[str]] | None = None) -> Path:
+def convert_deepspeed_checkpoint(
+    checkpoint_dir, output_dir, tag: str | None = None, param_groups: list[list[str]] | None = None
+) -> Path:
     """Convert DeepSpeed's checkpoint ``checkpoint_dir`` (``tag``, else the one its ``latest``
     names; or a tag folder itself) into ``output_dir/<tag>`` and point ``output_dir/latest`` at
     it. ``param_groups`` (each optimizer param group's parameter names, in the optimizer's
@@ -92,8 +121,10 @@ class _Converter:
         self.source, self.folder, self.user_groups = source, folder, param_groups
         self.main = source.model_states(0)
         if self.main.get("mp_world_size", 1) != 1:
-            raise CheckpointError(f"{source.folder}: mp_world_size is {self.main['mp_world_size']}; "
-                                  "only data-parallel checkpoints can be converted")
+            raise CheckpointError(
+                f"{source.folder}: mp_world_size is {self.main['mp_world_size']}; "
+                "only data-parallel checkpoints can be converted"
+            )
         config = self.main.get("ds_config")
         self.config = config if isinstance(config, dict) else {}
         self.stage = self._stage()
@@ -121,15 +152,14 @@ class _Converter:
         else:
             self._zero3()
         if self.experts is not None:  # expert buffers and frozen experts, every expert's key
-            self.moe = self.experts.add_module_values(self.layout, self.units,
-                                                      set(self.main.get("buffer_names") or []))
+            self.moe = self.experts.add_module_values(self.layout, self.units, set(self.main.get("buffer_names") or []))
         for name, value in self.layout.frozen.items():
-            self._add_whole(name, value.to(self.dtype) if value.is_floating_point() else value,
-                            None, requires_grad=False)
+            self._add_whole(
+                name, value.to(self.dtype) if value.is_floating_point() else value, None, requires_grad=False
+            )
         for name, value in self.layout.buffers.items():
             self.model_tensors[f"buffer/{name}"] = value
-        self.files[MODEL_FILE] = write_safetensors(self.folder / MODEL_FILE, self.model_tensors,
-                                                   {"format": "pt"})
+        self.files[MODEL_FILE] = write_safetensors(self.folder / MODEL_FILE, self.model_tensors, {"format": "pt"})
         self._write_state()
         return self._metadata(stage)
 
@@ -138,42 +168,55 @@ class _Converter:
         if not isinstance(stage, int):
             stage = 3 if len(self.source.model_files) > 1 else (1 if self.source.optim_files else 0)
         if stage > 0 and not self.source.optim_files:
-            raise CheckpointError(f"{self.source.folder}: a ZeRO stage {stage} checkpoint without "
-                                  "its *_optim_states.pt files (copy every rank's file)")
+            raise CheckpointError(
+                f"{self.source.folder}: a ZeRO stage {stage} checkpoint without "
+                "its *_optim_states.pt files (copy every rank's file)"
+            )
         if stage == 0 and self.source.optim_files:
             raise CheckpointError(
                 f"{self.source.folder}: a stage-0 checkpoint with per-rank optimizer files "
                 "(DeepSpeed's BF16_Optimizer without ZeRO, as some DeepSpeed versions wrote for "
                 "bf16 at stage 0) records no parameter shapes and cannot be converted; save it "
-                "with ZeRO stage 1 instead")
+                "with ZeRO stage 1 instead"
+            )
         if self.source.expert_files and stage != 2 and stage != 1:
-            raise CheckpointError(f"{self.source.folder}: a mixture-of-experts checkpoint at ZeRO stage {stage} "
-                                  "cannot be converted yet; only ZeRO stages 1-2 with MoE layers can")
+            raise CheckpointError(
+                f"{self.source.folder}: a mixture-of-experts checkpoint at ZeRO stage {stage} "
+                "cannot be converted yet; only ZeRO stages 1-2 with MoE layers can"
+            )
         if stage > 0 and self.user_groups is not None:
-            raise CheckpointError("param_groups (--param-groups) applies to stage-0 checkpoints "
-                                  f"only; {self.source.folder} is ZeRO stage {stage}, whose files "
-                                  "name every parameter: leave it out")
+            raise CheckpointError(
+                "param_groups (--param-groups) applies to stage-0 checkpoints "
+                f"only; {self.source.folder} is ZeRO stage {stage}, whose files "
+                "name every parameter: leave it out"
+            )
         return stage
 
     # -- stage 0: per-parameter optimizer state in the model-states file ---------------------
     def _stage0(self) -> None:
         saved = self.main.get("optimizer")
         if saved is None:
-            raise CheckpointError(f"{self.source.model_files[0]} holds no optimizer state "
-                                  "(saved without an optimizer): nothing to resume")
+            raise CheckpointError(
+                f"{self.source.model_files[0]} holds no optimizer state (saved without an optimizer): nothing to resume"
+            )
         if "fp32_groups_flat" in saved:
             raise CheckpointError(
                 f"{self.source.model_files[0]}: DeepSpeed's fused FP16_Optimizer checkpoint "
-                "(fp16 without ZeRO, FusedAdam) cannot be converted yet; resave with ZeRO stage 1")
+                "(fp16 without ZeRO, FusedAdam) cannot be converted yet; resave with ZeRO stage 1"
+            )
         masters = saved.get("fp32_groups")  # FP16_UnfusedOptimizer (fp16/bf16 without ZeRO)
         torch_state = saved["optimizer_state_dict"] if masters is not None else saved
         if "state" not in torch_state or "param_groups" not in torch_state:
-            raise CheckpointError(f"{self.source.model_files[0]}: 'optimizer' is not a torch "
-                                  f"optimizer state dict (keys {sorted(saved)[:8]})")
+            raise CheckpointError(
+                f"{self.source.model_files[0]}: 'optimizer' is not a torch "
+                f"optimizer state dict (keys {sorted(saved)[:8]})"
+            )
         groups = torch_state["param_groups"]
         indices = [list(g["params"]) for g in groups]
-        shapes = [[self._stage0_shape(torch_state, masters, g, i, index) for i, index in enumerate(ids)]
-                  for g, ids in enumerate(indices)]
+        shapes = [
+            [self._stage0_shape(torch_state, masters, g, i, index) for i, index in enumerate(ids)]
+            for g, ids in enumerate(indices)
+        ]
         names = self._stage0_names(groups, shapes)
         for g, (group_names, ids) in enumerate(zip(names, indices)):
             for i, (name, index) in enumerate(zip(group_names, ids)):
@@ -186,10 +229,12 @@ class _Converter:
         self.hyper = [_hyperparameters(g) for g in groups]
         if masters is not None:
             fp16 = self.config.get("fp16", {})
-            self.scaler = {"cur_scale": float(saved.get("cur_scale", 1.0)),
-                           "cur_iter": int(saved.get("cur_iter", 0)),
-                           "last_overflow_iter": int(saved.get("last_overflow_iter", -1)),
-                           "cur_hysteresis": int(fp16.get("hysteresis", 2))}
+            self.scaler = {
+                "cur_scale": float(saved.get("cur_scale", 1.0)),
+                "cur_iter": int(saved.get("cur_iter", 0)),
+                "last_overflow_iter": int(saved.get("last_overflow_iter", -1)),
+                "cur_hysteresis": int(fp16.get("hysteresis", 2)),
+            }
 
     @staticmethod
     def _stage0_shape(torch_state, masters, g, i, index):
@@ -209,15 +254,19 @@ class _Converter:
         else:
             return assign_groups(self.layout.order, shapes, where)
         if [len(g) for g in named] != [len(s) for s in shapes]:
-            raise CheckpointError(f"{where}: the optimizer has groups of {[len(s) for s in shapes]} "
-                                  f"parameters, the names given list {[len(g) for g in named]}")
+            raise CheckpointError(
+                f"{where}: the optimizer has groups of {[len(s) for s in shapes]} "
+                f"parameters, the names given list {[len(g) for g in named]}"
+            )
         for group_names, group_shapes in zip(named, shapes):
             for name, shape in zip(group_names, group_shapes):
                 if name not in self.layout.values:
                     raise CheckpointError(f"{where}: {name!r} is not a parameter of the saved module")
                 if shape is not None and tuple(self.layout.values[name].shape) != shape:
-                    raise CheckpointError(f"{where}: {name} has shape {tuple(self.layout.values[name].shape)}, "
-                                          f"its optimizer state {shape}")
+                    raise CheckpointError(
+                        f"{where}: {name} has shape {tuple(self.layout.values[name].shape)}, "
+                        f"its optimizer state {shape}"
+                    )
         return named
 
     # -- ZeRO 1-2: one flat buffer per param group, in equal partitions ----------------------
@@ -228,28 +277,36 @@ class _Converter:
         for rank in ranks:
             saved = self.source.optim_states(rank)
             if "single_partition_of_fp32_groups" not in saved:
-                raise CheckpointError(f"{self.source.optim_files[rank]} has no fp32 partitions: "
-                                      "not a ZeRO stage 1-2 optimizer file")
+                raise CheckpointError(
+                    f"{self.source.optim_files[rank]} has no fp32 partitions: not a ZeRO stage 1-2 optimizer file"
+                )
             base = saved.get("base_optimizer_state")
             if not isinstance(base, dict):
-                raise CheckpointError(f"{self.source.optim_files[rank]}: an elastic checkpoint "
-                                      "(zero_optimization.elastic_checkpoint) cannot be converted; "
-                                      "save with elastic_checkpoint: false")
+                raise CheckpointError(
+                    f"{self.source.optim_files[rank]}: an elastic checkpoint "
+                    "(zero_optimization.elastic_checkpoint) cannot be converted; "
+                    "save with elastic_checkpoint: false"
+                )
             flats = saved["single_partition_of_fp32_groups"]
             if rank == 0:
                 if self.source.expert_files:
                     from zerotrain.checkpoint.deepspeed_experts import DeepSpeedExperts
 
-                    self.experts = DeepSpeedExperts(self.source, self.main, self.config,
-                                                    base["param_groups"], len(ranks))
+                    self.experts = DeepSpeedExperts(
+                        self.source, self.main, self.config, base["param_groups"], len(ranks)
+                    )
                 plan = self._plan12(saved, shapes, flats, len(ranks))
                 for units, group in zip(plan, base["param_groups"]):  # one flat tensor per group
                     for unit in units.values() if isinstance(units, ByExpertRank) else [units]:
                         unit["_source"] = group["params"][0]
                 self._rank0_optimizer(saved, base)
             # an expert group: this rank holds expert-parallel rank r % N's partition r // N
-            mine = [(units[rank % self.experts.groups[g]], rank // self.experts.groups[g])
-                    if isinstance(units, ByExpertRank) else (units, rank) for g, units in enumerate(plan)]
+            mine = [
+                (units[rank % self.experts.groups[g]], rank // self.experts.groups[g])
+                if isinstance(units, ByExpertRank)
+                else (units, rank)
+                for g, units in enumerate(plan)
+            ]
             tensors = {}
             for (unit, _), flat in zip(mine, flats):
                 state = base["state"].get(unit["_source"], {})
@@ -267,20 +324,22 @@ class _Converter:
         for g, (group_shapes, flat) in enumerate(zip(shapes, flats)):
             count = counts[g] if isinstance(counts, list) else counts
             if g in experts:
-                units.append(self.experts.plan_group(g, group_shapes, flat, count, paddings, self.units,
-                                                     self.dtype, self.mixed))
+                units.append(
+                    self.experts.plan_group(g, group_shapes, flat, count, paddings, self.units, self.dtype, self.mixed)
+                )
                 continue
             if count != world:
-                raise CheckpointError(f"{self.source.optim_files[0]}: param group {g} is partitioned "
-                                      f"over {count} ranks, the checkpoint has {world} rank files "
-                                      "(expert/sub-group parallelism cannot be converted)")
+                raise CheckpointError(
+                    f"{self.source.optim_files[0]}: param group {g} is partitioned "
+                    f"over {count} ranks, the checkpoint has {world} rank files "
+                    "(expert/sub-group parallelism cannot be converted)"
+                )
             params, offset = [], 0
             for i, (name, shape) in enumerate(group_shapes.items()):
                 numel = math.prod(shape)
                 params.append([name, offset, numel, list(shape)])
                 offset += numel + (paddings[g][i] if paddings is not None else 0)
-            units.append(unit_entry(len(self.units), g, self.dtype, world, flat.numel(), params,
-                                    self.mixed))
+            units.append(unit_entry(len(self.units), g, self.dtype, world, flat.numel(), params, self.mixed))
             self.units.append(units[-1])
         return units
 
@@ -295,11 +354,14 @@ class _Converter:
                 offset, numel = starts.get(name, (None, None))
                 address = plain(address, name)
                 begin = max(offset, part * shard) if offset is not None else None
-                if begin != part * shard + address["start"] or \
-                        address["numel"] != min(offset + numel, (part + 1) * shard) - begin:
+                if (
+                    begin != part * shard + address["start"]
+                    or address["numel"] != min(offset + numel, (part + 1) * shard) - begin
+                ):
                     raise CheckpointError(
                         f"{self.source.optim_files[rank]}: {name} is at {address} of this rank's "
-                        f"partition, not where the parameter order puts it: unexpected layout")
+                        f"partition, not where the parameter order puts it: unexpected layout"
+                    )
 
     # -- ZeRO 3: every parameter partitioned on its own --------------------------------------
     def _zero3(self) -> None:
@@ -307,15 +369,18 @@ class _Converter:
         ranks = sorted(self.source.optim_files)
         world = len(ranks)
         if sorted(self.source.model_files) != ranks:
-            raise CheckpointError(f"{self.source.folder}: model-states files of ranks "
-                                  f"{sorted(self.source.model_files)}, optimizer files of {ranks}")
+            raise CheckpointError(
+                f"{self.source.folder}: model-states files of ranks "
+                f"{sorted(self.source.model_files)}, optimizer files of {ranks}"
+            )
         self._frozen3(world)
         plan = []  # per sub-group: [(unit, start in the rank's flat)]
         for rank in ranks:
             saved = self.source.optim_states(rank)
             if "fp32_flat_groups" not in saved:
-                raise CheckpointError(f"{self.source.optim_files[rank]} has no fp32_flat_groups: not "
-                                      "a ZeRO stage 3 optimizer file")
+                raise CheckpointError(
+                    f"{self.source.optim_files[rank]} has no fp32_flat_groups: not a ZeRO stage 3 optimizer file"
+                )
             torch_state = saved["optimizer_state_dict"]
             flats = saved["fp32_flat_groups"]
             if rank == 0:
@@ -332,23 +397,28 @@ class _Converter:
 
     def _plan3(self, shapes, flats, owner, world) -> list[list]:
         if len(shapes) != len(flats):
-            raise CheckpointError(f"{self.source.folder}: {len(shapes)} parameter sub-groups in "
-                                  f"param_shapes, {len(flats)} fp32 flat groups")
+            raise CheckpointError(
+                f"{self.source.folder}: {len(shapes)} parameter sub-groups in "
+                f"param_shapes, {len(flats)} fp32 flat groups"
+            )
         plan = []
         for sub, (group_shapes, flat) in enumerate(zip(shapes, flats)):
             pieces, start = [], 0
             for name, shape in group_shapes.items():
                 numel = math.prod(shape)
                 shard = -(-numel // world)
-                unit = unit_entry(len(self.units), owner[sub], self.dtype, world, shard,
-                                  [[name, 0, numel, list(shape)]], self.mixed)
+                unit = unit_entry(
+                    len(self.units), owner[sub], self.dtype, world, shard, [[name, 0, numel, list(shape)]], self.mixed
+                )
                 unit["_source"] = sub
                 self.units.append(unit)
                 pieces.append((unit, start))
                 start += shard
             if start != flat.numel():
-                raise CheckpointError(f"{self.source.optim_files[0]}: sub-group {sub} holds "
-                                      f"{flat.numel()} elements per rank, its parameters need {start}")
+                raise CheckpointError(
+                    f"{self.source.optim_files[0]}: sub-group {sub} holds "
+                    f"{flat.numel()} elements per rank, its parameters need {start}"
+                )
             plan.append(pieces)
         return plan
 
@@ -361,14 +431,15 @@ class _Converter:
         fragments += [self.source.model_states(r)["frozen_param_fragments"] for r in range(1, world)]
         for name, shape in shapes.items():
             whole = torch.cat([f[name].reshape(-1) for f in fragments])
-            self.layout.frozen[name] = whole[:math.prod(shape)].view(tuple(shape)).clone()
+            self.layout.frozen[name] = whole[: math.prod(shape)].view(tuple(shape)).clone()
 
     # -- pieces shared by the ZeRO layouts ---------------------------------------------------
     def _param_shapes(self) -> list[dict]:
         shapes = self.main.get("param_shapes")
         if not shapes:
-            raise CheckpointError(f"{self.source.model_files[0]} has no param_shapes: not a ZeRO "
-                                  "checkpoint of DeepSpeed 0.1x")
+            raise CheckpointError(
+                f"{self.source.model_files[0]} has no param_shapes: not a ZeRO checkpoint of DeepSpeed 0.1x"
+            )
         for group in shapes:
             for name in group:
                 self.layout.values.pop(name, None)  # trainable: its values come from the masters
@@ -389,15 +460,18 @@ class _Converter:
             scaler = plain(scaler, "loss_scaler")
             self.scaler = {"cur_scale": float(scaler["cur_scale"])}
             if scaler.get("dynamic"):
-                self.scaler.update(cur_iter=int(scaler["cur_iter"]),
-                                   last_overflow_iter=int(scaler["last_overflow_iter"]),
-                                   cur_hysteresis=int(scaler["cur_hysteresis"]))
+                self.scaler.update(
+                    cur_iter=int(scaler["cur_iter"]),
+                    last_overflow_iter=int(scaler["last_overflow_iter"]),
+                    cur_hysteresis=int(scaler["cur_hysteresis"]),
+                )
 
     def _unit_tensors(self, unit, rank, flat, state, start) -> dict[str, torch.Tensor]:
         """This rank's partition of ``unit``: elements ``[start, start + shard_numel)`` of the
         rank's fp32 flat buffer and of every elementwise optimizer state (zero past the end)."""
+
         def piece(t):
-            out = t.reshape(-1)[start:start + unit["shard_numel"]].float()
+            out = t.reshape(-1)[start : start + unit["shard_numel"]].float()
             if out.numel() < unit["shard_numel"]:  # DeepSpeed dropped the padding of the last rank
                 out = torch.cat([out, out.new_zeros(unit["shard_numel"] - out.numel())])
             return out
@@ -429,12 +503,16 @@ class _Converter:
                 scalars[key] = v
         if state:
             self.scalars[f"param/{name}"] = scalars
-        self.whole[name] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype),
-                            "group": group, "requires_grad": requires_grad, "saved": saved}
+        self.whole[name] = {
+            "shape": list(value.shape),
+            "dtype": dtype_name(value.dtype),
+            "group": group,
+            "requires_grad": requires_grad,
+            "saved": saved,
+        }
 
     def _write_shard(self, rank: int, tensors: dict) -> None:
-        self.files[shard_file(rank)] = write_safetensors(self.folder / shard_file(rank), tensors,
-                                                         {"format": "pt"})
+        self.files[shard_file(rank)] = write_safetensors(self.folder / shard_file(rank), tensors, {"format": "pt"})
 
     # -- small state and metadata ------------------------------------------------------------
     def _write_state(self) -> None:
@@ -442,21 +520,34 @@ class _Converter:
         gas = self.config.get("gradient_accumulation_steps")
         gas = gas if isinstance(gas, int) and gas > 0 else 1
         # the engine's components (zerotrain.checkpoint.stateful) DeepSpeed's files hold
-        engine = {COUNTERS: {"global_steps": int(main.get("global_steps", 0)),
-                             "global_samples": int(main.get("global_samples", 0)),
-                             "skipped_steps": int(main.get("skipped_steps", 0)),
-                             "micro_steps": int(main.get("global_steps", 0)) * gas},
-                  LOSS_SCALER: self.scaler or {"cur_scale": 1.0}}
+        engine = {
+            COUNTERS: {
+                "global_steps": int(main.get("global_steps", 0)),
+                "global_samples": int(main.get("global_samples", 0)),
+                "skipped_steps": int(main.get("skipped_steps", 0)),
+                "micro_steps": int(main.get("global_steps", 0)) * gas,
+            },
+            LOSS_SCALER: self.scaler or {"cur_scale": 1.0},
+        }
         if main.get("lr_scheduler") is not None:
             engine[LR_SCHEDULER] = self._plain(main["lr_scheduler"], "lr_scheduler")
         for key in ("data_sampler", "random_ltd"):
             if main.get(key) is not None:
-                logger.warning("%s: DeepSpeed's %s state is not converted (zerotrain has no "
-                               "equivalent); the new run starts it afresh", self.source.folder, key)
+                logger.warning(
+                    "%s: DeepSpeed's %s state is not converted (zerotrain has no "
+                    "equivalent); the new run starts it afresh",
+                    self.source.folder,
+                    key,
+                )
         client = {k: v for k, v in main.items() if k not in DEEPSPEED_KEYS}
-        state = {"rank": 0, "world_size": self._world(), "scalars": self._plain(self.scalars, "optimizer state"),
-                 "param_groups": [self._plain(g, f"param_groups[{i}]") for i, g in enumerate(self.hyper)],
-                 "engine": engine, "client_state": self._plain(client, "client_state")}
+        state = {
+            "rank": 0,
+            "world_size": self._world(),
+            "scalars": self._plain(self.scalars, "optimizer state"),
+            "param_groups": [self._plain(g, f"param_groups[{i}]") for i, g in enumerate(self.hyper)],
+            "engine": engine,
+            "client_state": self._plain(client, "client_state"),
+        }
         path = self.folder / state_file(0)
         torch.save(state, path)
         self.files[state_file(0)] = {"sha256": file_digest(path), "bytes": path.stat().st_size}
@@ -478,22 +569,35 @@ class _Converter:
             unit.pop("_local", None)
         layout = self.layout
         return {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "tag": self.source.tag,
-            "zerotrain_version": zerotrain.__version__, "torch_version": torch.__version__,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tag": self.source.tag,
+            "zerotrain_version": zerotrain.__version__,
+            "torch_version": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "world_size": self._world(), "stage": stage,
-            "param_dtype": dtype_name(self.dtype), "mixed_precision": self.mixed,
+            "world_size": self._world(),
+            "stage": stage,
+            "param_dtype": dtype_name(self.dtype),
+            "mixed_precision": self.mixed,
             "global_steps": int(self.main.get("global_steps", 0)),
             "global_samples": int(self.main.get("global_samples", 0)),
-            "units": self.units, "whole": self.whole,
+            "units": self.units,
+            "whole": self.whole,
             "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for n, b in layout.buffers.items()},
-            "aliases": layout.aliases, "keys": layout.keys,
+            "aliases": layout.aliases,
+            "keys": layout.keys,
             "frozen": [n for n, e in self.whole.items() if not e["requires_grad"]],
-            "excluded_frozen": [], "param_groups": len(self.hyper),
-            "config": self.config or None, "files": self.files,
+            "excluded_frozen": [],
+            "param_groups": len(self.hyper),
+            "config": self.config or None,
+            "files": self.files,
             **({"moe": self.moe} if self.moe is not None else {}),
-            "converted_from": {"program": "deepspeed", "version": self.main.get("ds_version"),
-                               "folder": str(self.source.folder), "stage": stage},
+            "converted_from": {
+                "program": "deepspeed",
+                "version": self.main.get("ds_version"),
+                "folder": str(self.source.folder),
+                "stage": stage,
+            },
         }
 
 

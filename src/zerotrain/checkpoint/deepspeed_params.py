@@ -59,10 +59,13 @@ def module_layout(main: dict, folder, stage3: bool) -> ModuleLayout:
         known = {n for g in main.get("param_shapes") or [] for n in g} | set(main.get("frozen_param_shapes") or {})
         dropped = [n for n in module if n not in known and n not in buffer_names]
         if dropped:
-            logger.warning("%s: DeepSpeed's ZeRO-3 checkpoint records neither the values of %s "
-                           "nor the parameter they are tied to; they are left out (a model that "
-                           "ties them loads them through the parameter they share)", folder,
-                           ", ".join(dropped))
+            logger.warning(
+                "%s: DeepSpeed's ZeRO-3 checkpoint records neither the values of %s "
+                "nor the parameter they are tied to; they are left out (a model that "
+                "ties them loads them through the parameter they share)",
+                folder,
+                ", ".join(dropped),
+            )
         keys = [n for n in module if n not in dropped]
     else:
         first: dict[tuple, str] = {}
@@ -80,17 +83,28 @@ def module_layout(main: dict, folder, stage3: bool) -> ModuleLayout:
     return ModuleLayout(training_dtype(config, module), values, order, buffers, aliases, keys)
 
 
-def unit_entry(unit_id: int, group, dtype: torch.dtype, world: int, shard_numel: int,
-               params: list, mixed: bool) -> dict:
+def unit_entry(
+    unit_id: int, group, dtype: torch.dtype, world: int, shard_numel: int, params: list, mixed: bool
+) -> dict:
     """A flat unit of the converted checkpoint: ``params`` as ``[name, offset, numel, shape]``
     in a buffer split into ``world`` partitions of ``shard_numel`` elements."""
     numel = max(offset + n for _, offset, n, _ in params)
     if numel > shard_numel * world:
-        raise CheckpointError(f"parameters {[p[0] for p in params][:5]} end at element {numel}, past "
-                              f"the {world} partitions of {shard_numel} elements that hold them")
-    return {"id": unit_id, "group": group, "dtype": dtype_name(dtype), "world_size": world,
-            "shard_numel": shard_numel, "numel": numel, "padded_numel": shard_numel * world,
-            "saved": ["param"] + (["master"] if mixed else []), "params": params}
+        raise CheckpointError(
+            f"parameters {[p[0] for p in params][:5]} end at element {numel}, past "
+            f"the {world} partitions of {shard_numel} elements that hold them"
+        )
+    return {
+        "id": unit_id,
+        "group": group,
+        "dtype": dtype_name(dtype),
+        "world_size": world,
+        "shard_numel": shard_numel,
+        "numel": numel,
+        "padded_numel": shard_numel * world,
+        "saved": ["param"] + (["master"] if mixed else []),
+        "params": params,
+    }
 
 
 def assign_groups(order: list[tuple[str, tuple]], shapes: list[list], where: str) -> list[list[str]]:
@@ -103,8 +117,7 @@ def assign_groups(order: list[tuple[str, tuple]], shapes: list[list], where: str
     slots = sum(len(g) for g in shapes)
     skips = len(order) - slots
     if skips < 0:
-        raise CheckpointError(f"{where}: the optimizer holds {slots} parameters, the module has "
-                              f"only {len(order)}")
+        raise CheckpointError(f"{where}: the optimizer holds {slots} parameters, the module has only {len(order)}")
     start = tuple(0 for _ in shapes)
     # layer i: state (next slot of each group) -> (number of ways, capped at 2; predecessor, move)
     layers = [{start: (1, None, None)}]
@@ -112,24 +125,26 @@ def assign_groups(order: list[tuple[str, tuple]], shapes: list[list], where: str
         nxt: dict[tuple, tuple] = {}
         for pos, (ways, _, _) in layers[-1].items():
             moves = [None] if i - sum(pos) < skips else []
-            moves += [g for g, group in enumerate(shapes)
-                      if pos[g] < len(group) and group[pos[g]] in (None, shape)]
+            moves += [g for g, group in enumerate(shapes) if pos[g] < len(group) and group[pos[g]] in (None, shape)]
             for g in moves:
-                new = pos if g is None else pos[:g] + (pos[g] + 1,) + pos[g + 1:]
+                new = pos if g is None else pos[:g] + (pos[g] + 1,) + pos[g + 1 :]
                 before = nxt.get(new, (0, None, None))
                 nxt[new] = (min(2, before[0] + ways), before[1] or pos, g if before[1] is None else before[2])
         layers.append(nxt)
     end = tuple(len(g) for g in shapes)
     ways = layers[-1].get(end, (0,))[0]
-    hint = ("pass the groups' parameter names (--param-groups FILE.json: a list of lists, in the "
-            "optimizer's order)")
+    hint = "pass the groups' parameter names (--param-groups FILE.json: a list of lists, in the optimizer's order)"
     if ways == 0:
-        raise CheckpointError(f"{where}: the optimizer's groups (shapes {_brief(shapes)}) cannot be "
-                              f"matched to the module's parameters in order; {hint}")
+        raise CheckpointError(
+            f"{where}: the optimizer's groups (shapes {_brief(shapes)}) cannot be "
+            f"matched to the module's parameters in order; {hint}"
+        )
     if ways > 1:
-        raise CheckpointError(f"{where}: several parameters have the same shape, so the optimizer "
-                              f"state (recorded by position at stage 0) could belong to more than "
-                              f"one of them; {hint}")
+        raise CheckpointError(
+            f"{where}: several parameters have the same shape, so the optimizer "
+            f"state (recorded by position at stage 0) could belong to more than "
+            f"one of them; {hint}"
+        )
     names: list[list[str]] = [[] for _ in shapes]
     pos = end
     for i in range(len(order), 0, -1):
@@ -141,5 +156,7 @@ def assign_groups(order: list[tuple[str, tuple]], shapes: list[list], where: str
 
 
 def _brief(shapes) -> str:
-    return "; ".join(f"group {g}: {[tuple(s) if s else None for s in group][:4]}"
-                     f"{'...' if len(group) > 4 else ''}" for g, group in enumerate(shapes))
+    return "; ".join(
+        f"group {g}: {[tuple(s) if s else None for s in group][:4]}{'...' if len(group) > 4 else ''}"
+        for g, group in enumerate(shapes)
+    )

@@ -66,14 +66,14 @@ class ExpertLayer:
     """One MoE layer of the model as this rank holds it."""
 
     layer_id: int
-    path: str           # the MoE module's name
+    path: str  # the MoE module's name
     num_experts: int
     ep_size: int
     num_local: int
     ep_rank: int
-    edp_rank: int       # this rank's place among the ranks holding the same experts
+    edp_rank: int  # this rank's place among the ranks holding the same experts
     edp_size: int
-    groups: object      # the topology's ExpertGroups of ep_size (None without torch.distributed)
+    groups: object  # the topology's ExpertGroups of ep_size (None without torch.distributed)
     fused: bool = False  # a Hugging Face fused experts module: its experts are rows of each parameter
 
     @property
@@ -87,8 +87,13 @@ class ExpertLayer:
         return self.ep_rank * self.num_local <= global_id < (self.ep_rank + 1) * self.num_local
 
     def describe(self) -> dict:
-        out = {"id": self.layer_id, "module": self.path, "num_experts": self.num_experts,
-               "ep_size": self.ep_size, "num_local_experts": self.num_local}
+        out = {
+            "id": self.layer_id,
+            "module": self.path,
+            "num_experts": self.num_experts,
+            "ep_size": self.ep_size,
+            "num_local_experts": self.num_local,
+        }
         return dict(out, fused=True) if self.fused else out
 
 
@@ -106,11 +111,18 @@ class ExpertNames:
         for path, m in module.named_modules():
             shard = expert_shard(m)
             if shard is not None:  # its groups are those its forward dispatches over
-                layer = ExpertLayer(len(self.layers), path, shard.num_experts, shard.ep_size,
-                                    shard.num_local_experts, shard.ep_rank,
-                                    shard.groups.expert_data_rank if shard.groups is not None else 0,
-                                    shard.groups.expert_data_size if shard.groups is not None else 1,
-                                    shard.groups, fused=True)
+                layer = ExpertLayer(
+                    len(self.layers),
+                    path,
+                    shard.num_experts,
+                    shard.ep_size,
+                    shard.num_local_experts,
+                    shard.ep_rank,
+                    shard.groups.expert_data_rank if shard.groups is not None else 0,
+                    shard.groups.expert_data_size if shard.groups is not None else 1,
+                    shard.groups,
+                    fused=True,
+                )
                 self.layers.append(layer)
                 self.rows.update({f"{path}.{n}" if path else n: layer for n in shard.param_names})
                 continue
@@ -123,8 +135,19 @@ class ExpertNames:
                 groups, ep_rank, edp_rank, edp_size = None, 0, 0, 1
             else:
                 raise ValueError(f"MoE layer {path!r} has ep_size={m.ep_size} without torch.distributed")
-            self.layers.append(ExpertLayer(len(self.layers), path, m.num_experts, m.ep_size, m.num_local_experts,
-                                           ep_rank, edp_rank, edp_size, groups))
+            self.layers.append(
+                ExpertLayer(
+                    len(self.layers),
+                    path,
+                    m.num_experts,
+                    m.ep_size,
+                    m.num_local_experts,
+                    ep_rank,
+                    edp_rank,
+                    edp_size,
+                    groups,
+                )
+            )
         # local key -> (layer, global id, key inside the expert)
         self.local: dict[str, tuple[ExpertLayer, int, str]] = {}
         for key in module.state_dict(keep_vars=True):
@@ -141,12 +164,13 @@ class ExpertNames:
                     "nor a Hugging Face fused experts module made expert-parallel by "
                     "zerotrain.experts.expert_parallel, whose global expert ids checkpoints name experts by: "
                     "checkpoints of other expert parameters are not supported yet; build the experts with "
-                    "MoE(...), or save each rank's engine.module_state_dict() yourself")
+                    "MoE(...), or save each rank's engine.module_state_dict() yourself"
+                )
 
     def _split(self, key: str):
         for layer in self.layers:
             if key.startswith(layer.prefix):
-                number, _, rest = key[len(layer.prefix):].partition(".")
+                number, _, rest = key[len(layer.prefix) :].partition(".")
                 if number.isdigit() and rest:
                     return layer, int(number), rest
         return None
@@ -235,8 +259,10 @@ class ExpertNames:
             return 0
         layer = self.layer_of(unit.names[0])
         if unit.layout.world_size != layer.edp_size:
-            raise CheckpointError(f"expert unit {unit.names[:2]} is sharded {unit.layout.world_size} ways, its "
-                                  f"expert-data group has {layer.edp_size} ranks")
+            raise CheckpointError(
+                f"expert unit {unit.names[:2]} is sharded {unit.layout.world_size} ways, its "
+                f"expert-data group has {layer.edp_size} ranks"
+            )
         return layer.edp_rank
 
     def expert_unit(self, unit) -> bool:
@@ -251,23 +277,34 @@ def expert_names(engine) -> ExpertNames:
 def _refuse_frozen(names: ExpertNames, module, exclude_frozen: bool) -> None:
     for name, p in module.named_parameters():
         if names.is_expert(name) and not p.requires_grad and not exclude_frozen:
-            raise NotImplementedError(f"save_checkpoint: expert parameter {name!r} is frozen (requires_grad=False); "
-                                      "checkpoints of frozen experts are not supported yet: pass "
-                                      "exclude_frozen_parameters=True (and load them separately)")
+            raise NotImplementedError(
+                f"save_checkpoint: expert parameter {name!r} is frozen (requires_grad=False); "
+                "checkpoints of frozen experts are not supported yet: pass "
+                "exclude_frozen_parameters=True (and load them separately)"
+            )
 
 
 def describe_experts(engine, names: ExpertNames, exclude_frozen: bool) -> dict:
     """This rank's experts as metadata entries under their checkpoint names: ``{"whole": {...},
     "buffers": {...}}``, each entry with its ``file``. Every rank describes its own; the ranks
     agree and the first one merges them (``merge_experts``)."""
-    from zerotrain.checkpoint.layout import (group_of_whole, persistent_buffers, split_state,
-                                             stage_units, unit_training_state, whole_parameters)
+    from zerotrain.checkpoint.layout import (
+        group_of_whole,
+        persistent_buffers,
+        split_state,
+        stage_units,
+        unit_training_state,
+        whole_parameters,
+    )
 
     module, optimizer = engine.module, engine.optimizer
     _refuse_frozen(names, module, exclude_frozen)
     whole: dict[str, dict] = {}
-    excluded = [names.checkpoint_name(n) for n, p in module.named_parameters()
-                if exclude_frozen and names.is_expert(n) and not p.requires_grad]
+    excluded = [
+        names.checkpoint_name(n)
+        for n, p in module.named_parameters()
+        if exclude_frozen and names.is_expert(n) and not p.requires_grad
+    ]
     for unit in stage_units(engine):
         if not names.expert_unit(unit) or (exclude_frozen and unit.group is None):
             continue
@@ -276,9 +313,13 @@ def describe_experts(engine, names: ExpertNames, exclude_frozen: bool) -> dict:
         saved += [f"state/{k}" for k in elementwise] if optimizer is not None and unit.group is not None else []
         for name, slot in unit.named_slots():
             whole[names.checkpoint_name(name)] = {
-                "shape": names.checkpoint_shape(name, slot.shape), "dtype": dtype_name(unit.dtype),
-                "group": unit.group, "requires_grad": unit.group is not None, "saved": saved,
-                **names.location(name)}
+                "shape": names.checkpoint_shape(name, slot.shape),
+                "dtype": dtype_name(unit.dtype),
+                "group": unit.group,
+                "requires_grad": unit.group is not None,
+                "saved": saved,
+                **names.location(name),
+            }
     groups = group_of_whole(engine)
     for name, p in whole_parameters(engine):
         if not names.is_expert(name) or (exclude_frozen and not p.requires_grad):
@@ -288,14 +329,24 @@ def describe_experts(engine, names: ExpertNames, exclude_frozen: bool) -> dict:
             elementwise, _ = split_state(optimizer.state.get(p, {}), shape=p.shape)
             saved += [f"state/{k}" for k in elementwise]
         whole[names.checkpoint_name(name)] = {
-            "shape": names.checkpoint_shape(name, p.shape), "dtype": dtype_name(p.dtype),
-            "group": groups.get(id(p)), "requires_grad": p.requires_grad, "saved": saved,
-            **names.location(name)}
-    buffers = {names.checkpoint_name(n): {"shape": list(b.shape), "dtype": dtype_name(b.dtype),
-                                          "file": names.file_of(n)}
-               for n, b in persistent_buffers(module)[0] if names.is_expert(n)}
-    return {"whole": whole, "buffers": buffers, "excluded": excluded,
-            "layers": [layer.describe() for layer in names.layers]}
+            "shape": names.checkpoint_shape(name, p.shape),
+            "dtype": dtype_name(p.dtype),
+            "group": groups.get(id(p)),
+            "requires_grad": p.requires_grad,
+            "saved": saved,
+            **names.location(name),
+        }
+    buffers = {
+        names.checkpoint_name(n): {"shape": list(b.shape), "dtype": dtype_name(b.dtype), "file": names.file_of(n)}
+        for n, b in persistent_buffers(module)[0]
+        if names.is_expert(n)
+    }
+    return {
+        "whole": whole,
+        "buffers": buffers,
+        "excluded": excluded,
+        "layers": [layer.describe() for layer in names.layers],
+    }
 
 
 def merge_experts(meta: dict, described: list[dict], names: ExpertNames) -> dict:
@@ -309,12 +360,19 @@ def merge_experts(meta: dict, described: list[dict], names: ExpertNames) -> dict
     layers = described[0]["layers"]
     for layer in layers:
         prefix = f"{layer['module']}.{EXPERTS_INFIX}" if layer["module"] else EXPERTS_INFIX
-        ids = {int(n[len(prefix):].partition(".")[0]) for n in list(whole) + list(buffers) if n.startswith(prefix)}
+        ids = {int(n[len(prefix) :].partition(".")[0]) for n in list(whole) + list(buffers) if n.startswith(prefix)}
         if ids and ids != set(range(layer["num_experts"])):
-            raise CheckpointError(f"MoE layer {layer['module']!r}: the ranks described experts {sorted(ids)}, "
-                                  f"expected 0..{layer['num_experts'] - 1}")
-    return dict(meta, whole=whole, buffers=buffers, excluded_frozen=sorted(excluded),
-                moe={"layers": layers, "num_experts": [layer["num_experts"] for layer in layers]})
+            raise CheckpointError(
+                f"MoE layer {layer['module']!r}: the ranks described experts {sorted(ids)}, "
+                f"expected 0..{layer['num_experts'] - 1}"
+            )
+    return dict(
+        meta,
+        whole=whole,
+        buffers=buffers,
+        excluded_frozen=sorted(excluded),
+        moe={"layers": layers, "num_experts": [layer["num_experts"] for layer in layers]},
+    )
 
 
 def _gathered(t: torch.Tensor, unit, layer: ExpertLayer) -> torch.Tensor | None:
@@ -335,8 +393,14 @@ def expert_files(engine, names: ExpertNames, exclude_frozen: bool) -> dict[str, 
     """The per-expert files this rank writes (the first rank of each expert-data group), as
     ``{file name: content}``. Collective over each expert-data group at sharded stages: every
     rank calls it."""
-    from zerotrain.checkpoint.layout import (group_of_whole, persistent_buffers, split_state,
-                                             stage_units, unit_training_state, whole_parameters)
+    from zerotrain.checkpoint.layout import (
+        group_of_whole,
+        persistent_buffers,
+        split_state,
+        stage_units,
+        unit_training_state,
+        whole_parameters,
+    )
 
     module, optimizer = engine.module, engine.optimizer
     _refuse_frozen(names, module, exclude_frozen)
@@ -380,8 +444,12 @@ def expert_files(engine, names: ExpertNames, exclude_frozen: bool) -> dict[str, 
             continue
         for name, slot in unit.named_slots():
             for what, flat in whole.items():
-                put(name, what, flat.narrow(0, slot.offset, slot.numel).view(slot.shape),
-                    scalars if what == "param" else None)
+                put(
+                    name,
+                    what,
+                    flat.narrow(0, slot.offset, slot.numel).view(slot.shape),
+                    scalars if what == "param" else None,
+                )
     groups = group_of_whole(engine)
     for name, p in whole_parameters(engine):
         if not names.is_expert(name) or names.layer_of(name).edp_rank != 0:
@@ -432,5 +500,13 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["EXPERTS_INFIX", "ExpertNames", "expert_file", "expert_names", "describe_experts", "merge_experts",
-           "expert_files", "expert_scalars"]
+__all__ = [
+    "EXPERTS_INFIX",
+    "ExpertNames",
+    "expert_file",
+    "expert_names",
+    "describe_experts",
+    "merge_experts",
+    "expert_files",
+    "expert_scalars",
+]

@@ -42,9 +42,18 @@ METADATA_DIGEST = "metadata_sha256"
 
 logger = logging.getLogger("zerotrain")
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -94,8 +103,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-                      ) -> dict:
+def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
     """Write ``tensors`` as a safetensors file, streaming each tensor's bytes (device tensors
     are copied to the host one at a time); returns ``{"sha256", "bytes"}`` of the file."""
     specs = [(name, t.dtype, list(t.shape)) for name, t in tensors.items()]
@@ -112,8 +120,7 @@ def stream_safetensors(path, specs, produce, metadata: dict[str, str] | None = N
         if dtype not in _NAMES:
             raise TypeError(f"{name}: dtype {dtype} cannot be stored in safetensors")
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
@@ -163,21 +170,27 @@ def read_metadata(folder) -> dict:
     try:
         meta = json.loads(path.read_bytes())
     except (OSError, ValueError) as error:  # ValueError covers bad UTF-8 and bad JSON
-        raise CheckpointError(f"{path} cannot be read ({error}): the checkpoint is damaged; "
-                              "load another one with tag=...") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({error}): the checkpoint is damaged; load another one with tag=..."
+        ) from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} is damaged (not a JSON object); load another checkpoint "
-                              "with tag=...")
+        raise CheckpointError(f"{path} is damaged (not a JSON object); load another checkpoint with tag=...")
     recorded = meta.get(METADATA_DIGEST)
     if recorded is None:
         if meta.get("format") == FORMAT:
-            logger.warning("%s has no %s (written before zerotrain checked its own metadata): "
-                           "its layout cannot be verified; load it and save a new checkpoint to "
-                           "protect it", path, METADATA_DIGEST)
+            logger.warning(
+                "%s has no %s (written before zerotrain checked its own metadata): "
+                "its layout cannot be verified; load it and save a new checkpoint to "
+                "protect it",
+                path,
+                METADATA_DIGEST,
+            )
     elif recorded != metadata_digest(meta):
-        raise CheckpointError(f"{path} does not match its {METADATA_DIGEST}: the file was edited or "
-                              "is damaged, so its layout cannot be trusted; restore it from a copy "
-                              "or load another checkpoint with tag=...")
+        raise CheckpointError(
+            f"{path} does not match its {METADATA_DIGEST}: the file was edited or "
+            "is damaged, so its layout cannot be trusted; restore it from a copy "
+            "or load another checkpoint with tag=..."
+        )
     return meta
 
 
@@ -225,8 +238,7 @@ class TensorFile:
             total *= d
         numel = total - start if numel is None else numel
         if start < 0 or start + numel > total:
-            raise CheckpointError(f"{self.path}: {name} has {total} elements, asked for "
-                                  f"[{start}, {start + numel})")
+            raise CheckpointError(f"{self.path}: {name} has {total} elements, asked for [{start}, {start + numel})")
         size = torch.empty((), dtype=dtype).element_size()
         out = torch.empty(numel, dtype=dtype)
         view = memoryview(out.view(torch.uint8).numpy())
@@ -280,8 +292,9 @@ class PickledTensorFile:
         flat = self._entry(name).reshape(-1)
         numel = flat.numel() - start if numel is None else numel
         if start < 0 or start + numel > flat.numel():
-            raise CheckpointError(f"{self.path}: {name} has {flat.numel()} elements, asked for "
-                                  f"[{start}, {start + numel})")
+            raise CheckpointError(
+                f"{self.path}: {name} has {flat.numel()} elements, asked for [{start}, {start + numel})"
+            )
         return flat.narrow(0, start, numel).clone()
 
     def _entry(self, name: str) -> torch.Tensor:
@@ -311,11 +324,13 @@ def resolve_tag(load_dir, tag: str | None = None) -> tuple[Path, str]:
             raise CheckpointError(
                 f"{latest} does not exist: {load_dir} holds no completed checkpoint (a save "
                 "writes 'latest' only after every rank has finished); pass tag= to load a "
-                "specific one")
+                "specific one"
+            )
         tag = latest.read_text().strip()
         if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointError(f"{latest} is damaged (it holds {tag!r}, not a tag name); "
-                                  "pass tag= to load a specific checkpoint")
+            raise CheckpointError(
+                f"{latest} is damaged (it holds {tag!r}, not a tag name); pass tag= to load a specific checkpoint"
+            )
     folder = load_dir / tag
     if not (folder / METADATA).is_file():
         aside = load_dir / aside_name(tag)
@@ -323,8 +338,11 @@ def resolve_tag(load_dir, tag: str | None = None) -> tuple[Path, str]:
             # A re-save of this tag was interrupted between moving the old folder aside and
             # renaming the new one into place: the aside copy is the committed checkpoint (the
             # next save_checkpoint into load_dir moves it back).
-            logger.warning("checkpoint %s is missing: loading %s, the copy an interrupted re-save "
-                           "of this tag set aside", folder, aside)
+            logger.warning(
+                "checkpoint %s is missing: loading %s, the copy an interrupted re-save of this tag set aside",
+                folder,
+                aside,
+            )
             return aside, tag
         raise CheckpointError(f"checkpoint {folder} is missing or incomplete (no {METADATA})")
     return folder, tag
@@ -346,15 +364,19 @@ class CheckpointReader:
         if self.meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.folder} is not a zerotrain checkpoint")
         if self.meta.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointError(f"{self.folder} has format version {self.meta['format_version']}; "
-                                  f"this reader knows up to {FORMAT_VERSION}: upgrade zerotrain")
+            raise CheckpointError(
+                f"{self.folder} has format version {self.meta['format_version']}; "
+                f"this reader knows up to {FORMAT_VERSION}: upgrade zerotrain"
+            )
         self.verify = verify
         # A listed file gone is a damaged checkpoint even where this load would not read it.
         for filename in self.meta["files"]:
             if not (self.folder / filename).is_file():
-                raise CheckpointError(f"{self.folder / filename} is missing from checkpoint {self.folder} "
-                                      f"(its {METADATA} lists it): restore the file from a copy, or "
-                                      "load another tag")
+                raise CheckpointError(
+                    f"{self.folder / filename} is missing from checkpoint {self.folder} "
+                    f"(its {METADATA} lists it): restore the file from a copy, or "
+                    "load another tag"
+                )
         self._files: dict[str, TensorFile] = {}
         self.sources: dict[str, tuple] = {}  # canonical name -> ("unit", unit, offset, numel, shape) | ("whole", entry)
         for unit in self.meta["units"]:
@@ -395,14 +417,17 @@ class CheckpointReader:
         path = self.folder / filename
         expected = self.meta["files"][filename]
         if not path.is_file():  # deleted since the reader was made
-            raise CheckpointError(f"{path} is missing from checkpoint {self.folder} (its {METADATA} lists "
-                                  "it): restore the file from a copy, or load another tag")
+            raise CheckpointError(
+                f"{path} is missing from checkpoint {self.folder} (its {METADATA} lists "
+                "it): restore the file from a copy, or load another tag"
+            )
         if path.stat().st_size != expected["bytes"]:
-            raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the checkpoint recorded "
-                                  f"{expected['bytes']}: the file is truncated or was replaced")
+            raise CheckpointError(
+                f"{path} is {path.stat().st_size} bytes, the checkpoint recorded "
+                f"{expected['bytes']}: the file is truncated or was replaced"
+            )
         if self.verify and file_digest(path) != expected["sha256"]:
-            raise CheckpointError(f"{path} is corrupt: its sha256 does not match the one recorded "
-                                  f"in {METADATA}")
+            raise CheckpointError(f"{path} is corrupt: its sha256 does not match the one recorded in {METADATA}")
         return path
 
     def close(self) -> None:
@@ -431,8 +456,9 @@ class CheckpointReader:
         if kind == "whole":  # a pipeline checkpoint names the stage's file
             return self.file(entry.get("file", MODEL_FILE)).read(f"{what}/{name}", start, numel)
         file_of = entry["files"].__getitem__ if "files" in entry else shard_file
-        return self._spanning(file_of, f"{unit_key(entry)}/{what}", entry["shard_numel"], offset + start,
-                              offset + start + numel)
+        return self._spanning(
+            file_of, f"{unit_key(entry)}/{what}", entry["shard_numel"], offset + start, offset + start + numel
+        )
 
     def _spanning(self, file_of, key: str, block: int, pos: int, end: int) -> torch.Tensor:
         """Elements ``[pos, end)`` of a tensor whose consecutive blocks of ``block`` elements sit

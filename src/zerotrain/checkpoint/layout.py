@@ -70,8 +70,7 @@ def unit_training_state(engine, unit, optimizer) -> tuple[object, dict, dict]:
     master = unit.master.detach() if unit.master is not None else None
     if optimizer is None or unit.group is None:
         return master, {}, {}
-    elementwise, scalars = split_state(optimizer.state.get(optimizer_key(unit), {}),
-                                       unit.layout.shard_numel)
+    elementwise, scalars = split_state(optimizer.state.get(optimizer_key(unit), {}), unit.layout.shard_numel)
     return master, elementwise, scalars
 
 
@@ -123,9 +122,11 @@ def split_state(state: dict, shard_numel: int | None = None, shape=None) -> tupl
         if torch.is_tensor(value) and value.dim() > 0:
             want = [shard_numel] if shard_numel is not None else list(shape)
             if list(value.shape) != want:
-                raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
-                                 f"stepped tensor's {tuple(want)}: only elementwise optimizer state "
-                                 "can be checkpointed by parameter")
+                raise ValueError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
+                    f"stepped tensor's {tuple(want)}: only elementwise optimizer state "
+                    "can be checkpointed by parameter"
+                )
             elementwise[key] = value
         else:
             scalars[key] = value
@@ -163,12 +164,19 @@ def describe(engine, tag: str, exclude_frozen: bool, experts=None) -> dict:
         saved = ["param"] + (["master"] if master is not None else [])
         saved += [f"state/{k}" for k in elementwise]
         layout = unit.layout
-        units_meta.append({
-            "id": i, "group": unit.group, "dtype": dtype_name(unit.dtype),
-            "world_size": layout.world_size, "shard_numel": layout.shard_numel,
-            "numel": layout.numel, "padded_numel": layout.padded_numel, "saved": saved,
-            "params": [[name, s.offset, s.numel, list(s.shape)] for name, s in unit.named_slots()],
-        })
+        units_meta.append(
+            {
+                "id": i,
+                "group": unit.group,
+                "dtype": dtype_name(unit.dtype),
+                "world_size": layout.world_size,
+                "shard_numel": layout.shard_numel,
+                "numel": layout.numel,
+                "padded_numel": layout.padded_numel,
+                "saved": saved,
+                "params": [[name, s.offset, s.numel, list(s.shape)] for name, s in unit.named_slots()],
+            }
+        )
     groups = group_of_whole(engine)
     whole = {}
     for name, p in whole_parameters(engine):
@@ -181,30 +189,48 @@ def describe(engine, tag: str, exclude_frozen: bool, experts=None) -> dict:
         if optimizer is not None and id(p) in groups:
             elementwise, _ = split_state(optimizer.state.get(p, {}), shape=p.shape)
             saved += [f"state/{k}" for k in elementwise]
-        whole[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "group": groups.get(id(p)),
-                       "requires_grad": p.requires_grad, "saved": saved}
+        whole[name] = {
+            "shape": list(p.shape),
+            "dtype": dtype_name(p.dtype),
+            "group": groups.get(id(p)),
+            "requires_grad": p.requires_grad,
+            "saved": saved,
+        }
     named_buffers, buffer_aliases = persistent_buffers(module)
     aliases.update(buffer_aliases)
-    buffers = {name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for name, b in named_buffers
-               if not (experts and experts.is_expert(name))}
+    buffers = {
+        name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+        for name, b in named_buffers
+        if not (experts and experts.is_expert(name))
+    }
     excluded_set = set(excluded)
     rename = experts.checkpoint_name if experts else (lambda n: n)
-    keys = [k for k in module.state_dict(keep_vars=True).keys()
-            if rename(aliases.get(k, k)) not in excluded_set]
+    keys = [k for k in module.state_dict(keep_vars=True).keys() if rename(aliases.get(k, k)) not in excluded_set]
     if experts:
         keys = experts.global_keys(keys)
     frozen = [first[id(p)] for p in module.parameters() if not p.requires_grad]
     precision = engine.precision
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag,
-        "zerotrain_version": zerotrain.__version__, "torch_version": torch.__version__,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "zerotrain_version": zerotrain.__version__,
+        "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "world_size": engine.dp_world_size, "stage": engine.zero_optimization_stage(),
-        "param_dtype": dtype_name(precision.param_dtype), "mixed_precision": bool(precision.mixed),
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "world_size": engine.dp_world_size,
+        "stage": engine.zero_optimization_stage(),
+        "param_dtype": dtype_name(precision.param_dtype),
+        "mixed_precision": bool(precision.mixed),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "units": units_meta, "whole": whole, "buffers": buffers, "aliases": aliases, "keys": keys,
-        "frozen": frozen, "excluded_frozen": sorted(excluded_set),
+        "units": units_meta,
+        "whole": whole,
+        "buffers": buffers,
+        "aliases": aliases,
+        "keys": keys,
+        "frozen": frozen,
+        "excluded_frozen": sorted(excluded_set),
         "param_groups": len(optimizer.param_groups) if optimizer is not None else 0,
         "config": engine.config.raw,
     }

@@ -21,11 +21,18 @@ import logging
 import torch
 
 from zerotrain.checkpoint.experts import expert_names, expert_scalars
-from zerotrain.checkpoint.format import (CheckpointError, CheckpointReader, pipe_state_file, state_file,
-                                         unit_key)
-from zerotrain.checkpoint.layout import (data_rank, group_of_whole, optimizer_key, parameter_names,
-                                         persistent_buffers, shard_rank_of, stage_units,
-                                         swapper_of, whole_parameters)
+from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, pipe_state_file, state_file, unit_key
+from zerotrain.checkpoint.layout import (
+    data_rank,
+    group_of_whole,
+    optimizer_key,
+    parameter_names,
+    persistent_buffers,
+    shard_rank_of,
+    stage_units,
+    swapper_of,
+    whole_parameters,
+)
 from zerotrain.checkpoint.training_state import read_rank_state, restore_engine, restore_rng
 
 logger = logging.getLogger("zerotrain")
@@ -47,17 +54,21 @@ class ModuleMatch:
         # A pipeline stage holds some layers, an expert-parallel rank some experts: the others'
         # names are expected elsewhere.
         stage_elsewhere = engine.checkpoint_layout().elsewhere
-        self.unexpected = sorted(n for n in saved - set(model_names)
-                                 if not stage_elsewhere(n) and not (experts and experts.elsewhere(n)))
+        self.unexpected = sorted(
+            n for n in saved - set(model_names) if not stage_elsewhere(n) and not (experts and experts.elsewhere(n))
+        )
         global_shape = experts.checkpoint_shape if experts else (lambda name, shape: list(shape))
         shapes = {rename(n): global_shape(n, shape) for n, shape in _named_parameter_shapes(engine)}
         shapes.update({rename(n): list(b.shape) for n, b in persistent_buffers(module)[0]})
-        self.mismatched = [(n, reader.shape(n), shapes[n]) for n in model_names
-                           if n in saved and list(reader.shape(n)) != shapes[n]]
+        self.mismatched = [
+            (n, reader.shape(n), shapes[n]) for n in model_names if n in saved and list(reader.shape(n)) != shapes[n]
+        ]
         if strict and (self.missing or self.unexpected or self.mismatched):
             raise CheckpointError(
-                f"checkpoint {reader.folder} does not match the model: " + self.describe()
-                + "; pass load_module_strict=False to load what matches")
+                f"checkpoint {reader.folder} does not match the model: "
+                + self.describe()
+                + "; pass load_module_strict=False to load what matches"
+            )
         self.skip = set(self.missing) | {n for n, _, _ in self.mismatched}
 
     def loadable(self, name: str) -> bool:
@@ -90,8 +101,15 @@ def _some(names) -> str:
 
 
 @torch.no_grad()
-def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bool,
-              load_scheduler: bool, module_only: bool, from_fp32: bool = True) -> dict:
+def load_into(
+    engine,
+    reader: CheckpointReader,
+    strict: bool,
+    load_optimizer: bool,
+    load_scheduler: bool,
+    module_only: bool,
+    from_fp32: bool = True,
+) -> dict:
     """Restore ``engine`` from ``reader``; returns the checkpoint's client state."""
     experts = expert_names(engine)
     rename = experts.checkpoint_name
@@ -107,7 +125,8 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
         raise CheckpointError(
             f"checkpoint {reader.folder} has {reader.meta['param_groups']} optimizer param groups, "
             f"the optimizer has {len(optimizer.param_groups)}: build the optimizer with the same "
-            "groups, or pass load_optimizer_states=False")
+            "groups, or pass load_optimizer_states=False"
+        )
     if load_optimizer and experts:  # experts' scalar state is in their own files
         scalars0.update(expert_scalars(reader, [rename(n) for n in [*experts.local, *experts.rows]]))
     shard_rank = shard_rank_of(engine)
@@ -115,9 +134,18 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     for unit in stage_units(engine):
         # fused HF expert rows start at this rank's first row in the saved parameter
         shifts = [experts.row_offset(n, s.shape) for n, s in zip(unit.names, unit.layout.slots)]
-        _load_unit(unit, experts.unit_shard_rank(unit, shard_rank), reader, match,
-                   optimizer if load_optimizer and unit.group is not None else None, scalars0, from_fp32,
-                   swapper if unit.group is not None else None, rename, shifts)
+        _load_unit(
+            unit,
+            experts.unit_shard_rank(unit, shard_rank),
+            reader,
+            match,
+            optimizer if load_optimizer and unit.group is not None else None,
+            scalars0,
+            from_fp32,
+            swapper if unit.group is not None else None,
+            rename,
+            shifts,
+        )
     groups = group_of_whole(engine)
     for local_name, p in whole_parameters(engine):
         name = rename(local_name)
@@ -150,15 +178,29 @@ def load_into(engine, reader: CheckpointReader, strict: bool, load_optimizer: bo
     if mine is not None and "rng" in mine:
         restore_rng(mine["rng"])
     elif "converted_from" in reader.meta:  # DeepSpeed saves no random state
-        logger.info("checkpoint %s was converted from %s, which saves no random state: rank %d "
-                    "keeps its own", reader.folder, reader.meta["converted_from"]["program"], rank)
+        logger.info(
+            "checkpoint %s was converted from %s, which saves no random state: rank %d keeps its own",
+            reader.folder,
+            reader.meta["converted_from"]["program"],
+            rank,
+        )
     elif stages != saved_stages:
-        logger.warning("checkpoint %s was saved with %d pipeline stages, this engine has %d: rank %d "
-                       "of the data group of stage %d keeps its own random state", reader.folder,
-                       saved_stages, stages, rank, stage)
+        logger.warning(
+            "checkpoint %s was saved with %d pipeline stages, this engine has %d: rank %d "
+            "of the data group of stage %d keeps its own random state",
+            reader.folder,
+            saved_stages,
+            stages,
+            rank,
+            stage,
+        )
     else:
-        logger.warning("checkpoint %s was saved on %d ranks: rank %d of the data group keeps its "
-                       "own random state", reader.folder, reader.meta["world_size"], rank)
+        logger.warning(
+            "checkpoint %s was saved on %d ranks: rank %d of the data group keeps its own random state",
+            reader.folder,
+            reader.meta["world_size"],
+            rank,
+        )
     return main["client_state"]
 
 
@@ -199,8 +241,9 @@ def _values(reader, name, dtype, start, numel) -> torch.Tensor:
     return reader.read(name, "master", start, numel).to(dtype)
 
 
-def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None,
-               rename=lambda name: name, shifts=None) -> None:
+def _load_unit(
+    unit, rank, reader, match, optimizer, scalars0, from_fp32, swapper=None, rename=lambda name: name, shifts=None
+) -> None:
     """``unit``'s shard ``rank`` (and the whole unit where the stage keeps it whole) by the
     checkpoint names of its parameters (``rename``: the model's name -> the checkpoint's;
     ``shifts``: per slot, where its values start in the saved parameter: 0 but for a rank's
@@ -211,10 +254,11 @@ def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swappe
     if not unit.resharded:  # the stage keeps the whole unit on every rank: fill all of it
         for name, slot, shift in zip(map(rename, unit.names), layout.slots, shifts):
             if match.loadable(name):
-                unit.flat.narrow(0, slot.offset, slot.numel).copy_(
-                    _values(reader, name, dtype, shift, slot.numel))
-    pieces = [(rename(name_of(unit, p)), p.param_start + shifts[p.slot.index], p.shard_start, p.numel)
-              for p in layout.shard_pieces(rank)]
+                unit.flat.narrow(0, slot.offset, slot.numel).copy_(_values(reader, name, dtype, shift, slot.numel))
+    pieces = [
+        (rename(name_of(unit, p)), p.param_start + shifts[p.slot.index], p.shard_start, p.numel)
+        for p in layout.shard_pieces(rank)
+    ]
     pieces = [p for p in pieces if match.loadable(p[0])]
     if unit.resharded and not unit.derived and pieces:  # a derived shard: the master is written
         shard = unit.resident_shard(dirty=True).data  # NVMe parameter offload: read back first
@@ -230,8 +274,7 @@ def _load_unit(unit, rank, reader, match, optimizer, scalars0, from_fp32, swappe
         # a shard of padding alone (stage 3, a unit smaller than its group) keeps zero state
         # and its unit's scalars, as the step left it
         in_unit = [n for n in map(rename, unit.names) if match.loadable(n)]
-        _set_state(optimizer, optimizer_key(unit), reader, pieces, layout.shard_numel, scalars0,
-                   padding_of=in_unit[:1])
+        _set_state(optimizer, optimizer_key(unit), reader, pieces, layout.shard_numel, scalars0, padding_of=in_unit[:1])
     unit.record_versions()
 
 
@@ -240,14 +283,15 @@ def _load_swapped(unit, swapper, reader, pieces, load_state: bool, scalars0, fro
     (only one chunk's worth in memory at a time); elements no saved parameter covers keep
     their master and get zero state."""
     state_keys = _state_keys(reader, pieces) if load_state else None
-    scalars = _copy_scalars(scalars0.get(_scalar_key(reader, pieces[0][0]), {})) if (
-        load_state and pieces and state_keys) else {}
-    dtypes = {what: reader.read(pieces[0][0], what, pieces[0][1], 1).dtype
-              for what in state_keys or ()}
+    scalars = (
+        _copy_scalars(scalars0.get(_scalar_key(reader, pieces[0][0]), {}))
+        if (load_state and pieces and state_keys)
+        else {}
+    )
+    dtypes = {what: reader.read(pieces[0][0], what, pieces[0][1], 1).dtype for what in state_keys or ()}
     for chunk in swapper.chunks_of(unit):
         lo_chunk, hi_chunk = chunk.start, chunk.start + chunk.numel
-        tensors = {what.removeprefix("state/"): torch.zeros(chunk.numel, dtype=dtype)
-                   for what, dtype in dtypes.items()}
+        tensors = {what.removeprefix("state/"): torch.zeros(chunk.numel, dtype=dtype) for what, dtype in dtypes.items()}
         if chunk.swap_master:
             tensors["master"] = swapper.read_key(chunk, "master").clone()
         if state_keys is None:  # optimizer state not loaded: keep what the chunk has
@@ -262,11 +306,11 @@ def _load_swapped(unit, swapper, reader, pieces, load_state: bool, scalars0, fro
             offset = start + lo - at
             if chunk.swap_master:
                 what = "master" if from_fp32 and reader.has(name, "master") else "param"
-                tensors["master"].narrow(0, lo - lo_chunk, hi - lo).copy_(
-                    reader.read(name, what, offset, hi - lo))
+                tensors["master"].narrow(0, lo - lo_chunk, hi - lo).copy_(reader.read(name, what, offset, hi - lo))
             for what in state_keys or ():
                 tensors[what.removeprefix("state/")].narrow(0, lo - lo_chunk, hi - lo).copy_(
-                    reader.read(name, what, offset, hi - lo))
+                    reader.read(name, what, offset, hi - lo)
+                )
         swapper.store_chunk(chunk, tensors, chunk_scalars)
 
 
@@ -278,8 +322,10 @@ def _state_keys(reader, pieces) -> list[str]:
         if state_keys is None:
             state_keys = keys
         elif sorted(keys) != sorted(state_keys):
-            raise CheckpointError(f"{name}: its saved optimizer state ({keys}) differs from that of "
-                                  f"the parameters it now shares a unit with ({state_keys})")
+            raise CheckpointError(
+                f"{name}: its saved optimizer state ({keys}) differs from that of "
+                f"the parameters it now shares a unit with ({state_keys})"
+            )
     return state_keys or []
 
 

@@ -33,8 +33,9 @@ def _is_first(group) -> bool:
     return dist.get_rank(group) == 0
 
 
-def full_state_dict(module: nn.Module, coordinator=None, exclude_frozen_parameters: bool = False,
-                    rank0_only: bool = True, group=None) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, coordinator=None, exclude_frozen_parameters: bool = False, rank0_only: bool = True, group=None
+) -> dict[str, torch.Tensor]:
     """The module's state dict with every partitioned parameter gathered, as CPU tensors.
 
     Collective at stage 3 (every rank of the coordinator's group must call it); units are
@@ -69,8 +70,14 @@ def full_state_dict(module: nn.Module, coordinator=None, exclude_frozen_paramete
     return {k: out[k] for k in order if k in out}
 
 
-def save_16bit_model(module: nn.Module, save_dir, save_filename: str, coordinator=None,
-                     exclude_frozen_parameters: bool = False, group=None) -> Path | None:
+def save_16bit_model(
+    module: nn.Module,
+    save_dir,
+    save_filename: str,
+    coordinator=None,
+    exclude_frozen_parameters: bool = False,
+    group=None,
+) -> Path | None:
     """Write the gathered weights on the first rank of ``group`` (the engine's data group; see
     the module's docstring): safetensors for ``*.safetensors``, else a ``torch.save`` state dict
     (readable with ``torch.load(..., weights_only=True)``). The file is written to a temporary

@@ -27,8 +27,15 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.checkpoint.format import (MODEL_FILE, PT_TENSORS, pipe_model_file, pipe_optim_file,
-                                         pipe_state_file, shard_file, state_file)
+from zerotrain.checkpoint.format import (
+    MODEL_FILE,
+    PT_TENSORS,
+    pipe_model_file,
+    pipe_optim_file,
+    pipe_state_file,
+    shard_file,
+    state_file,
+)
 from zerotrain.checkpoint.stateful import COUNTERS, LR_SCHEDULER
 
 
@@ -126,12 +133,20 @@ def model_states(engine, tensors: dict, engine_state: dict, client_state: dict) 
     import zerotrain
 
     counters = engine_state[COUNTERS]
-    out = {"module": None, "buffer_names": [k.removeprefix("buffer/") for k in tensors if k.startswith("buffer/")],
-           "optimizer": None, "lr_scheduler": engine_state.get(LR_SCHEDULER),
-           "sparse_tensor_module_names": [], "skipped_steps": counters["skipped_steps"],
-           "global_steps": counters["global_steps"], "global_samples": counters["global_samples"],
-           "dp_world_size": engine.dp_world_size, "mp_world_size": engine.checkpoint_layout().stages,
-           "ds_config": engine.config.raw, "ds_version": zerotrain.__version__}
+    out = {
+        "module": None,
+        "buffer_names": [k.removeprefix("buffer/") for k in tensors if k.startswith("buffer/")],
+        "optimizer": None,
+        "lr_scheduler": engine_state.get(LR_SCHEDULER),
+        "sparse_tensor_module_names": [],
+        "skipped_steps": counters["skipped_steps"],
+        "global_steps": counters["global_steps"],
+        "global_samples": counters["global_samples"],
+        "dp_world_size": engine.dp_world_size,
+        "mp_world_size": engine.checkpoint_layout().stages,
+        "ds_config": engine.config.raw,
+        "ds_version": zerotrain.__version__,
+    }
     for key, value in client_state.items():
         out.setdefault(key, value)
     out[PT_TENSORS] = {k: _own_storage(v) for k, v in tensors.items()}
@@ -181,10 +196,18 @@ def merge_stages(metas: list[dict]) -> dict:
         frozen.update(meta["frozen"])
         excluded.update(meta["excluded_frozen"])
         layer_names += meta["pipeline"]["layer_files"]
-    merged.update(keys=list(keys), frozen=sorted(frozen), excluded_frozen=sorted(excluded),
-                  param_groups=max(m["param_groups"] for m in metas))
-    merged["pipeline"] = {"stages": len(metas), "data_size": metas[0]["world_size"],
-                          "parts": metas[0]["pipeline"]["parts"], "layer_files": sorted(layer_names)}
+    merged.update(
+        keys=list(keys),
+        frozen=sorted(frozen),
+        excluded_frozen=sorted(excluded),
+        param_groups=max(m["param_groups"] for m in metas),
+    )
+    merged["pipeline"] = {
+        "stages": len(metas),
+        "data_size": metas[0]["world_size"],
+        "parts": metas[0]["pipeline"]["parts"],
+        "layer_files": sorted(layer_names),
+    }
     return merged
 
 
@@ -199,7 +222,8 @@ def annotate_stage(meta: dict, engine, names: FileNames) -> dict:
     for entry in list(meta["whole"].values()) + list(meta["buffers"].values()):
         entry["file"] = names.model
     module = engine.module
-    layer_names = [module.ckpt_layer_path("", i) for i, layer in enumerate(module.forward_funcs)
-                   if isinstance(layer, nn.Module)]
+    layer_names = [
+        module.ckpt_layer_path("", i) for i, layer in enumerate(module.forward_funcs) if isinstance(layer, nn.Module)
+    ]
     meta["pipeline"] = {"stage": names.stage, "parts": list(module.parts), "layer_files": layer_names}
     return meta

@@ -35,13 +35,37 @@ import torch.distributed as dist
 
 from zerotrain.checkpoint.commit import SCRIPT_NAMES, SCRIPTS, commit, partial_name, recover
 from zerotrain.checkpoint.experts import describe_experts, expert_files, expert_names, merge_experts
-from zerotrain.checkpoint.format import (LATEST, MODEL_FILE, CheckpointError, encode_metadata,
-                                         shard_file, state_file, write_safetensors)
-from zerotrain.checkpoint.layout import (data_rank, describe, first_of_group, group_of_whole,
-                                         persistent_buffers, shard_writer, split_state, stage_units,
-                                         unit_param, unit_training_state, whole_parameters)
-from zerotrain.checkpoint.pipeline import (annotate_stage, file_names, is_pipeline, layer_files,
-                                           merge_stages, model_states, shard_content)
+from zerotrain.checkpoint.format import (
+    LATEST,
+    MODEL_FILE,
+    CheckpointError,
+    encode_metadata,
+    shard_file,
+    state_file,
+    write_safetensors,
+)
+from zerotrain.checkpoint.layout import (
+    data_rank,
+    describe,
+    first_of_group,
+    group_of_whole,
+    persistent_buffers,
+    shard_writer,
+    split_state,
+    stage_units,
+    unit_param,
+    unit_training_state,
+    whole_parameters,
+)
+from zerotrain.checkpoint.pipeline import (
+    annotate_stage,
+    file_names,
+    is_pipeline,
+    layer_files,
+    merge_stages,
+    model_states,
+    shard_content,
+)
 from zerotrain.checkpoint.training_state import capture_engine, capture_rng, plain
 
 logger = logging.getLogger("zerotrain")
@@ -61,11 +85,10 @@ class RankSnapshot:
     pt_files: dict[str, dict] = field(default_factory=dict)
     state_name: str | None = None
 
-    def detached(self) -> "RankSnapshot":
+    def detached(self) -> RankSnapshot:
         """A copy on the CPU that training can no longer change (for a background write). State
         in NVMe swap files is read into memory here: the next step rewrites those files."""
-        files = {name: {k: _cpu_copy(t) for k, t in tensors.items()}
-                 for name, tensors in self.tensor_files.items()}
+        files = {name: {k: _cpu_copy(t) for k, t in tensors.items()} for name, tensors in self.tensor_files.items()}
         memo: dict[int, torch.Tensor] = {}  # a tensor under two keys (an expert file's) stays one
         pt_files = {name: _tree_copy(content, memo) for name, content in self.pt_files.items()}
         return RankSnapshot(self.rank, files, plain(self.state, "state"), pt_files, self.state_name)
@@ -131,23 +154,36 @@ def capture(engine, client_state, exclude_frozen: bool) -> RankSnapshot:
                 elementwise, whole_scalars = split_state(optimizer.state.get(p, {}), shape=p.shape)
                 tensors.update({f"state/{k}/{name}": v for k, v in elementwise.items()})
                 scalars[f"param/{name}"] = whole_scalars
-        tensors.update({f"buffer/{name}": b.detach() for name, b in persistent_buffers(engine.module)[0]
-                        if not experts.is_expert(name)})
+        tensors.update(
+            {
+                f"buffer/{name}": b.detach()
+                for name, b in persistent_buffers(engine.module)[0]
+                if not experts.is_expert(name)
+            }
+        )
         if not pipeline:
             snap.tensor_files[MODEL_FILE] = tensors
         whole_tensors = tensors
     snap.state = {
-        "rank": rank, "world_size": engine.dp_world_size,
+        "rank": rank,
+        "world_size": engine.dp_world_size,
         "scalars": plain(scalars, "optimizer state"),
-        "param_groups": ([plain({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")
-                          for i, g in enumerate(optimizer.param_groups)] if optimizer is not None else []),
+        "param_groups": (
+            [
+                plain({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")
+                for i, g in enumerate(optimizer.param_groups)
+            ]
+            if optimizer is not None
+            else []
+        ),
         "engine": capture_engine(engine),
         "rng": capture_rng(),
         "client_state": plain(dict(client_state or {}), "client_state"),
     }
     if pipeline and first_of_group(engine):  # DeepSpeed's mp_rank_<s>_model_states.pt
-        snap.pt_files[names.model] = model_states(engine, whole_tensors, snap.state["engine"],
-                                                  snap.state["client_state"])
+        snap.pt_files[names.model] = model_states(
+            engine, whole_tensors, snap.state["engine"], snap.state["client_state"]
+        )
     return snap
 
 
@@ -189,14 +225,18 @@ def agree(value, group=None) -> list:
 def check_tag(tag: str, mode: str, group=None) -> None:
     """``checkpoint.tag_validation``: all ranks must save under the same tag."""
     if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r}: use a non-empty name without '/' that does "
-                         "not start with '.' and is not 'latest' (e.g. 'global_step100')")
+        raise ValueError(
+            f"checkpoint tag {tag!r}: use a non-empty name without '/' that does "
+            "not start with '.' and is not 'latest' (e.g. 'global_step100')"
+        )
     if mode == "Ignore":
         return
     tags = agree(tag, group)
     if len(set(tags)) > 1:
-        message = (f"ranks disagree on the checkpoint tag: {dict(enumerate(tags))}; pass the same "
-                   "tag on every rank (or none: global_step<N> is the same everywhere)")
+        message = (
+            f"ranks disagree on the checkpoint tag: {dict(enumerate(tags))}; pass the same "
+            "tag on every rank (or none: global_step<N> is the same everywhere)"
+        )
         if mode == "Fail":
             raise ValueError(message)
         logger.warning(message + " (checkpoint.tag_validation: Warn)")
@@ -207,8 +247,9 @@ class PendingSave:
     engine's data group, or of every stage of a pipeline engine; ``self.rank`` is the rank within
     the data group; the group's first rank, a pipeline's first stage's, commits)."""
 
-    def __init__(self, engine, save_dir, tag: str, snap: RankSnapshot, meta: dict | None,
-                 save_latest: bool, group=None):
+    def __init__(
+        self, engine, save_dir, tag: str, snap: RankSnapshot, meta: dict | None, save_latest: bool, group=None
+    ):
         self.save_dir, self.tag, self.snap = Path(save_dir), tag, snap
         self.meta, self.save_latest, self.group = meta, save_latest, group
         self.rank = snap.rank
@@ -240,9 +281,12 @@ class PendingSave:
         if failed:
             if self.committer:
                 shutil.rmtree(self.partial, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {final} was not saved: " + "; ".join(
-                f"{who}: {e}" for who, e in failed) + f" ({self.save_dir / LATEST} still names "
-                "the previous checkpoint)")
+            raise CheckpointError(
+                f"checkpoint {final} was not saved: "
+                + "; ".join(f"{who}: {e}" for who, e in failed)
+                + f" ({self.save_dir / LATEST} still names "
+                "the previous checkpoint)"
+            )
         error = None
         if self.committer:
             try:

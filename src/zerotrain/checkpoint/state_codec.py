@@ -48,8 +48,7 @@ import torch
 TAG = "__zerotrain_type__"
 
 #: ``defaultdict`` factories that are rebuilt (by name, from this table only).
-FACTORIES = {f.__name__: f for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes,
-                                     bool)}
+FACTORIES = {f.__name__: f for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)}
 FACTORIES["OrderedDict"] = OrderedDict
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
@@ -82,12 +81,15 @@ class StateDecodeError(ValueError):
 
 
 def _refuse(where: str, what: str, fix: str):
-    raise StateTypeError(f"{where} {what}, which a checkpoint cannot store so that it loads back "
-                         f"as the same type; {fix}")
+    raise StateTypeError(
+        f"{where} {what}, which a checkpoint cannot store so that it loads back as the same type; {fix}"
+    )
 
 
-_GENERIC_FIX = ("keep such state out of it or convert it to numbers, strings, tensors, numpy values, "
-                "enums, namedtuples or containers of them")
+_GENERIC_FIX = (
+    "keep such state out of it or convert it to numbers, strings, tensors, numpy values, "
+    "enums, namedtuples or containers of them"
+)
 
 
 def encode(value, where: str):
@@ -109,8 +111,11 @@ def encode(value, where: str):
         factory = value.default_factory
         name = None if factory is None else next((n for n, f in FACTORIES.items() if f is factory), False)
         if name is False:
-            _refuse(where, f"is a defaultdict whose default_factory is {factory!r}",
-                    f"use one of {', '.join(sorted(FACTORIES))} as its factory, or convert it with dict(...)")
+            _refuse(
+                where,
+                f"is a defaultdict whose default_factory is {factory!r}",
+                f"use one of {', '.join(sorted(FACTORIES))} as its factory, or convert it with dict(...)",
+            )
         return _tagged("defaultdict", factory=name, items=_encode_items(value, where))
     if t is list:
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -121,19 +126,29 @@ def encode(value, where: str):
     if isinstance(value, enum.Enum):
         return _tagged("enum", cls=_class_name(t, where, "enum"), value=encode(value.value, f"{where}.value"))
     if isinstance(value, tuple) and _is_namedtuple(t):
-        return _tagged("namedtuple", cls=_class_name(t, where, "namedtuple"), fields=list(t._fields),
-                       items=[encode(v, f"{where}.{f}") for f, v in zip(t._fields, value)])
+        return _tagged(
+            "namedtuple",
+            cls=_class_name(t, where, "namedtuple"),
+            fields=list(t._fields),
+            items=[encode(v, f"{where}.{f}") for f, v in zip(t._fields, value)],
+        )
     if isinstance(value, np.generic):
         return _encode_numpy_scalar(value, where)
     if t is np.ndarray:
         return _encode_array(value, where)
     if isinstance(value, torch.Tensor):
-        _refuse(where, f"is a {t.__module__}.{t.__qualname__} (a tensor subclass)",
-                "store a plain tensor (tensor.detach().clone().as_subclass(torch.Tensor))")
+        _refuse(
+            where,
+            f"is a {t.__module__}.{t.__qualname__} (a tensor subclass)",
+            "store a plain tensor (tensor.detach().clone().as_subclass(torch.Tensor))",
+        )
     if isinstance(value, (dict, list, tuple, set, frozenset)):
         base = next(b for b in (dict, list, tuple, set, frozenset) if isinstance(value, b))
-        _refuse(where, f"is a {t.__module__}.{t.__qualname__} (a {base.__name__} subclass)",
-                f"convert it with {base.__name__}(...)")
+        _refuse(
+            where,
+            f"is a {t.__module__}.{t.__qualname__} (a {base.__name__} subclass)",
+            f"convert it with {base.__name__}(...)",
+        )
     name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
     _refuse(where, f"holds a value of type {name}", _GENERIC_FIX)
 
@@ -158,8 +173,12 @@ def _encode_mapping(value, where: str, t):
 def _encode_numpy_scalar(value, where: str):
     dtype = value.dtype
     if dtype.kind not in _NUMPY_KINDS or _extended(dtype):
-        _refuse(where, f"holds a numpy {dtype.name}", "convert it to a Python number, a string or a "
-                "supported numpy type (bool, integers, float16/32/64, complex64/128, str_, bytes_)")
+        _refuse(
+            where,
+            f"holds a numpy {dtype.name}",
+            "convert it to a Python number, a string or a "
+            "supported numpy type (bool, integers, float16/32/64, complex64/128, str_, bytes_)",
+        )
     return _tagged("numpy", dtype=dtype.str, value=value.item())
 
 
@@ -171,25 +190,30 @@ def _extended(dtype: np.dtype) -> bool:
 def _encode_array(value: np.ndarray, where: str):
     dtype = value.dtype
     if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None or _extended(dtype):
-        _refuse(where, f"is a numpy array of dtype {dtype}", "use a bool, integer, float16/32/64 or "
-                "complex64/128 array, or a tensor")
+        _refuse(
+            where,
+            f"is a numpy array of dtype {dtype}",
+            "use a bool, integer, float16/32/64 or complex64/128 array, or a tensor",
+        )
     raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
     return _tagged("ndarray", dtype=dtype.str, shape=list(value.shape), data=torch.from_numpy(raw.copy()))
 
 
 def _is_namedtuple(t) -> bool:
     fields = getattr(t, "_fields", None)
-    return (isinstance(fields, tuple) and all(type(f) is str for f in fields)
-            and callable(getattr(t, "_make", None)))
+    return isinstance(fields, tuple) and all(type(f) is str for f in fields) and callable(getattr(t, "_make", None))
 
 
 def _class_name(cls, where: str, kind: str) -> str:
     """``module:qualname`` of ``cls``, checked to be found again by :func:`_find_class`."""
     name = f"{cls.__module__}:{cls.__qualname__}"
     if "<locals>" in cls.__qualname__ or _lookup(cls.__module__, cls.__qualname__) is not cls:
-        _refuse(where, f"is a {kind} {cls.__qualname__} that cannot be found again by its name "
-                f"{name} (defined inside a function or rebound)",
-                f"define the {kind} at module level, or store its value instead")
+        _refuse(
+            where,
+            f"is a {kind} {cls.__qualname__} that cannot be found again by its name "
+            f"{name} (defined inside a function or rebound)",
+            f"define the {kind} at module level, or store its value instead",
+        )
     return name
 
 
@@ -216,11 +240,13 @@ def _find_class(spec, kind: str, where: str):
         raise StateDecodeError(
             f"{where} was saved as the {kind} {qualname} from module {module}, which this program has "
             f"not imported: import {module} before load_checkpoint (a checkpoint never imports a "
-            "module it names)")
+            "module it names)"
+        )
     cls = _lookup(module, qualname)
     if cls is None:
-        raise StateDecodeError(f"{where} was saved as the {kind} {module}.{qualname}, which no longer "
-                               f"exists in {module}")
+        raise StateDecodeError(
+            f"{where} was saved as the {kind} {module}.{qualname}, which no longer exists in {module}"
+        )
     return cls
 
 
@@ -260,10 +286,16 @@ def _decode_tagged(node, where: str):
             return cls(decode(node["value"], f"{where}.value"))
         if kind == "namedtuple":
             cls = _find_class(node["cls"], "namedtuple", where)
-            if not (isinstance(cls, type) and issubclass(cls, tuple) and _is_namedtuple(cls)
-                    and list(cls._fields) == list(node["fields"])):
-                raise StateDecodeError(f"{where}: {node['cls']} is not a namedtuple with the fields "
-                                       f"{node['fields']} (was it changed since the save?)")
+            if not (
+                isinstance(cls, type)
+                and issubclass(cls, tuple)
+                and _is_namedtuple(cls)
+                and list(cls._fields) == list(node["fields"])
+            ):
+                raise StateDecodeError(
+                    f"{where}: {node['cls']} is not a namedtuple with the fields "
+                    f"{node['fields']} (was it changed since the save?)"
+                )
             return cls._make(decode(v, f"{where}.{f}") for f, v in zip(node["fields"], node["items"]))
         if kind in ("dict", "OrderedDict"):
             return (dict if kind == "dict" else OrderedDict)(_pairs(node, where))

@@ -70,15 +70,28 @@ def check_components(components: Components) -> None:
     names = list(components)
     unknown = [n for n in names if n not in KEYS]
     if unknown:
-        raise ValueError(f"checkpoint components {unknown}: the checkpoint format has no key for them "
-                         f"(known: {list(KEYS)})")
+        raise ValueError(
+            f"checkpoint components {unknown}: the checkpoint format has no key for them (known: {list(KEYS)})"
+        )
     if names != [k for k in KEYS if k in components]:
         raise ValueError(f"checkpoint components {names} are not in the format's order {list(KEYS)}")
     for name, component in components.items():
         if not isinstance(component, Stateful):
-            raise TypeError(f"checkpoint component {name!r} ({type(component).__name__}) has no "
-                            "state_dict()/load_state_dict()")
+            raise TypeError(
+                f"checkpoint component {name!r} ({type(component).__name__}) has no state_dict()/load_state_dict()"
+            )
 
 
-__all__ = ["COUNTERS", "COUNTER_NAMES", "Components", "DATALOADER", "DerivedWhenAbsent", "KEYS",
-           "LOSS_SCALER", "LR_SCHEDULER", "PLD", "Stateful", "check_components"]
+__all__ = [
+    "COUNTERS",
+    "COUNTER_NAMES",
+    "Components",
+    "DATALOADER",
+    "DerivedWhenAbsent",
+    "KEYS",
+    "LOSS_SCALER",
+    "LR_SCHEDULER",
+    "PLD",
+    "Stateful",
+    "check_components",
+]

@@ -29,8 +29,13 @@ def capture_rng() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": _python_state(random.getstate()),
     }
     accelerator = get_accelerator()
@@ -42,8 +47,9 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     accelerator = get_accelerator()
@@ -96,8 +102,10 @@ def read_rank_state(reader, name: str) -> dict:
     ``CheckpointError`` naming the file."""
     path = reader.folder / name
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint {reader.folder} is incomplete "
-                              "(restore the file or load another checkpoint)")
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint {reader.folder} is incomplete "
+            "(restore the file or load another checkpoint)"
+        )
     reader.check_file(name)
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)

@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 
 try:  # inside the zerotrain package
-    from zerotrain.checkpoint.format import (CheckpointError, CheckpointReader, resolve_tag,
-                                             stream_safetensors)
+    from zerotrain.checkpoint.format import CheckpointError, CheckpointReader, resolve_tag, stream_safetensors
 except ImportError:  # the copy inside a checkpoint folder: its sibling file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from zerotrain_checkpoint_format import (CheckpointError, CheckpointReader, resolve_tag,  # type: ignore
-                                             stream_safetensors)
+    from zerotrain_checkpoint_format import CheckpointError, CheckpointReader, resolve_tag, stream_safetensors  # type: ignore
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,8 +48,13 @@ def parse_size(text) -> int:
 class Consolidator:
     """The model's whole state dict, tensor by tensor, from a checkpoint's shards."""
 
-    def __init__(self, checkpoint_dir, tag=None, dtype: torch.dtype | None = torch.float32,
-                 exclude_frozen_parameters: bool = False):
+    def __init__(
+        self,
+        checkpoint_dir,
+        tag=None,
+        dtype: torch.dtype | None = torch.float32,
+        exclude_frozen_parameters: bool = False,
+    ):
         folder, self.tag = resolve_tag(checkpoint_dir, tag)
         self.reader = CheckpointReader(folder)
         self.dtype = dtype
@@ -103,10 +106,15 @@ class Consolidator:
         self.reader.close()
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
-                                               safe_serialization: bool = False, tag=None,
-                                               exclude_frozen_parameters: bool = False,
-                                               dtype: str = "fp32") -> list[Path]:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size="5GB",
+    safe_serialization: bool = False,
+    tag=None,
+    exclude_frozen_parameters: bool = False,
+    dtype: str = "fp32",
+) -> list[Path]:
     """Write the consolidated model into ``output_dir``: ``model.safetensors`` or
     ``pytorch_model.bin``; when larger than ``max_shard_size``, numbered files
     (``model-00001-of-00003.safetensors``) plus an ``.index.json`` with the ``weight_map``.
@@ -141,15 +149,17 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
         source.close()
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole model as an fp32 state dict on the CPU (from the fp32 masters where the run
     kept them), read from a checkpoint of any world size and stage; no process group needed."""
     if lazy_mode:
-        raise NotImplementedError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not "
-                                  "supported; use convert_zero_checkpoint_to_fp32_state_dict (or "
-                                  "`zerotrain consolidate`), which streams to disk one tensor at a time")
+        raise NotImplementedError(
+            "get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not "
+            "supported; use convert_zero_checkpoint_to_fp32_state_dict (or "
+            "`zerotrain consolidate`), which streams to disk one tensor at a time"
+        )
     source = Consolidator(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)
     try:
         return source.state_dict()
@@ -168,25 +178,46 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("checkpoint_dir", help="the save_dir of engine.save_checkpoint (its 'latest' is used), "
-                               "or one checkpoint's tag folder")
+    add(
+        "checkpoint_dir",
+        help="the save_dir of engine.save_checkpoint (its 'latest' is used), or one checkpoint's tag folder",
+    )
     add("output_dir", help="folder for the consolidated weights")
     add("-t", "--tag", help="checkpoint tag to read (default: the one in checkpoint_dir/latest)")
-    add("--dtype", choices=sorted(DTYPES), default="fp32",
-        help="dtype of the floating tensors written (default fp32: the fp32 masters)")
-    add("--max_shard_size", "--max-shard-size", default="5GB",
-        help="largest output file before splitting (default 5GB)")
-    add("--safe_serialization", "--safetensors", action="store_true",
-        help="write safetensors (streamed) instead of torch.save files")
-    add("--exclude_frozen_parameters", "--exclude-frozen", action="store_true",
-        help="leave out parameters with requires_grad=False")
+    add(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of the floating tensors written (default fp32: the fp32 masters)",
+    )
+    add(
+        "--max_shard_size", "--max-shard-size", default="5GB", help="largest output file before splitting (default 5GB)"
+    )
+    add(
+        "--safe_serialization",
+        "--safetensors",
+        action="store_true",
+        help="write safetensors (streamed) instead of torch.save files",
+    )
+    add(
+        "--exclude_frozen_parameters",
+        "--exclude-frozen",
+        action="store_true",
+        help="leave out parameters with requires_grad=False",
+    )
 
 
 def run(args) -> int:
     try:
         files = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output_dir, args.max_shard_size, args.safe_serialization,
-            args.tag, args.exclude_frozen_parameters, args.dtype)
+            args.checkpoint_dir,
+            args.output_dir,
+            args.max_shard_size,
+            args.safe_serialization,
+            args.tag,
+            args.exclude_frozen_parameters,
+            args.dtype,
+        )
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

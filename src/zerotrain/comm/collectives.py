@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.comm.group import Collectives
-from zerotrain.comm.transport import (GLOO_FORMS, HEADER_LEN, CollectiveMismatch, Identity, ReduceOp,
-                                      gloo_form)
+from zerotrain.comm.transport import GLOO_FORMS, HEADER_LEN, CollectiveMismatch, Identity, ReduceOp, gloo_form
 
 
 def last_seq(group=None) -> int:
@@ -31,8 +30,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     return Collectives.of(group).broadcast(tensor, src=src, async_op=async_op)
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
-                    identity: Identity | None = None):
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, identity: Identity | None = None
+):
     """Gather every rank's ``shard`` into the flat ``output`` (rank r's shard at ``r * shard.numel()``).
 
     ``shard`` may be this rank's slice of ``output`` itself (no copy is made then). With an
@@ -42,9 +42,15 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
     return Collectives.of(group).all_gather_into(output, shard, async_op=async_op, identity=identity)
 
 
-def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
-                        async_op: bool = False, scratch: torch.Tensor | None = None,
-                        identity: Identity | None = None):
+def reduce_scatter_into(
+    output: torch.Tensor,
+    flat: torch.Tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op: bool = False,
+    scratch: torch.Tensor | None = None,
+    identity: Identity | None = None,
+):
     """Reduce ``flat`` across ranks and keep this rank's contiguous slice in ``output``.
 
     ``flat`` is used as scratch space: its contents are undefined afterwards. Passing this rank's
@@ -52,8 +58,9 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SU
     peers' rows are received into ``scratch`` (:func:`reduce_scatter_scratch_rows` rows of
     ``output``'s size; allocated per call when not given) and summed when the work is waited for.
     ``identity``: as for :func:`all_gather_into`."""
-    return Collectives.of(group).reduce_scatter_into(output, flat, op=op, async_op=async_op,
-                                                     scratch=scratch, identity=identity)
+    return Collectives.of(group).reduce_scatter_into(
+        output, flat, op=op, async_op=async_op, scratch=scratch, identity=identity
+    )
 
 
 def reduce_scatter_scratch_rows(group=None) -> int:
@@ -63,18 +70,39 @@ def reduce_scatter_scratch_rows(group=None) -> int:
     return Collectives.of(group).reduce_scatter_scratch_rows()
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                      input_split_sizes=None, group=None, async_op: bool = False):
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op: bool = False,
+):
     """``torch.distributed.all_to_all_single``: rows of ``input`` go to each rank by
     ``input_split_sizes`` (even when None), ``output`` receives ``output_split_sizes`` rows from each."""
-    return Collectives.of(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                   async_op=async_op)
+    return Collectives.of(group).all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, async_op=async_op
+    )
 
 
 def barrier(group=None) -> None:
     Collectives.of(group).barrier()
 
 
-__all__ = ["ReduceOp", "Identity", "CollectiveMismatch", "HEADER_LEN", "GLOO_FORMS", "gloo_form",
-           "last_seq", "all_reduce", "broadcast", "all_gather_into", "reduce_scatter_into",
-           "reduce_scatter_scratch_rows", "all_to_all_single", "barrier", "Collectives"]
+__all__ = [
+    "ReduceOp",
+    "Identity",
+    "CollectiveMismatch",
+    "HEADER_LEN",
+    "GLOO_FORMS",
+    "gloo_form",
+    "last_seq",
+    "all_reduce",
+    "broadcast",
+    "all_gather_into",
+    "reduce_scatter_into",
+    "reduce_scatter_scratch_rows",
+    "all_to_all_single",
+    "barrier",
+    "Collectives",
+]

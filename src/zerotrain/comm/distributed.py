@@ -45,11 +45,13 @@ class _MPIVars:
 
 #: Tried in order; the first whose rank variable is set wins.
 MPI_ENVIRONMENTS = (
-    _MPIVars("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-             "OMPI_COMM_WORLD_LOCAL_SIZE"),                                        # Open MPI
-    _MPIVars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),       # MPICH, Intel MPI
-    _MPIVars("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-             "MV2_COMM_WORLD_LOCAL_SIZE"),                                         # MVAPICH2
+    _MPIVars(
+        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"
+    ),  # Open MPI
+    _MPIVars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
+    _MPIVars(
+        "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"
+    ),  # MVAPICH2
 )
 
 
@@ -111,9 +113,11 @@ def init_distributed(
     if dist.is_initialized():
         return
     if dist_init_required is False:
-        raise RuntimeError("dist_init_required=False but no process group exists: call "
-                           "torch.distributed.init_process_group(...) first, or leave dist_init_required "
-                           "as None so zerotrain creates the group")
+        raise RuntimeError(
+            "dist_init_required=False but no process group exists: call "
+            "torch.distributed.init_process_group(...) first, or leave dist_init_required "
+            "as None so zerotrain creates the group"
+        )
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r} ({type(timeout).__name__})")
     if auto_mpi_discovery and "RANK" not in os.environ and rank < 0:
@@ -121,8 +125,10 @@ def init_distributed(
     rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
     world_size = world_size if world_size >= 0 else int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in range for world_size {world_size} "
-                         "(check RANK/WORLD_SIZE or the rank=/world_size= arguments)")
+        raise ValueError(
+            f"rank {rank} is not in range for world_size {world_size} "
+            "(check RANK/WORLD_SIZE or the rank=/world_size= arguments)"
+        )
     accelerator = get_accelerator()
     backend = dist_backend or accelerator.communication_backend
     if init_method is None:
@@ -145,8 +151,7 @@ def init_distributed(
     )
     _register_teardown()
     if verbose and rank == 0:
-        where = (f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if init_method == "env://"
-                 else init_method)
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if init_method == "env://" else init_method
         logger.info("initialized %s process group: world size %d, rendezvous %s", backend, world_size, where)
 
 
@@ -168,7 +173,8 @@ def discover_mpi_environment(verbose: bool = False) -> bool:
         if local_size != size:
             raise RuntimeError(
                 f"MPI launch across nodes ({found.size}={size}, {found.local_size}={local_size}): set "
-                "MASTER_ADDR to rank 0's host name or address (DeepSpeed looks it up with mpi4py)")
+                "MASTER_ADDR to rank 0's host name or address (DeepSpeed looks it up with mpi4py)"
+            )
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local_rank)
     if verbose and rank == "0":

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import pickle
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,23 @@ import torch.distributed as dist
 from zerotrain.comm.codec import Codec
 from zerotrain.comm.hang import HangDiagnosis
 from zerotrain.comm.hooks import Call, CollectiveHook
-from zerotrain.comm.transport import (ExchangeState, Finishing, Identity, ReduceOp, all_gather_single,
-                                      exchange, gloo_form, is_gloo, is_world, nbytes, peers_of,
-                                      rank_slice, reduce_scatter_single, same_memory,
-                                      sends_and_receives)
+from zerotrain.comm.transport import (
+    ExchangeState,
+    Finishing,
+    Identity,
+    ReduceOp,
+    all_gather_single,
+    exchange,
+    gloo_form,
+    is_gloo,
+    is_world,
+    nbytes,
+    peers_of,
+    rank_slice,
+    reduce_scatter_single,
+    same_memory,
+    sends_and_receives,
+)
 
 _DIAGNOSIS = HangDiagnosis()
 # Hooks every group's collectives run through (outermost), in the order added.
@@ -73,7 +87,7 @@ class Collectives:
         self.exchange_state = ExchangeState()
 
     @classmethod
-    def of(cls, group=None) -> "Collectives":
+    def of(cls, group=None) -> Collectives:
         """The one object of ``group`` (None or the world group: the world's)."""
         if is_world(group):
             return _WORLD
@@ -125,60 +139,95 @@ class Collectives:
     # -- tensor collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         group = self.group
-        return self.run("all_reduce", nbytes(tensor), async_op,
-                        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+        return self.run(
+            "all_reduce",
+            nbytes(tensor),
+            async_op,
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         group = self.group
-        return self.run("broadcast", nbytes(tensor), async_op,
-                        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+        return self.run(
+            "broadcast",
+            nbytes(tensor),
+            async_op,
+            lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+        )
 
     def barrier(self) -> None:
         group = self.group
         self.run("barrier", 0, False, lambda: dist.barrier(group=group))
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                          input_split_sizes=None, async_op: bool = False):
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes=None,
+        input_split_sizes=None,
+        async_op: bool = False,
+    ):
         """``torch.distributed.all_to_all_single`` (even or uneven splits); logged with the bytes
         this rank sends."""
         group = self.group
-        return self.run("all_to_all_single", nbytes(input), async_op,
-                        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                       group=group, async_op=async_op))
+        return self.run(
+            "all_to_all_single",
+            nbytes(input),
+            async_op,
+            lambda: dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            ),
+        )
 
-    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
-                        identity: Identity | None = None):
+    def all_gather_into(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, identity: Identity | None = None
+    ):
         world = self.size()
         if output.numel() != shard.numel() * world:
-            raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected "
-                             f"{world} x {shard.numel()}")
+            raise ValueError(
+                f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}"
+            )
         if self.codec is not None:
             return self._gather_encoded(self.codec, output, shard, world, async_op, identity)
         return self._gather(output, shard, world, async_op, identity)
 
-    def reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM,
-                            async_op: bool = False, scratch: torch.Tensor | None = None,
-                            identity: Identity | None = None):
+    def reduce_scatter_into(
+        self,
+        output: torch.Tensor,
+        flat: torch.Tensor,
+        op=ReduceOp.SUM,
+        async_op: bool = False,
+        scratch: torch.Tensor | None = None,
+        identity: Identity | None = None,
+    ):
         world = self.size()
         if flat.numel() != output.numel() * world:
-            raise ValueError(f"reduce_scatter_into: input has {flat.numel()} elements, expected "
-                             f"{world} x {output.numel()}")
+            raise ValueError(
+                f"reduce_scatter_into: input has {flat.numel()} elements, expected {world} x {output.numel()}"
+            )
         if self.codec is not None:
             return self._scatter_encoded(self.codec, output, flat, op, world, async_op, identity)
         group = self.group
         mine, _ = rank_slice(flat, world, group)
         if is_gloo(group):
             if gloo_form() == "send_recv":
-                return self._scatter_by_send_recv(output, flat, mine, op, world, async_op, scratch,
-                                                  identity)
+                return self._scatter_by_send_recv(output, flat, mine, op, world, async_op, scratch, identity)
             then = None if same_memory(mine, output) else (lambda: output.copy_(mine))
-            return self.run("reduce_scatter_tensor", nbytes(flat), async_op,
-                            lambda: dist.all_reduce(flat, op=op, group=group, async_op=async_op),
-                            then=then)
+            return self.run(
+                "reduce_scatter_tensor",
+                nbytes(flat),
+                async_op,
+                lambda: dist.all_reduce(flat, op=op, group=group, async_op=async_op),
+                then=then,
+            )
         if same_memory(mine, output):
             output = mine  # NCCL reduces in place when the output is the input's rank slice
-        return self.run("reduce_scatter_tensor", nbytes(flat), async_op,
-                        lambda: reduce_scatter_single(output, flat, op=op, group=group, async_op=async_op))
+        return self.run(
+            "reduce_scatter_tensor",
+            nbytes(flat),
+            async_op,
+            lambda: reduce_scatter_single(output, flat, op=op, group=group, async_op=async_op),
+        )
 
     def reduce_scatter_scratch_rows(self) -> int:
         """Shard-sized rows of scratch space a reduce-scatter receives into: one per peer on
@@ -191,16 +240,19 @@ class Collectives:
     def all_gather_object(self, value, op: str = "all_gather_object") -> list:
         group = self.group
         out = [None] * self.size()
-        self.run(op, len(pickle.dumps(value)), False,
-                 lambda: dist.all_gather_object(out, value, group=group))
+        self.run(op, len(pickle.dumps(value)), False, lambda: dist.all_gather_object(out, value, group=group))
         return out
 
     def broadcast_object(self, value, src: int, op: str = "broadcast_object"):
         """Global rank ``src``'s ``value`` (picklable), on every rank of the group."""
         group = self.group
         box = [value]
-        self.run(op, len(pickle.dumps(value)) if value is not None else 0, False,
-                 lambda: dist.broadcast_object_list(box, src=src, group=group))
+        self.run(
+            op,
+            len(pickle.dumps(value)) if value is not None else 0,
+            False,
+            lambda: dist.broadcast_object_list(box, src=src, group=group),
+        )
         return box[0]
 
     # -- forms ---------------------------------------------------------------------------------
@@ -212,21 +264,39 @@ class Collectives:
                 mine.copy_(shard.reshape(-1))
             if gloo_form() == "send_recv":
                 n, peers, state = mine.numel(), peers_of(group), self.exchange_state
-                return self.run("all_gather_into_tensor", nbytes(output), async_op,
-                                lambda: exchange([(g, mine) for _, g in peers],
-                                                 [(g, output.narrow(0, r * n, n)) for r, g in peers],
-                                                 group, state, async_op, identity), then=then)
+                return self.run(
+                    "all_gather_into_tensor",
+                    nbytes(output),
+                    async_op,
+                    lambda: exchange(
+                        [(g, mine) for _, g in peers],
+                        [(g, output.narrow(0, r * n, n)) for r, g in peers],
+                        group,
+                        state,
+                        async_op,
+                        identity,
+                    ),
+                    then=then,
+                )
             n = mine.numel()
             output.narrow(0, 0, start).zero_()
             output.narrow(0, start + n, output.numel() - start - n).zero_()
-            return self.run("all_gather_into_tensor", nbytes(output), async_op,
-                            lambda: dist.all_reduce(output, op=ReduceOp.SUM, group=group,
-                                                    async_op=async_op), then=then)
+            return self.run(
+                "all_gather_into_tensor",
+                nbytes(output),
+                async_op,
+                lambda: dist.all_reduce(output, op=ReduceOp.SUM, group=group, async_op=async_op),
+                then=then,
+            )
         if same_memory(mine, shard):
             shard = mine  # NCCL gathers in place when the input is the output's rank slice
-        return self.run("all_gather_into_tensor", nbytes(output), async_op,
-                        lambda: all_gather_single(output, shard, group=group, async_op=async_op),
-                        then=then)
+        return self.run(
+            "all_gather_into_tensor",
+            nbytes(output),
+            async_op,
+            lambda: all_gather_single(output, shard, group=group, async_op=async_op),
+            then=then,
+        )
 
     def _scatter_by_send_recv(self, output, flat, mine, op, world, async_op, scratch, identity):
         n = mine.numel()
@@ -236,8 +306,7 @@ class Collectives:
         if scratch is None:
             scratch = torch.empty(rows * n, dtype=flat.dtype, device=flat.device)
         elif scratch.numel() < rows * n:
-            raise ValueError(f"reduce_scatter_into: scratch has {scratch.numel()} elements, "
-                             f"needs {rows} x {n}")
+            raise ValueError(f"reduce_scatter_into: scratch has {scratch.numel()} elements, needs {rows} x {n}")
         group, state = self.group, self.exchange_state
         peers = peers_of(group)
         received = [scratch.narrow(0, i * n, n) for i in range(rows)]
@@ -248,11 +317,20 @@ class Collectives:
             for row in received:
                 output.add_(row)
 
-        return self.run("reduce_scatter_tensor", nbytes(flat), async_op,
-                        lambda: exchange([(g, flat.narrow(0, r * n, n)) for r, g in peers],
-                                         [(g, t) for (_, g), t in zip(peers, received)],
-                                         group, state, async_op, identity),
-                        then=reduce_locally)
+        return self.run(
+            "reduce_scatter_tensor",
+            nbytes(flat),
+            async_op,
+            lambda: exchange(
+                [(g, flat.narrow(0, r * n, n)) for r, g in peers],
+                [(g, t) for (_, g), t in zip(peers, received)],
+                group,
+                state,
+                async_op,
+                identity,
+            ),
+            then=reduce_locally,
+        )
 
     def _gather_encoded(self, codec: Codec, output, shard, world: int, async_op: bool, identity):
         n = shard.numel()
@@ -286,16 +364,19 @@ class Collectives:
         if sends_and_receives(group):
             row(received, rank).copy_(row(send, rank))
             peers, state = peers_of(group), self.exchange_state
-            issue = lambda: exchange([(g, row(send, r)) for r, g in peers],  # noqa: E731
-                                     [(g, row(received, r)) for r, g in peers],
-                                     group, state, async_op, identity)
+
+            def issue():
+                sends = [(g, row(send, r)) for r, g in peers]
+                return exchange(sends, [(g, row(received, r)) for r, g in peers], group, state, async_op, identity)
         else:
-            issue = lambda: dist.all_to_all_single(received, send, group=group,  # noqa: E731
-                                                   async_op=async_op)
+
+            def issue():
+                return dist.all_to_all_single(received, send, group=group, async_op=async_op)
+
         return self.run("reduce_scatter_tensor", nbytes(send), async_op, issue, then=reduce_locally)
 
 
 _WORLD = Collectives(None)
-_BY_GROUP: "weakref.WeakKeyDictionary[Any, Collectives]" = weakref.WeakKeyDictionary()
+_BY_GROUP: weakref.WeakKeyDictionary[Any, Collectives] = weakref.WeakKeyDictionary()
 
 __all__ = ["Collectives", "add_process_hook", "remove_process_hook", "process_hooks"]

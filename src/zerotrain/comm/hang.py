@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import math
 import time
-
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,16 +36,25 @@ from zerotrain.comm.hooks import Call, CollectiveHook
 
 # Substrings of backend errors that mean "a peer did not answer" (gloo's and NCCL's wording);
 # argument errors (wrong shapes, dtypes) are re-raised untouched.
-_COMM_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe",
-                       "abort", "watchdog", "unhandled system error", "remote process exited")
+_COMM_FAILURE_WORDS = (
+    "timed out",
+    "timeout",
+    "connection",
+    "closed",
+    "reset by peer",
+    "broken pipe",
+    "abort",
+    "watchdog",
+    "unhandled system error",
+    "remote process exited",
+)
 
 
 class CollectiveError(RuntimeError):
     """A collective timed out or failed. Attributes: ``op``, ``seq``, ``nbytes``, ``missing``
     (global ranks that had not arrived), ``reports`` (what each rank of the group said)."""
 
-    def __init__(self, message: str, op: str, seq: int, nbytes: int, missing: list[int],
-                 reports: dict[int, dict]):
+    def __init__(self, message: str, op: str, seq: int, nbytes: int, missing: list[int], reports: dict[int, dict]):
         super().__init__(message)
         self.op, self.seq, self.nbytes, self.missing, self.reports = op, seq, nbytes, missing, reports
 
@@ -103,8 +112,10 @@ def _timeout_seconds() -> float:
 def record_progress(group, seq: int, op: str, nbytes: int) -> None:
     """Debug mode: publish this rank's last completed collective (one store write)."""
     try:
-        _store().set(f"zerotrain/progress/{group_key(group)}/{dist.get_rank()}",
-                     json.dumps({"seq": seq, "op": op, "bytes": nbytes}))
+        _store().set(
+            f"zerotrain/progress/{group_key(group)}/{dist.get_rank()}",
+            json.dumps({"seq": seq, "op": op, "bytes": nbytes}),
+        )
     except Exception:  # diagnostics must never break training
         pass
 
@@ -115,8 +126,9 @@ def _read(store, key: str):
     return None
 
 
-def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started: float,
-             grace: float | None = None) -> BaseException:
+def diagnose(
+    exc: BaseException, op: str, nbytes: int, seq: int, group, started: float, grace: float | None = None
+) -> BaseException:
     """The exception to raise for ``exc`` raised by collective ``op`` #``seq``: a
     ``CollectiveError`` for peer failures, ``exc`` itself otherwise."""
     if not is_comm_failure(exc) or not dist.is_initialized():
@@ -171,35 +183,47 @@ def diagnose(exc: BaseException, op: str, nbytes: int, seq: int, group, started:
             continue
         missing.append(r)
         if report is None:
-            what = ("no report within %.1f s: not in a zerotrain collective (stuck in computation "
-                    "or I/O, dead, or it skipped this collective)" % grace)
+            what = (
+                f"no report within {grace:.1f} s: not in a zerotrain collective (stuck in computation "
+                "or I/O, dead, or it skipped this collective)"
+            )
             if r in progress:
                 p = progress[r]
                 what += f"; its last completed collective is {p['op']} #{p['seq']} ({convert_size(p['bytes'])})"
         elif report["seq"] == seq:
-            what = (f"blocked in {report['op']} #{seq} ({convert_size(report['bytes'])}) instead: "
-                    "ranks issued different collectives")
+            what = (
+                f"blocked in {report['op']} #{seq} ({convert_size(report['bytes'])}) instead: "
+                "ranks issued different collectives"
+            )
         elif report["seq"] < seq:
             what = f"still blocked in an earlier collective, {report['op']} #{report['seq']}"
         else:
-            what = (f"already at {report['op']} #{report['seq']}: it completed #{seq} without this "
-                    "rank, so collectives were mismatched")
+            what = (
+                f"already at {report['op']} #{report['seq']}: it completed #{seq} without this "
+                "rank, so collectives were mismatched"
+            )
         lines.append(f"  rank {r}: {what}")
     where = "the default group" if gkey == "world" else f"group {gkey}"
     if missing:
         head = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not arrived"
     elif unknown:
-        head = ("which ranks had not arrived is unknown: the rendezvous store is unreachable (its "
-                "host, usually rank 0, has probably exited)")
+        head = (
+            "which ranks had not arrived is unknown: the rendezvous store is unreachable (its "
+            "host, usually rank 0, has probably exited)"
+        )
     else:
         head = "every rank arrived; the backend failed anyway"
-    message = (f"{op} #{seq} ({convert_size(nbytes)}) on {where} of {len(ranks)} ranks failed on "
-               f"rank {rank} after {waited:.1f} s: {head}.\n" + "\n".join(lines))
+    message = (
+        f"{op} #{seq} ({convert_size(nbytes)}) on {where} of {len(ranks)} ranks failed on "
+        f"rank {rank} after {waited:.1f} s: {head}.\n" + "\n".join(lines)
+    )
     if store_error is not None:
         message += f"\n  (could not consult the rendezvous store: {store_error})"
     elif any(r not in reports and r not in progress for r in ranks):
-        message += ('\n  Set "comms_logger": {"enabled": true, "debug": true} to record every '
-                    "rank's last completed collective.")
+        message += (
+            '\n  Set "comms_logger": {"enabled": true, "debug": true} to record every '
+            "rank's last completed collective."
+        )
     message += f"\nbackend error: {exc}"
     return CollectiveError(message, op, seq, nbytes, missing, {**progress, **reports})
 

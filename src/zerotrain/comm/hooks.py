@@ -10,7 +10,8 @@ and what completes it is the handle's ``wait()``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Call:

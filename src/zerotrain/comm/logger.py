@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import sys
 import time
-from types import FrameType
 from collections.abc import Mapping
+from types import FrameType
 
 import torch.distributed as dist
 
@@ -41,21 +41,40 @@ from zerotrain.comm.hang import convert_size, record_progress
 from zerotrain.comm.hooks import Call, CollectiveHook
 from zerotrain.log import log_rank0
 
-__all__ = ["CommsLogger", "comms_logger", "configure", "release", "log_summary", "calc_bw_log",
-           "convert_size", "trim_mean", "start_profiling_comms", "stop_profiling_comms",
-           "start_profiling_op", "stop_profiling_op"]
+__all__ = [
+    "CommsLogger",
+    "comms_logger",
+    "configure",
+    "release",
+    "log_summary",
+    "calc_bw_log",
+    "convert_size",
+    "trim_mean",
+    "start_profiling_comms",
+    "stop_profiling_comms",
+    "start_profiling_op",
+    "stop_profiling_op",
+]
 
 # zerotrain function -> the name it is logged under (DeepSpeed's, so prof_ops lists carry over).
-LOG_NAMES = {"all_reduce": "all_reduce", "broadcast": "broadcast",
-             "all_gather_into": "all_gather_into_tensor",
-             "reduce_scatter_into": "reduce_scatter_tensor", "all_to_all_single": "all_to_all_single",
-             "barrier": "barrier"}
+LOG_NAMES = {
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_gather_into": "all_gather_into_tensor",
+    "reduce_scatter_into": "reduce_scatter_tensor",
+    "all_to_all_single": "all_to_all_single",
+    "barrier": "barrier",
+}
 # The ops the logger records: tensor collectives. Object exchanges and group creation
 # (``zerotrain.comm.objects``) go through the same hooks but are not logged.
 LOGGED_OPS = frozenset(LOG_NAMES.values())
-_ALIASES = {"all_gather_into": "all_gather_into_tensor", "all_gather": "all_gather_into_tensor",
-            "reduce_scatter_into": "reduce_scatter_tensor", "reduce_scatter": "reduce_scatter_tensor",
-            "all_to_all": "all_to_all_single"}
+_ALIASES = {
+    "all_gather_into": "all_gather_into_tensor",
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter_into": "reduce_scatter_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_to_all": "all_to_all_single",
+}
 _BY_SCRIPT = "script"  # the holder of a logger enabled by keyword or by a config section
 
 
@@ -67,8 +86,13 @@ def calc_bw_log(comm_op: str, size: int, duration_ms: float, world_size: int) ->
     algbw = size / duration_ms
     if comm_op == "all_reduce":
         busbw = algbw * 2 * (n - 1) / n
-    elif comm_op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
-                     "all_to_all_single"):
+    elif comm_op in (
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all_single",
+    ):
         busbw = algbw * (n - 1) / n
     else:  # broadcast, barrier, point-to-point
         busbw = algbw
@@ -83,17 +107,28 @@ def trim_mean(data, trim_percent: float) -> float:
     if n == 0:
         return 0.0
     k = int(round(n * trim_percent))
-    kept = data[k:n - k] or data
+    kept = data[k : n - k] or data
     return sum(kept) / len(kept)
 
 
 class _TimedWork:
     """An async collective's handle that records the op when it is waited for."""
 
-    __slots__ = ("_inner", "_logger", "_name", "_record", "_nbytes", "_group", "_t0", "_seq", "_done_at",
-                 "_recorded", "__weakref__")
+    __slots__ = (
+        "_inner",
+        "_logger",
+        "_name",
+        "_record",
+        "_nbytes",
+        "_group",
+        "_t0",
+        "_seq",
+        "_done_at",
+        "_recorded",
+        "__weakref__",
+    )
 
-    def __init__(self, inner, logger: "CommsLogger", name, record, nbytes, group, t0, seq):
+    def __init__(self, inner, logger: CommsLogger, name, record, nbytes, group, t0, seq):
         self._inner, self._logger, self._name, self._record = inner, logger, name, record
         self._nbytes, self._group, self._t0, self._seq = nbytes, group, t0, seq
         self._done_at: float | None = None
@@ -145,14 +180,26 @@ class CommsLogger(CollectiveHook):
         self._holders: list = []  # what enabled it: whole configs (engines), or _BY_SCRIPT
 
     # -- configuration --------------------------------------------------------------------
-    def configure(self, comms_config=None, *, enabled=None, prof_all=None, prof_ops=None,
-                  verbose=None, debug=None, holder=_BY_SCRIPT) -> None:
+    def configure(
+        self,
+        comms_config=None,
+        *,
+        enabled=None,
+        prof_all=None,
+        prof_ops=None,
+        verbose=None,
+        debug=None,
+        holder=_BY_SCRIPT,
+    ) -> None:
         """Apply a ``comms_logger`` section (object or dict), then any keyword overrides.
         Enabling adds ``holder`` to what holds the logger enabled (see ``release``); disabling
         drops every holder."""
         if comms_config is not None:
-            get = comms_config.get if isinstance(comms_config, Mapping) else (
-                lambda key, default=None: getattr(comms_config, key, default))
+            get = (
+                comms_config.get
+                if isinstance(comms_config, Mapping)
+                else (lambda key, default=None: getattr(comms_config, key, default))
+            )
             enabled = get("enabled", False) if enabled is None else enabled
             prof_all = get("prof_all", True) if prof_all is None else prof_all
             prof_ops = get("prof_ops", []) if prof_ops is None else prof_ops
@@ -254,8 +301,7 @@ class CommsLogger(CollectiveHook):
             record_progress(call.group, call.seq, name, call.nbytes)
         return result
 
-    def append(self, raw_name: str, record_name: str, latency_ms: float, msg_size: int,
-               group=None) -> None:
+    def append(self, raw_name: str, record_name: str, latency_ms: float, msg_size: int, group=None) -> None:
         world = self._world_sizes.get(group)
         if world is None:
             world = self._world_sizes[group] = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -271,8 +317,10 @@ class CommsLogger(CollectiveHook):
             entry[3].append(busbw)
         if self.verbose:
             rank = dist.get_rank() if dist.is_initialized() else 0
-            log_rank0(f"rank={rank} | comm op: {record_name} | time (ms): {latency_ms:.2f} | msg size: "
-                      f"{convert_size(msg_size)} | algbw (Gbps): {algbw:.2f}  | busbw (Gbps): {busbw:.2f} ")
+            log_rank0(
+                f"rank={rank} | comm op: {record_name} | time (ms): {latency_ms:.2f} | msg size: "
+                f"{convert_size(msg_size)} | algbw (Gbps): {algbw:.2f}  | busbw (Gbps): {busbw:.2f} "
+            )
 
     # -- summary --------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -281,28 +329,44 @@ class CommsLogger(CollectiveHook):
         ops = {}
         for record_name, sizes in self.comms_dict.items():
             ops[record_name] = {
-                size: {"count": vals[0], "total_latency_ms": sum(vals[1]),
-                       "avg_latency_ms": trim_mean(vals[1], 0.1), "algbw_gbps": trim_mean(vals[2], 0.1),
-                       "busbw_gbps": trim_mean(vals[3], 0.1), "latencies_ms": list(vals[1])}
-                for size, vals in sorted(sizes.items())}
+                size: {
+                    "count": vals[0],
+                    "total_latency_ms": sum(vals[1]),
+                    "avg_latency_ms": trim_mean(vals[1], 0.1),
+                    "algbw_gbps": trim_mean(vals[2], 0.1),
+                    "busbw_gbps": trim_mean(vals[3], 0.1),
+                    "latencies_ms": list(vals[1]),
+                }
+                for size, vals in sorted(sizes.items())
+            }
         wall_ms = self.enabled_seconds * 1e3
-        return {"ops": ops, "wait_ms": self.wait_ms, "wall_ms": wall_ms,
-                "wait_share": self.wait_ms / wall_ms if wall_ms > 0 else 0.0}
+        return {
+            "ops": ops,
+            "wait_ms": self.wait_ms,
+            "wall_ms": wall_ms,
+            "wait_share": self.wait_ms / wall_ms if wall_ms > 0 else 0.0,
+        }
 
     def log_all(self, print_log: bool = True, show_straggler: bool = False) -> dict:
         data = self.summary()
-        lines = [f"{'Comm. Op': <20}{'Message Size': <20}{'Count': <20}{'Total Latency(ms)': <20}"
-                 f"{'Avg Latency(ms)': <20}{'tput_avg (Gbps)': <20}{'busbw_avg (Gbps)': <20}"]
+        lines = [
+            f"{'Comm. Op': <20}{'Message Size': <20}{'Count': <20}{'Total Latency(ms)': <20}"
+            f"{'Avg Latency(ms)': <20}{'tput_avg (Gbps)': <20}{'busbw_avg (Gbps)': <20}"
+        ]
         for record_name, sizes in data["ops"].items():
             lines.append(record_name)
             for size, row in sizes.items():
-                lines.append(f"{' ': <20}{convert_size(size): <20}{row['count']: <20}"
-                             f"{row['total_latency_ms']: <20.2f}{row['avg_latency_ms']: <20.2f}"
-                             f"{row['algbw_gbps']: <20.2f}{row['busbw_gbps']: <20.2f}")
+                lines.append(
+                    f"{' ': <20}{convert_size(size): <20}{row['count']: <20}"
+                    f"{row['total_latency_ms']: <20.2f}{row['avg_latency_ms']: <20.2f}"
+                    f"{row['algbw_gbps']: <20.2f}{row['busbw_gbps']: <20.2f}"
+                )
         if show_straggler:
             data["straggler"] = self._straggler(lines)
-        lines.append(f"Waiting in collectives: {data['wait_ms']:.2f} ms of {data['wall_ms']:.2f} ms "
-                     f"wall time since the comms logger was enabled ({100 * data['wait_share']:.1f}%)")
+        lines.append(
+            f"Waiting in collectives: {data['wait_ms']:.2f} ms of {data['wall_ms']:.2f} ms "
+            f"wall time since the comms logger was enabled ({100 * data['wait_share']:.1f}%)"
+        )
         data["table"] = "\n".join(lines)
         if print_log:
             print(data["table"], flush=True)
@@ -313,10 +377,13 @@ class CommsLogger(CollectiveHook):
         time; the rest of this rank's latency is waiting for the slowest rank (collective)."""
         import torch
 
-        lines += ["_______________________________", "Breakdown with straggler effect",
-                  "-------------------------------",
-                  f"{'Comm. Op': <20}{'Message Size': <20}{'Count': <20}{'Total comm lat(ms)': <20}"
-                  f"{'Total straggler(ms)': <20}{'Avg comm lat(ms)': <20}{'Avg straggler(ms)': <20}"]
+        lines += [
+            "_______________________________",
+            "Breakdown with straggler effect",
+            "-------------------------------",
+            f"{'Comm. Op': <20}{'Message Size': <20}{'Count': <20}{'Total comm lat(ms)': <20}"
+            f"{'Total straggler(ms)': <20}{'Avg comm lat(ms)': <20}{'Avg straggler(ms)': <20}",
+        ]
         out: dict = {}
         device = None
         if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -329,13 +396,19 @@ class CommsLogger(CollectiveHook):
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.all_reduce(mins, op=dist.ReduceOp.MIN)  # not logged: the raw op
                 straggler = (lats - mins).tolist()
-                row = {"count": vals[0], "total_comm_lat_ms": float(mins.sum()),
-                       "total_straggler_ms": sum(straggler), "avg_comm_lat_ms": trim_mean(mins.tolist(), 0.1),
-                       "avg_straggler_ms": trim_mean(straggler, 0.1)}
+                row = {
+                    "count": vals[0],
+                    "total_comm_lat_ms": float(mins.sum()),
+                    "total_straggler_ms": sum(straggler),
+                    "avg_comm_lat_ms": trim_mean(mins.tolist(), 0.1),
+                    "avg_straggler_ms": trim_mean(straggler, 0.1),
+                }
                 out.setdefault(record_name, {})[size] = row
-                lines.append(f"{' ': <20}{convert_size(size): <20}{row['count']: <20}"
-                             f"{row['total_comm_lat_ms']: <20.2f}{row['total_straggler_ms']: <20.2f}"
-                             f"{row['avg_comm_lat_ms']: <20.2f}{row['avg_straggler_ms']: <20.2f}")
+                lines.append(
+                    f"{' ': <20}{convert_size(size): <20}{row['count']: <20}"
+                    f"{row['total_comm_lat_ms']: <20.2f}{row['total_straggler_ms']: <20.2f}"
+                    f"{row['avg_comm_lat_ms']: <20.2f}{row['avg_straggler_ms']: <20.2f}"
+                )
         return out
 
 
@@ -352,8 +425,7 @@ def _caller() -> str:
 
 
 # -- DeepSpeed's module-level API (deepspeed.comm.configure / log_summary / ...) ------------
-def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None,
-              debug=None) -> None:
+def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None) -> None:
     """Configure the comms logger from a config (``ZeroTrainConfig``, its ``comms_logger``
     section, or a dict of either) and/or keyword overrides. A whole ``ZeroTrainConfig`` that
     enables it holds it until ``release(config)`` (the engine's ``destroy()``); enabled any
@@ -364,8 +436,9 @@ def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
             section = section.get("comms_logger", section)
         elif hasattr(section, "comms_logger"):
             section, holder = section.comms_logger, section
-    comms_logger.configure(section, enabled=enabled, prof_all=prof_all, prof_ops=prof_ops,
-                           verbose=verbose, debug=debug, holder=holder)
+    comms_logger.configure(
+        section, enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug, holder=holder
+    )
 
 
 def release(config) -> None:

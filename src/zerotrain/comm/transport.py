@@ -30,7 +30,7 @@ import collections
 import os
 import struct
 import zlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,7 @@ GLOO_FORMS = ("send_recv", "all_reduce")
 def gloo_form() -> str:
     form = os.environ.get("ZEROTRAIN_GLOO_COLLECTIVES", "send_recv")
     if form not in GLOO_FORMS:
-        raise ValueError(f"ZEROTRAIN_GLOO_COLLECTIVES must be one of {', '.join(GLOO_FORMS)}, "
-                         f"got {form!r}")
+        raise ValueError(f"ZEROTRAIN_GLOO_COLLECTIVES must be one of {', '.join(GLOO_FORMS)}, got {form!r}")
     return form
 
 
@@ -174,7 +173,7 @@ class _CheckedExchange:
         state.unchecked.append(self)
 
     def _check(self) -> None:
-        for work in self.headers.works[:len(self.peer_ranks)]:  # the receives; sends at the end
+        for work in self.headers.works[: len(self.peer_ranks)]:  # the receives; sends at the end
             work.wait()
         self.checked = True
         codes = [tuple(row) for row in self.heard.tolist()]
@@ -192,7 +191,7 @@ class _CheckedExchange:
         if state.mismatched is not None:
             raise state.mismatched
         self.data.wait(*args, **kwargs)
-        for work in self.headers.works[len(self.peer_ranks):]:  # the sends (long done by now)
+        for work in self.headers.works[len(self.peer_ranks) :]:  # the sends (long done by now)
             work.wait(*args, **kwargs)
         return True
 
@@ -203,8 +202,7 @@ class _CheckedExchange:
         return torch.futures.collect_all([self.headers.get_future(), self.data.get_future()])
 
 
-def _identified_exchange(sends, receives, group, state: ExchangeState,
-                         identity: Identity) -> _CheckedExchange:
+def _identified_exchange(sends, receives, group, state: ExchangeState, identity: Identity) -> _CheckedExchange:
     """``exchange`` with identity headers: each peer gets ours under the sequence tag; the data
     goes under the identity's tag. Data is posted before headers on both sides, so a peer's
     header reaches this rank after its data (one connection per pair, written in order): the
@@ -216,8 +214,9 @@ def _identified_exchange(sends, receives, group, state: ExchangeState,
     data += [dist.isend(t, dst, group=group, tag=identity.tag) for dst, t in sends]
     works = [dist.irecv(heard[i], g, group=group, tag=tag) for i, (_, g) in enumerate(peers)]
     works += [dist.isend(identity.header, g, group=group, tag=tag) for _, g in peers]
-    return _CheckedExchange(_Exchange(works), heard, [r for r, _ in peers], _Exchange(data),
-                            identity, dist.get_world_size(group), state)
+    return _CheckedExchange(
+        _Exchange(works), heard, [r for r, _ in peers], _Exchange(data), identity, dist.get_world_size(group), state
+    )
 
 
 def peers_of(group) -> list[tuple[int, int]]:
@@ -250,8 +249,7 @@ class _Exchange:
         return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
-def exchange(sends, receives, group, state: ExchangeState, async_op: bool,
-             identity: Identity | None = None):
+def exchange(sends, receives, group, state: ExchangeState, async_op: bool, identity: Identity | None = None):
     """Post ``receives`` ``[(peer global rank, tensor)]`` and ``sends`` under one fresh tag
     (with an ``identity``: checked, see ``_identified_exchange``); the handle when ``async_op``,
     else wait."""
@@ -269,5 +267,13 @@ def exchange(sends, receives, group, state: ExchangeState, async_op: bool,
     return None
 
 
-__all__ = ["ReduceOp", "CollectiveMismatch", "Identity", "HEADER_LEN", "GLOO_FORMS", "gloo_form",
-           "ExchangeState", "Finishing"]
+__all__ = [
+    "ReduceOp",
+    "CollectiveMismatch",
+    "Identity",
+    "HEADER_LEN",
+    "GLOO_FORMS",
+    "gloo_form",
+    "ExchangeState",
+    "Finishing",
+]

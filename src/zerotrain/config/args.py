@@ -13,14 +13,35 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     reads). --deepscale / --deepscale_config are DeepSpeed's deprecated spellings.
     """
     group = parser.add_argument_group("zerotrain", "zerotrain / DeepSpeed configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable zerotrain (DeepSpeed spelling; for user code, the engine does not read it)")
-    group.add_argument("--zerotrain", default=False, action="store_true",
-                       help="enable zerotrain (for user code, the engine does not read it)")
-    group.add_argument("--deepspeed_config", "--zerotrain_config", dest="deepspeed_config", default=None, type=str,
-                       metavar="PATH", help="path to the JSON config (ds_config.json)")
-    group.add_argument("--deepscale", default=False, action="store_true",
-                       help="deprecated: use --deepspeed or --zerotrain")
-    group.add_argument("--deepscale_config", default=None, type=str, metavar="PATH",
-                       help="deprecated: use --deepspeed_config or --zerotrain_config")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable zerotrain (DeepSpeed spelling; for user code, the engine does not read it)",
+    )
+    group.add_argument(
+        "--zerotrain",
+        default=False,
+        action="store_true",
+        help="enable zerotrain (for user code, the engine does not read it)",
+    )
+    group.add_argument(
+        "--deepspeed_config",
+        "--zerotrain_config",
+        dest="deepspeed_config",
+        default=None,
+        type=str,
+        metavar="PATH",
+        help="path to the JSON config (ds_config.json)",
+    )
+    group.add_argument(
+        "--deepscale", default=False, action="store_true", help="deprecated: use --deepspeed or --zerotrain"
+    )
+    group.add_argument(
+        "--deepscale_config",
+        default=None,
+        type=str,
+        metavar="PATH",
+        help="deprecated: use --deepspeed_config or --zerotrain_config",
+    )
     return parser

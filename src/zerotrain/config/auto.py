@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from .batch import GAS, MB, TB
 from .errors import ConfigError
@@ -35,15 +36,24 @@ def fill_auto(config: ConfigSource, values: Mapping[str, Any]) -> dict[str, Any]
     return data
 
 
-def fill_from_training_args(config: ConfigSource, *, world_size: int,
-                            per_device_train_batch_size: Optional[int] = None,
-                            gradient_accumulation_steps: Optional[int] = None,
-                            learning_rate: Optional[float] = None, adam_beta1: Optional[float] = None,
-                            adam_beta2: Optional[float] = None, adam_epsilon: Optional[float] = None,
-                            weight_decay: Optional[float] = None, max_grad_norm: Optional[float] = None,
-                            warmup_steps: Optional[int] = None, num_training_steps: Optional[int] = None,
-                            hidden_size: Optional[int] = None, fp16: Optional[bool] = None,
-                            bf16: Optional[bool] = None) -> dict[str, Any]:
+def fill_from_training_args(
+    config: ConfigSource,
+    *,
+    world_size: int,
+    per_device_train_batch_size: int | None = None,
+    gradient_accumulation_steps: int | None = None,
+    learning_rate: float | None = None,
+    adam_beta1: float | None = None,
+    adam_beta2: float | None = None,
+    adam_epsilon: float | None = None,
+    weight_decay: float | None = None,
+    max_grad_norm: float | None = None,
+    warmup_steps: int | None = None,
+    num_training_steps: int | None = None,
+    hidden_size: int | None = None,
+    fp16: bool | None = None,
+    bf16: bool | None = None,
+) -> dict[str, Any]:
     """Fill "auto" values from Trainer-style arguments, exactly as transformers' DeepSpeed integration does.
 
     Arguments left as None fill nothing. A config value that is not "auto" and disagrees with a
@@ -82,13 +92,17 @@ def fill_from_training_args(config: ConfigSource, *, world_size: int,
     lines = (_fill_one(data, key, value, source) for key, value, source in plan if value is not None)
     mismatches = [line for line in lines if line]
     if mismatches:
-        raise ConfigError("config values disagree with the training arguments:\n" + "\n".join(mismatches)
-                          + '\nSet these config values to "auto" to take them from the arguments, '
-                          "or make both agree.", mismatches)
+        raise ConfigError(
+            "config values disagree with the training arguments:\n"
+            + "\n".join(mismatches)
+            + '\nSet these config values to "auto" to take them from the arguments, '
+            "or make both agree.",
+            mismatches,
+        )
     return data
 
 
-def _fill_one(data: dict[str, Any], key: str, value: Any, source: Optional[str]) -> Optional[str]:
+def _fill_one(data: dict[str, Any], key: str, value: Any, source: str | None) -> str | None:
     """Fill `key` if it is "auto"; return a mismatch line if it disagrees with a matched argument."""
     spot = _locate(data, key)
     if spot is None:
@@ -103,7 +117,7 @@ def _fill_one(data: dict[str, Any], key: str, value: Any, source: Optional[str])
     return f"- ds {key}={_show(current)} vs {source}={_show(value)}"
 
 
-def _locate(data: dict[str, Any], dotted: str) -> Optional[tuple[dict[str, Any], str]]:
+def _locate(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any], str] | None:
     """(parent dict, key as spelled in the config) for a dotted key, trying alias spellings; None if absent."""
     node: Any = data
     parts = dotted.split(".")
@@ -120,7 +134,7 @@ def _locate(data: dict[str, Any], dotted: str) -> Optional[tuple[dict[str, Any],
     return None
 
 
-def _int_or_none(argument: Optional[int], configured: Any) -> Optional[int]:
+def _int_or_none(argument: int | None, configured: Any) -> int | None:
     if argument is not None:
         return argument
     if isinstance(configured, (int, float)) and not isinstance(configured, bool):
@@ -128,7 +142,7 @@ def _int_or_none(argument: Optional[int], configured: Any) -> Optional[int]:
     return None
 
 
-def _pair(first: Optional[float], second: Optional[float]) -> Optional[list[float]]:
+def _pair(first: float | None, second: float | None) -> list[float] | None:
     return None if first is None or second is None else [first, second]
 
 
@@ -136,8 +150,11 @@ def _same(configured: Any, wanted: Any) -> bool:
     if isinstance(wanted, bool):
         return _as_bool(configured) == wanted
     if isinstance(wanted, (list, tuple)):
-        return (isinstance(configured, (list, tuple)) and len(configured) == len(wanted)
-                and all(_same(c, w) for c, w in zip(configured, wanted)))
+        return (
+            isinstance(configured, (list, tuple))
+            and len(configured) == len(wanted)
+            and all(_same(c, w) for c, w in zip(configured, wanted))
+        )
     if isinstance(wanted, (int, float)) and isinstance(configured, (int, float)) and not isinstance(configured, bool):
         return math.isclose(configured, wanted, rel_tol=1e-9, abs_tol=0.0)
     return configured == wanted
@@ -205,9 +222,13 @@ def _derived_values(model: Any) -> dict[str, Any]:
     values: dict[str, Any] = {}
     hidden = _hidden_size(model)
     if hidden is not None:
-        values.update({"zero_optimization.reduce_bucket_size": hidden * hidden,
-                       "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-                       "zero_optimization.stage3_param_persistence_threshold": 10 * hidden})
+        values.update(
+            {
+                "zero_optimization.reduce_bucket_size": hidden * hidden,
+                "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+            }
+        )
     dtype = _parameter_dtype(model)
     if dtype is not None:
         import torch
@@ -217,7 +238,7 @@ def _derived_values(model: Any) -> dict[str, Any]:
     return values
 
 
-def _hidden_size(model: Any) -> Optional[int]:
+def _hidden_size(model: Any) -> int | None:
     """transformers' choice: the largest of `config.hidden_sizes`, else `config.hidden_size`."""
     model_config = getattr(model, "config", None)
     sizes = getattr(model_config, "hidden_sizes", None)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .ranges import MAX_BATCH, check_grad_accum
 
 TB, MB, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
 
-def resolve_batch_sizes(train_batch: Optional[int], micro_batch: Optional[int], grad_acc: Optional[int],
-                        world_size: int) -> tuple[int, int, int]:
+def resolve_batch_sizes(
+    train_batch: int | None, micro_batch: int | None, grad_acc: int | None, world_size: int
+) -> tuple[int, int, int]:
     """Return (train_batch_size, micro_batch_per_gpu, grad_accum_steps), deriving the missing ones.
 
     Any two given values determine the third; train_batch_size alone or micro batch alone imply
@@ -20,8 +19,10 @@ def resolve_batch_sizes(train_batch: Optional[int], micro_batch: Optional[int], 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (the data-parallel size), got {world_size!r}")
     if train_batch is None and micro_batch is None:
-        raise ValueError(f"either {TB} or {MB} needs to be provided"
-                         + (f" ({GAS} alone is not enough)" if grad_acc is not None else ""))
+        raise ValueError(
+            f"either {TB} or {MB} needs to be provided"
+            + (f" ({GAS} alone is not enough)" if grad_acc is not None else "")
+        )
     if train_batch is not None and micro_batch is not None and grad_acc is None:
         grad_acc = _divide(train_batch, GAS, [(MB, micro_batch)], world_size)
     elif train_batch is not None and grad_acc is not None and micro_batch is None:
@@ -45,16 +46,20 @@ def _divide(train_batch: int, missing: str, factors: list[tuple[str, int]], worl
     if train_batch % divisor:
         shown = " * ".join(f"{name} {value}" for name, value in factors)
         shown += f" = {divisor}" if len(factors) > 1 else ""
-        raise ValueError(f"cannot derive {missing}: {TB} {train_batch} is not divisible by {shown}; "
-                         f"change {TB} or set {missing} explicitly")
+        raise ValueError(
+            f"cannot derive {missing}: {TB} {train_batch} is not divisible by {shown}; "
+            f"change {TB} or set {missing} explicitly"
+        )
     return train_batch // divisor
 
 
 def _check_product(train_batch: int, micro_batch: int, grad_acc: int, world_size: int) -> None:
     product = micro_batch * grad_acc * world_size
     if train_batch != product:
-        raise ValueError(f"{TB} {train_batch} != {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}"
-                         f" = {product}; fix one of them, or leave one out and it is derived from the others")
+        raise ValueError(
+            f"{TB} {train_batch} != {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}"
+            f" = {product}; fix one of them, or leave one out and it is derived from the others"
+        )
 
 
 def _check_bounds(train_batch: int, micro_batch: int, grad_acc: int, world_size: int) -> None:
@@ -62,5 +67,7 @@ def _check_bounds(train_batch: int, micro_batch: int, grad_acc: int, world_size:
     shown = f" (= {TB} {train_batch} / ({MB} {micro_batch} * world_size {world_size}))"
     check_grad_accum(grad_acc, shown)
     if train_batch > MAX_BATCH:
-        raise ValueError(f"{TB} {train_batch} (= {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}) "
-                         f"is above {MAX_BATCH} samples; lower {MB} or {GAS}")
+        raise ValueError(
+            f"{TB} {train_batch} (= {MB} {micro_batch} * {GAS} {grad_acc} * world_size {world_size}) "
+            f"is above {MAX_BATCH} samples; lower {MB} or {GAS}"
+        )

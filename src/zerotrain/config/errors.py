@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import typing
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -17,7 +18,7 @@ class ConfigError(ValueError):
     `problems` holds one line per problem (the message joins them).
     """
 
-    def __init__(self, message: str, problems: Optional[list[str]] = None):
+    def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
         self.problems = problems if problems is not None else [message]
 
@@ -29,8 +30,13 @@ class UnknownConfigKeyWarning(UserWarning):
 
 
 _EXPECTED = {
-    "int": "an integer", "float": "a number", "bool": "a boolean (true/false)", "string": "a string",
-    "dict": "an object ({...})", "model": "an object ({...})", "list": "a list ([...])",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean (true/false)",
+    "string": "a string",
+    "dict": "an object ({...})",
+    "model": "an object ({...})",
+    "list": "a list ([...])",
 }
 
 
@@ -99,21 +105,20 @@ def _unknown_key(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
     return f"unknown config key '{key}'; valid keys {where}: {', '.join(sorted(choices))}"
 
 
-def model_at(root: type[BaseModel], loc: Iterable[Any]) -> Optional[type[BaseModel]]:
+def model_at(root: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | None:
     """The section model that validates the object at `loc` (None if it is not a section)."""
-    model: Optional[type[BaseModel]] = root
+    model: type[BaseModel] | None = root
     for part in loc:
         if model is None:
             return None
         if isinstance(part, int):
             continue
-        field = next((info for name, info in model.model_fields.items()
-                      if part in field_spellings(name, info)), None)
+        field = next((info for name, info in model.model_fields.items() if part in field_spellings(name, info)), None)
         model = _section_type(field.annotation) if field is not None else None
     return model
 
 
-def _section_type(annotation: Any) -> Optional[type[BaseModel]]:
+def _section_type(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):

@@ -46,11 +46,16 @@ LowerStr = Annotated[str, BeforeValidator(lower)]
 #: a float that must also be finite (no inf / NaN)
 FiniteFloat = Annotated[float, BeforeValidator(_reject_bool), AfterValidator(in_range())]
 #: a batch size in samples: 1..2**31-1 (ranges.py says why)
-BatchSize = Annotated[int, Field(gt=0), BeforeValidator(_whole),
-                      AfterValidator(in_range(1, MAX_BATCH, hint="a batch size in samples"))]
+BatchSize = Annotated[
+    int, Field(gt=0), BeforeValidator(_whole), AfterValidator(in_range(1, MAX_BATCH, hint="a batch size in samples"))
+]
 #: gradient accumulation steps: 1..65536
-GradAccum = Annotated[int, Field(gt=0), BeforeValidator(_whole),
-                      AfterValidator(in_range(1, MAX_GRAD_ACCUM, hint="micro-batches per optimizer step"))]
+GradAccum = Annotated[
+    int,
+    Field(gt=0),
+    BeforeValidator(_whole),
+    AfterValidator(in_range(1, MAX_GRAD_ACCUM, hint="micro-batches per optimizer step")),
+]
 
 
 def steps_or_never(value: Any) -> Any:

@@ -9,19 +9,21 @@ import copy
 import json
 import os
 import warnings
-from typing import Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any
 
 from pydantic import ValidationError
 
 from .errors import ConfigError, config_error, from_validation_error
 from .schema import FOREIGN_SECTIONS, ZeroTrainConfig, unknown_top_level_keys
 
-ConfigSource = Union[dict, str, os.PathLike]
+ConfigSource = dict | str | os.PathLike
 _ARG_NAMES = ("deepspeed_config", "zerotrain_config", "deepscale_config")
 
 
-def load_config(config: Optional[ConfigSource], args: Optional[argparse.Namespace] = None,
-                world_size: int = 1) -> ZeroTrainConfig:
+def load_config(
+    config: ConfigSource | None, args: argparse.Namespace | None = None, world_size: int = 1
+) -> ZeroTrainConfig:
     """Validate a config and resolve its batch sizes for `world_size` data-parallel ranks.
 
     `config` is a dict, a path to a JSON file, or None to use `args.deepspeed_config` /
@@ -74,7 +76,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _maybe_base64(text: str) -> Optional[str]:
+def _maybe_base64(text: str) -> str | None:
     # DeepSpeed's launcher may hand the config over as urlsafe-base64 JSON instead of a file.
     try:
         decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
@@ -83,24 +85,31 @@ def _maybe_base64(text: str) -> Optional[str]:
     return decoded if decoded.lstrip().startswith("{") else None
 
 
-def _pick_source(config: Optional[ConfigSource], args: Optional[argparse.Namespace]) -> ConfigSource:
+def _pick_source(config: ConfigSource | None, args: argparse.Namespace | None) -> ConfigSource:
     from_args = _config_from_args(args)
     if config is None and from_args is None:
-        raise ConfigError("no config given: pass load_config(config=<dict or path to ds_config.json>), or add "
-                          "--deepspeed_config / --zerotrain_config via add_config_arguments(parser) and pass args")
+        raise ConfigError(
+            "no config given: pass load_config(config=<dict or path to ds_config.json>), or add "
+            "--deepspeed_config / --zerotrain_config via add_config_arguments(parser) and pass args"
+        )
     if config is not None and from_args is not None and not _same_config(config, from_args):
-        raise ConfigError(f"two different configs given: config={_short(config)} and "
-                          f"args.deepspeed_config={_short(from_args)}; pass only one")
+        raise ConfigError(
+            f"two different configs given: config={_short(config)} and "
+            f"args.deepspeed_config={_short(from_args)}; pass only one"
+        )
     return config if config is not None else from_args
 
 
-def _config_from_args(args: Optional[argparse.Namespace]) -> Optional[ConfigSource]:
+def _config_from_args(args: argparse.Namespace | None) -> ConfigSource | None:
     if args is None:
         return None
     given = {name: getattr(args, name) for name in _ARG_NAMES if getattr(args, name, None) is not None}
     if "deepscale_config" in given:
-        warnings.warn("--deepscale_config is deprecated; use --deepspeed_config or --zerotrain_config",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "--deepscale_config is deprecated; use --deepspeed_config or --zerotrain_config",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     values = list(given.values())
     if any(not _same_config(values[0], other) for other in values[1:]):
         shown = ", ".join(f"args.{name}={_short(value)}" for name, value in given.items())
@@ -139,12 +148,20 @@ def auto_keys(data: dict[str, Any]) -> list[str]:
     """Dotted keys whose value is still "auto" (sections zerotrain does not implement and unknown
     top-level keys, which validation drops or rejects, are skipped)."""
     skipped = set(FOREIGN_SECTIONS) | set(unknown_top_level_keys(data))
-    return [".".join(path) for path, value in iter_leaves(data)
-            if value == "auto" and path and path[0] not in skipped and path not in _AUTO_ALLOWED]
+    return [
+        ".".join(path)
+        for path, value in iter_leaves(data)
+        if value == "auto" and path and path[0] not in skipped and path not in _AUTO_ALLOWED
+    ]
 
 
 def _reject_auto(data: dict[str, Any]) -> None:
     keys = auto_keys(data)
     if keys:
-        raise config_error([f"{key} is 'auto' but no value was filled in; call fill_auto(config, {{'{key}': ...}}) "
-                            "or fill_from_training_args(config, ...) before load_config" for key in keys])
+        raise config_error(
+            [
+                f"{key} is 'auto' but no value was filled in; call fill_auto(config, {{'{key}': ...}}) "
+                "or fill_from_training_args(config, ...) before load_config"
+                for key in keys
+            ]
+        )

@@ -24,11 +24,20 @@ from .errors import ConfigError
 #: Elementwise optimizers: each element's update depends only on that element's gradient and state
 #: (plus per-group scalars such as lr and the step count), so flat shards change nothing.
 ELEMENTWISE_OPTIMIZERS = (
-    "torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD", "torch.optim.Adagrad",
-    "torch.optim.Adadelta", "torch.optim.Adamax", "torch.optim.NAdam", "torch.optim.RAdam",
-    "torch.optim.RMSprop", "torch.optim.Rprop", "torch.optim.ASGD",
+    "torch.optim.Adam",
+    "torch.optim.AdamW",
+    "torch.optim.SGD",
+    "torch.optim.Adagrad",
+    "torch.optim.Adadelta",
+    "torch.optim.Adamax",
+    "torch.optim.NAdam",
+    "torch.optim.RAdam",
+    "torch.optim.RMSprop",
+    "torch.optim.Rprop",
+    "torch.optim.ASGD",
     "zerotrain.optim.lion.Lion",
-    "zerotrain.ops.adam.FusedAdam", "zerotrain.ops.adam.DeepSpeedCPUAdam",
+    "zerotrain.ops.adam.FusedAdam",
+    "zerotrain.ops.adam.DeepSpeedCPUAdam",
 )
 
 #: Optimizers whose whole-parameter step ZeRO's ``ZeroStage`` provides for (zero/muon_shards.py).
@@ -76,17 +85,23 @@ def check_zero_optimizer(config: Any, optimizer: Any) -> None:
         raise ConfigError(
             f"{cls.__name__} updates depend on each parameter's shape or norm, but {where} gives the "
             "optimizer flat shards that cut across parameters, so it would compute something else; use "
-            "zero_optimization.stage 0 in fp32, or an elementwise optimizer (Adam, AdamW, SGD, Lion, ...)")
+            "zero_optimization.stage 0 in fp32, or an elementwise optimizer (Adam, AdamW, SGD, Lion, ...)"
+        )
     name = f"{cls.__module__}.{cls.__qualname__}"
     if not config.zero_allow_untested_optimizer:
         raise ConfigError(
             f"optimizer {name} is not one zerotrain has checked with {where}: the optimizer steps flat "
             "shards that cut across parameters, which is only right for an elementwise update (Adam, "
             "AdamW, SGD, Adagrad, RMSprop, Lion, ...). If its update of each element depends only on "
-            "that element's gradient and state, set \"zero_allow_untested_optimizer\": true in the "
-            "config; otherwise use zero_optimization.stage 0 in fp32")
-    warnings.warn(f"zero_allow_untested_optimizer: {name} runs on flat shards with {where}; its results "
-                  "are right only if its update is elementwise", UserWarning, stacklevel=2)
+            'that element\'s gradient and state, set "zero_allow_untested_optimizer": true in the '
+            "config; otherwise use zero_optimization.stage 0 in fp32"
+        )
+    warnings.warn(
+        f"zero_allow_untested_optimizer: {name} runs on flat shards with {where}; its results "
+        "are right only if its update is elementwise",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _where(config: Any) -> str:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator
 
@@ -17,7 +17,7 @@ class PipelineConfig(Section):
     ``use_reentrant`` are applied to the module. ``schedule`` (zerotrain) picks torch's schedule;
     ``virtual_stages`` (zerotrain), when set, must equal the module's ``virtual_stages``."""
 
-    stages: Union[Literal["auto"], PosInt] = "auto"
+    stages: Literal["auto"] | PosInt = "auto"
     partition: str = "best"
     seed_layers: bool = False
     activation_checkpoint_interval: NonNegInt = 0
@@ -26,7 +26,9 @@ class PipelineConfig(Section):
     use_reentrant: bool = True
     # zerotrain: time each stage's forward/backward per batch (busy/idle per stage; off: no cost).
     timeline: bool = False
-    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs",
-                                "zero_bubble", "zbv", "dualpipev"], BeforeValidator(lower)] = "1f1b"
+    schedule: Annotated[
+        Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev"],
+        BeforeValidator(lower),
+    ] = "1f1b"
     # zerotrain: model chunks per pipeline rank; "auto" takes PipelineModule(virtual_stages=).
-    virtual_stages: Union[Literal["auto"], PosInt] = "auto"
+    virtual_stages: Literal["auto"] | PosInt = "auto"

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 MAX_BATCH = 2**31 - 1
 MAX_GRAD_ACCUM = 2**16
@@ -39,8 +40,9 @@ def np_bool_types() -> tuple[type, ...]:
     return (numpy.bool_,) if numpy is not None else ()
 
 
-def in_range(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
-             hint: str = "") -> Callable[[Any], Any]:
+def in_range(
+    low: float | None = None, high: float | None = None, *, low_open: bool = False, hint: str = ""
+) -> Callable[[Any], Any]:
     """An after-validator: the value must be finite and within [low, high] (low excluded if low_open)."""
     wanted = describe_range(low, high, low_open)
     suffix = f" ({hint})" if hint else ""
@@ -58,7 +60,7 @@ def in_range(low: Optional[float] = None, high: Optional[float] = None, *, low_o
     return check
 
 
-def describe_range(low: Optional[float], high: Optional[float], low_open: bool = False) -> str:
+def describe_range(low: float | None, high: float | None, low_open: bool = False) -> str:
     if low is None and high is None:
         return "a finite number"
     if low is not None and high is not None and not low_open:
@@ -80,25 +82,27 @@ def check_grad_accum(grad_acc: int, derived_from: str) -> None:
         raise ValueError(
             f"gradient_accumulation_steps {grad_acc}{derived_from} is above {MAX_GRAD_ACCUM}: the optimizer "
             f"would step once every {grad_acc} micro-batches; lower train_batch_size or raise "
-            "train_micro_batch_size_per_gpu")
+            "train_micro_batch_size_per_gpu"
+        )
 
 
 # --- optimizer.params / scheduler.params: free-form dicts, checked where a key has a known meaning ---
 
-def _finite(low: float, low_open: bool = False) -> Callable[[Any], Optional[str]]:
-    def check(value: Any) -> Optional[str]:
+
+def _finite(low: float, low_open: bool = False) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
         ok = is_number(value) and math.isfinite(float(value)) and (value > low if low_open else value >= low)
         return None if ok else f"must be a number {'>' if low_open else '>='} {_num(low)}"
+
     return check
 
 
-def _betas(value: Any) -> Optional[str]:
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(is_number(b) and 0.0 <= b < 1.0 for b in value))
+def _betas(value: Any) -> str | None:
+    ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(is_number(b) and 0.0 <= b < 1.0 for b in value)
     return None if ok else "must be exactly two numbers in [0, 1), e.g. [0.9, 0.999]"
 
 
-OPTIMIZER_PARAM_RULES: dict[str, Callable[[Any], Optional[str]]] = {
+OPTIMIZER_PARAM_RULES: dict[str, Callable[[Any], str | None]] = {
     "lr": _finite(0.0),
     "betas": _betas,
     "eps": _finite(0.0, low_open=True),
@@ -141,8 +145,10 @@ def scheduler_param_problems(params: dict[str, Any]) -> list[str]:
         if key in _SCHEDULER_PERIODS:
             whole = is_number(value) and math.isfinite(float(value)) and float(value) == int(value)
             if not (whole and value >= 1):
-                problems.append(f"scheduler.params.{key}: must be a whole number of steps >= 1 (the "
-                                f"scheduler divides by it), got {value!r}")
+                problems.append(
+                    f"scheduler.params.{key}: must be a whole number of steps >= 1 (the "
+                    f"scheduler divides by it), got {value!r}"
+                )
             continue
         if not _is_lr_key(str(key)):
             continue

@@ -10,17 +10,38 @@ import copy
 import difflib
 import os
 import warnings
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BeforeValidator,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .batch import resolve_batch_sizes
 from .errors import UnknownConfigKeyWarning
-from .fields import (BatchSize, FiniteFloat, Float, GradAccum, Int, LowerStr, NonNegInt, PosInt, Section, known_keys,
-                     lower, reject_both_spellings, steps_or_never)
-from .ranges import MAX_LOSS_SCALE, MAX_SCALE_POWER, in_range, optimizer_param_problems, scheduler_param_problems
+from .fields import (
+    BatchSize,
+    FiniteFloat,
+    Float,
+    GradAccum,
+    Int,
+    LowerStr,
+    NonNegInt,
+    PosInt,
+    Section,
+    known_keys,
+    lower,
+    reject_both_spellings,
+    steps_or_never,
+)
 from .pipeline import PipelineConfig
+from .ranges import MAX_LOSS_SCALE, MAX_SCALE_POWER, in_range, optimizer_param_problems, scheduler_param_problems
 from .zero import ZeroConfig, legacy_zero_section
 
 
@@ -35,8 +56,10 @@ class OptimizerConfig(Section):
     @classmethod
     def _no_max_grad_norm(cls, params: dict[str, Any]) -> dict[str, Any]:
         if "max_grad_norm" in params:
-            raise ValueError("max_grad_norm is not allowed here (DeepSpeed rejects it too); "
-                             "remove it and set the top-level 'gradient_clipping' instead")
+            raise ValueError(
+                "max_grad_norm is not allowed here (DeepSpeed rejects it too); "
+                "remove it and set the top-level 'gradient_clipping' instead"
+            )
         return params
 
 
@@ -53,13 +76,20 @@ class FP16Config(Section):
     enabled: bool = False
     auto_cast: bool = False
     loss_scale: Annotated[Float, AfterValidator(in_range(0, MAX_LOSS_SCALE, hint="0 = dynamic scaling"))] = 0.0
-    initial_scale_power: Annotated[Int, AfterValidator(in_range(
-        0, MAX_SCALE_POWER, hint="the dynamic scale starts at 2**initial_scale_power; DeepSpeed's default is 16"))] = 16
+    initial_scale_power: Annotated[
+        Int,
+        AfterValidator(
+            in_range(
+                0, MAX_SCALE_POWER, hint="the dynamic scale starts at 2**initial_scale_power; DeepSpeed's default is 16"
+            )
+        ),
+    ] = 16
     loss_scale_window: Annotated[Int, AfterValidator(in_range(1, hint="clean steps before the scale doubles"))] = 1000
     hysteresis: Annotated[Int, AfterValidator(in_range(1, hint="overflows tolerated before the scale halves"))] = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: Annotated[Int, AfterValidator(
-        in_range(0, low_open=True, hint="the floor of the dynamic scale"))] = 1
+    min_loss_scale: Annotated[
+        Int, AfterValidator(in_range(0, low_open=True, hint="the floor of the dynamic scale"))
+    ] = 1
     fp16_master_weights_and_grads: bool = False
     # DeepSpeed raises at the minimum scale by default and the run dies (its most reported fp16
     # failure); zerotrain keeps skipping with a warning unless this is set to true.
@@ -76,8 +106,15 @@ class BF16Config(Section):
     bf16_optimizer_states: bool = False
 
 
-_AUTOCAST_DTYPES = {"torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-                    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16"}
+_AUTOCAST_DTYPES = {
+    "torch.float16": "fp16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.bfloat16": "bf16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
 
 
 def _autocast_dtype(value: Any) -> Any:
@@ -85,7 +122,7 @@ def _autocast_dtype(value: Any) -> Any:
         return None
     name = _AUTOCAST_DTYPES.get(str(value).strip().lower())
     if name is None:
-        raise ValueError(f"{value!r} is not a dtype torch.autocast lowers to: use \"bfloat16\" or \"float16\"")
+        raise ValueError(f'{value!r} is not a dtype torch.autocast lowers to: use "bfloat16" or "float16"')
     return name
 
 
@@ -94,8 +131,8 @@ class TorchAutocastConfig(Section):
     `dtype` None: torch.autocast's default for the device (bf16 on CPU, fp16 on CUDA)."""
 
     enabled: bool = False
-    dtype: Annotated[Optional[Literal["fp16", "bf16"]], BeforeValidator(_autocast_dtype)] = None
-    lower_precision_safe_modules: Optional[list[str]] = None
+    dtype: Annotated[Literal["fp16", "bf16"] | None, BeforeValidator(_autocast_dtype)] = None
+    lower_precision_safe_modules: list[str] | None = None
 
 
 class CommsLoggerConfig(Section):
@@ -114,7 +151,7 @@ class ActivationCheckpointingConfig(Section):
     partition_activations: bool = False
     contiguous_memory_optimization: bool = False
     cpu_checkpointing: bool = False
-    number_checkpoints: Optional[NonNegInt] = None
+    number_checkpoints: NonNegInt | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
@@ -136,8 +173,8 @@ class WandbConfig(Section):
     data rank)."""
 
     enabled: bool = False
-    group: Optional[str] = None
-    team: Optional[str] = None
+    group: str | None = None
+    team: str | None = None
     project: str = "deepspeed"
 
 
@@ -147,22 +184,22 @@ class CometConfig(Section):
 
     enabled: bool = False
     samples_log_interval: NonNegInt = 100
-    project: Optional[str] = None
-    workspace: Optional[str] = None
-    api_key: Optional[str] = None
-    experiment_name: Optional[str] = None
-    experiment_key: Optional[str] = None
-    online: Optional[bool] = None
-    mode: Annotated[Optional[Literal["get", "create", "get_or_create"]], BeforeValidator(lower)] = None
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: bool | None = None
+    mode: Annotated[Literal["get", "create", "get_or_create"] | None, BeforeValidator(lower)] = None
 
 
 class MLflowConfig(Section):
     """`mlflow` (zerotrain only): MLflow logging; None values fall back to MLflow's own defaults."""
 
     enabled: bool = False
-    tracking_uri: Optional[str] = None
-    experiment_name: Optional[str] = None
-    run_name: Optional[str] = None
+    tracking_uri: str | None = None
+    experiment_name: str | None = None
+    run_name: str | None = None
 
 
 class FlopsProfilerConfig(Section):
@@ -174,9 +211,9 @@ class FlopsProfilerConfig(Section):
     module_depth: Int = -1
     top_modules: PosInt = 1
     detailed: bool = True
-    output_file: Optional[str] = None
+    output_file: str | None = None
     # zerotrain only: the peak TFLOPS of one device for MFU, where the accelerator knows none
-    peak_tflops: Optional[FiniteFloat] = Field(None, gt=0.0)
+    peak_tflops: FiniteFloat | None = Field(None, gt=0.0)
 
 
 class ParallelWriteConfig(Section):
@@ -191,8 +228,9 @@ class ProgressiveLayerDropConfig(Section):
     nothing dropped until `theta` is set; the paper uses 0.5)."""
 
     enabled: bool = False
-    theta: Annotated[Float, AfterValidator(in_range(
-        0, 1, low_open=True, hint="the keep ratio theta decays to; the paper uses 0.5"))] = 1.0
+    theta: Annotated[
+        Float, AfterValidator(in_range(0, 1, low_open=True, hint="the keep ratio theta decays to; the paper uses 0.5"))
+    ] = 1.0
     gamma: Annotated[Float, AfterValidator(in_range(0, hint="the decay rate; the paper uses 0.001"))] = 0.001
 
 
@@ -204,7 +242,7 @@ class CheckpointConfig(Section):
     use_node_local_storage: bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     checkpoint_serialization: bool = True
-    writer: Optional[dict[str, Any]] = None
+    writer: dict[str, Any] | None = None
 
     @field_validator("tag_validation", mode="before")
     @classmethod
@@ -217,10 +255,25 @@ class CheckpointConfig(Section):
 #: expert_parallel (AutoEP), read as a dict by zerotrain.experts.autoep at initialize (its "auto"s
 #: are DeepSpeed's defaults: taken from the model).
 FOREIGN_SECTIONS = (
-    "amp", "elasticity", "autotuning", "compression_training", "data_efficiency",
-    "curriculum_learning", "nebula", "aio", "hybrid_engine", "tensor_parallel", "eigenvalue",
-    "sparse_attention", "data_types",
-    "weight_quantization", "quantize_training", "compile", "timers", "expert_parallel", "datastates_ckpt",
+    "amp",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "nebula",
+    "aio",
+    "hybrid_engine",
+    "tensor_parallel",
+    "eigenvalue",
+    "sparse_attention",
+    "data_types",
+    "weight_quantization",
+    "quantize_training",
+    "compile",
+    "timers",
+    "expert_parallel",
+    "datastates_ckpt",
 )
 
 
@@ -254,8 +307,8 @@ class _UnimplementedKeys(Section):
     gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(lower)] = "mean"
     seq_parallel_communication_data_type: LowerStr = "fp32"
     use_data_before_expert_parallelism: bool = False
-    log_level: Optional[str] = None
-    vocabulary_size: Optional[Int] = None  # DeepSpeed only warns about it; no effect here either
+    log_level: str | None = None
+    vocabulary_size: Int | None = None  # DeepSpeed only warns about it; no effect here either
 
 
 class ZeroTrainConfig(_UnimplementedKeys):
@@ -265,23 +318,23 @@ class ZeroTrainConfig(_UnimplementedKeys):
     `load_config` does this for you. `raw` is the config dict as given (after "auto" filling).
     """
 
-    train_batch_size: Optional[BatchSize] = None
-    train_micro_batch_size_per_gpu: Optional[BatchSize] = None
-    gradient_accumulation_steps: Optional[GradAccum] = None
-    optimizer: Optional[OptimizerConfig] = None
-    scheduler: Optional[SchedulerConfig] = None
+    train_batch_size: BatchSize | None = None
+    train_micro_batch_size_per_gpu: BatchSize | None = None
+    gradient_accumulation_steps: GradAccum | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    allgather_size: Optional[NonNegInt] = None  # only read with the legacy `"zero_optimization": true`
+    allgather_size: NonNegInt | None = None  # only read with the legacy `"zero_optimization": true`
     gradient_clipping: Float = Field(1.0, ge=0.0)
-    steps_per_print: Annotated[Optional[PosInt], BeforeValidator(steps_or_never)] = None
+    steps_per_print: Annotated[PosInt | None, BeforeValidator(steps_or_never)] = None
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False
     gradient_predivide_factor: FiniteFloat = Field(1.0, gt=0.0)
-    communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(lower)] = None
+    communication_data_type: Annotated[Literal["fp32", "fp16", "bf16"] | None, BeforeValidator(lower)] = None
     dataloader_drop_last: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
@@ -302,13 +355,13 @@ class ZeroTrainConfig(_UnimplementedKeys):
     # zerotrain only (zerotrain.memory_release): "eager" hands freed memory back to the OS several
     # times a step (lowest peak RSS), "per_step" once a step, "off" never (fastest on CPU); None:
     # ZEROTRAIN_MEMORY_RELEASE, else "eager" at stage 3 and "per_step" at stages 0-2.
-    memory_release: Optional[Literal["eager", "per_step", "off"]] = None
+    memory_release: Literal["eager", "per_step", "off"] | None = None
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
-    def _keep_raw(cls, data: Any, handler: Any) -> "ZeroTrainConfig":
+    def _keep_raw(cls, data: Any, handler: Any) -> ZeroTrainConfig:
         raw = copy.deepcopy(data) if isinstance(data, dict) else None
         model = handler(data)
         if raw is not None:
@@ -341,8 +394,10 @@ class ZeroTrainConfig(_UnimplementedKeys):
             raise ValueError("fp16 and bf16 cannot both be enabled; set one of fp16.enabled / bf16.enabled to false")
         if self.torch_autocast.enabled and (self.fp16.enabled or self.bf16.enabled):
             other = "fp16" if self.fp16.enabled else "bf16"
-            raise ValueError(f"torch_autocast.enabled and {other}.enabled cannot both be true: torch_autocast keeps "
-                             f"fp32 parameters, {other} casts them; set {other}.enabled to false")
+            raise ValueError(
+                f"torch_autocast.enabled and {other}.enabled cannot both be true: torch_autocast keeps "
+                f"fp32 parameters, {other} casts them; set {other}.enabled to false"
+            )
         return self
 
     @model_validator(mode="after")
@@ -359,8 +414,9 @@ class ZeroTrainConfig(_UnimplementedKeys):
     @model_validator(mode="after")
     def _resolve_batch(self, info: ValidationInfo):
         world_size = (info.context or {}).get("world_size", 1)
-        resolved = resolve_batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                                       self.gradient_accumulation_steps, world_size)
+        resolved = resolve_batch_sizes(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, world_size
+        )
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = resolved
         return self
 
@@ -406,6 +462,9 @@ def _on(value: Any) -> bool:
 def _warn_unknown(key: str) -> None:
     nearest = difflib.get_close_matches(str(key), known_keys(ZeroTrainConfig), n=1, cutoff=0.6)
     hint = f"did you mean '{nearest[0]}'?" if nearest else "no known key is close (docs/config.md lists them)"
-    warnings.warn(f"unknown top-level config key '{key}' ignored; {hint} DeepSpeed ignores unknown top-level "
-                  f"keys too. Set \"strict\": true in the config or {STRICT_ENV}=1 to make this an error.",
-                  UnknownConfigKeyWarning, stacklevel=2)
+    warnings.warn(
+        f"unknown top-level config key '{key}' ignored; {hint} DeepSpeed ignores unknown top-level "
+        f'keys too. Set "strict": true in the config or {STRICT_ENV}=1 to make this an error.',
+        UnknownConfigKeyWarning,
+        stacklevel=2,
+    )

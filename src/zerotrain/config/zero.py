@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -33,7 +33,7 @@ STAGE3_ALIASES = {
 
 class _OffloadBase(Section):
     device: OffloadDevice = "none"
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     pin_memory: bool = False
 
     @model_validator(mode="after")
@@ -92,8 +92,10 @@ class AioConfig(Section):
             if getattr(self, name) < 1:
                 raise ValueError(f"aio.{name} must be at least 1")
         if self.use_gds:
-            raise ValueError("aio.use_gds (GPUDirect Storage) is not implemented by zerotrain's "
-                             "swapper; remove it or set it to false")
+            raise ValueError(
+                "aio.use_gds (GPUDirect Storage) is not implemented by zerotrain's "
+                "swapper; remove it or set it to false"
+            )
         return self
 
 
@@ -126,12 +128,12 @@ class ZeroConfig(Section):
     allgather_partitions: bool = True
     allgather_bucket_size: NonNegInt = int(5e8)
     # None means "the default": on at every stage in zerotrain (see effective_overlap_comm).
-    overlap_comm: Optional[bool] = None
+    overlap_comm: bool | None = None
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
-    offload_param: Optional[OffloadParamConfig] = None
-    offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    zenflow: Optional[dict[str, Any]] = None
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    zenflow: dict[str, Any] | None = None
     sub_group_size: NonNegInt = int(1e9)
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
@@ -140,7 +142,7 @@ class ZeroConfig(Section):
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
-    zeropp_loco_param: Optional[dict[str, Any]] = None
+    zeropp_loco_param: dict[str, Any] | None = None
     mics_shard_size: Int = -1
     mics_hierarchical_params_gather: bool = False
     memory_efficient_linear: bool = True
@@ -154,26 +156,32 @@ class ZeroConfig(Section):
     # Stage-3 knobs: unprefixed name, `stage3_` alias.
     prefetch_bucket_size: NonNegInt = aliased(int(5e7), "prefetch_bucket_size", STAGE3_ALIASES["prefetch_bucket_size"])
     param_persistence_threshold: NonNegInt = aliased(
-        int(1e5), "param_persistence_threshold", STAGE3_ALIASES["param_persistence_threshold"])
+        int(1e5), "param_persistence_threshold", STAGE3_ALIASES["param_persistence_threshold"]
+    )
     model_persistence_threshold: NonNegInt = aliased(
-        sys.maxsize, "model_persistence_threshold", STAGE3_ALIASES["model_persistence_threshold"])
+        sys.maxsize, "model_persistence_threshold", STAGE3_ALIASES["model_persistence_threshold"]
+    )
     max_live_parameters: NonNegInt = aliased(int(1e9), "max_live_parameters", STAGE3_ALIASES["max_live_parameters"])
     max_reuse_distance: NonNegInt = aliased(int(1e9), "max_reuse_distance", STAGE3_ALIASES["max_reuse_distance"])
     gather_16bit_weights_on_model_save: bool = aliased(
-        False, "gather_16bit_weights_on_model_save", STAGE3_ALIASES["gather_16bit_weights_on_model_save"])
+        False, "gather_16bit_weights_on_model_save", STAGE3_ALIASES["gather_16bit_weights_on_model_save"]
+    )
     module_granularity_threshold: Int = aliased(
-        0, "module_granularity_threshold", STAGE3_ALIASES["module_granularity_threshold"])
+        0, "module_granularity_threshold", STAGE3_ALIASES["module_granularity_threshold"]
+    )
     use_all_reduce_for_fetch_params: bool = aliased(
-        False, "use_all_reduce_for_fetch_params", STAGE3_ALIASES["use_all_reduce_for_fetch_params"])
+        False, "use_all_reduce_for_fetch_params", STAGE3_ALIASES["use_all_reduce_for_fetch_params"]
+    )
     allgather_sequential: bool = aliased(False, "allgather_sequential", STAGE3_ALIASES["allgather_sequential"])
     partition_stream_chunk_size: NonNegInt = aliased(
-        0, "partition_stream_chunk_size", STAGE3_ALIASES["partition_stream_chunk_size"])
+        0, "partition_stream_chunk_size", STAGE3_ALIASES["partition_stream_chunk_size"]
+    )
 
     # Deprecated spellings, mapped onto their replacements after validation.
-    cpu_offload: Optional[bool] = None
-    cpu_offload_param: Optional[bool] = None
-    cpu_offload_use_pin_memory: Optional[bool] = None
-    stage3_gather_fp16_weights_on_model_save: Optional[bool] = None
+    cpu_offload: bool | None = None
+    cpu_offload_param: bool | None = None
+    cpu_offload_use_pin_memory: bool | None = None
+    stage3_gather_fp16_weights_on_model_save: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -201,8 +209,7 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _partial_offload_needs_stage3(self):
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
-            raise ValueError("offload_optimizer.ratio < 1 (partial offload) needs stage 3, "
-                             f"but stage is {self.stage}")
+            raise ValueError(f"offload_optimizer.ratio < 1 (partial offload) needs stage 3, but stage is {self.stage}")
         return self
 
     def _map_cpu_offload(self, old: str, new: str, model: type[_OffloadBase]) -> None:
@@ -245,14 +252,18 @@ class ZeroConfig(Section):
 
 
 def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        f"zero_optimization.{old} is deprecated; use zero_optimization.{new}", DeprecationWarning, stacklevel=2
+    )
 
 
 def legacy_zero_section(enabled: bool, allgather_size: Any) -> dict[str, Any]:
     """The dict meaning of the old boolean form `"zero_optimization": true|false` (true = stage 1)."""
-    warnings.warn('"zero_optimization": true/false is deprecated; use "zero_optimization": {"stage": N}',
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        '"zero_optimization": true/false is deprecated; use "zero_optimization": {"stage": N}',
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if not enabled:
         return {"stage": 0}
     return {"stage": 1, "allgather_bucket_size": int(5e8) if allgather_size is None else allgather_size}

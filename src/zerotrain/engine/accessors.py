@@ -41,10 +41,12 @@ class EngineAccessors:
     optimizer: torch.optim.Optimizer | None
 
     if TYPE_CHECKING:
+
         def train_batch_size(self) -> int: ...
 
-        def save_16bit_model(self, save_dir, save_filename: str = ...,
-                             exclude_frozen_parameters: bool = ...) -> bool: ...
+        def save_16bit_model(
+            self, save_dir, save_filename: str = ..., exclude_frozen_parameters: bool = ...
+        ) -> bool: ...
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -79,8 +81,10 @@ class EngineAccessors:
         micro_batch_size = self._config_batch_shape()[1]
         per_window = micro_batch_size * self.dp_world_size
         if train_batch_size <= 0 or train_batch_size % per_window:
-            raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
-                             f"train_micro_batch_size_per_gpu x data-parallel ranks = {per_window}")
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu x data-parallel ranks = {per_window}"
+            )
         self._resize_batch(train_batch_size, micro_batch_size, train_batch_size // per_window)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
@@ -149,14 +153,18 @@ class EngineAccessors:
         return self._config.fp16.loss_scale == 0
 
     def initial_dynamic_scale(self) -> float:
-        return 2.0 ** self._config.fp16.initial_scale_power
+        return 2.0**self._config.fp16.initial_scale_power
 
     def dynamic_loss_scale_args(self) -> dict:
         """DeepSpeed's ``DynamicLossScaler`` keyword arguments from the ``fp16`` section."""
         fp16 = self._config.fp16
-        return {"init_scale": 2.0 ** fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
-                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
-                "min_scale": fp16.min_loss_scale}
+        return {
+            "init_scale": 2.0**fp16.initial_scale_power,
+            "scale_window": fp16.loss_scale_window,
+            "delayed_shift": fp16.hysteresis,
+            "consecutive_hysteresis": fp16.consecutive_hysteresis,
+            "min_scale": fp16.min_loss_scale,
+        }
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """``(model dtype, gradient accumulation dtype)``."""
@@ -350,9 +358,11 @@ class EngineAccessors:
             if groups.name == group_name:
                 return groups
         built = ", ".join(f"ep_size_{s}" for s in topology.expert_group_sizes()) or "none"
-        raise ValueError(f"expert group {group_name!r} is not built on this engine (built: {built}); "
-                         "build it on every rank with zerotrain.utils.groups._create_expert_and_data_parallel(N) "
-                         "for the engine's topology, or engine.topology.expert_groups(N)")
+        raise ValueError(
+            f"expert group {group_name!r} is not built on this engine (built: {built}); "
+            "build it on every rank with zerotrain.utils.groups._create_expert_and_data_parallel(N) "
+            "for the engine's topology, or engine.topology.expert_groups(N)"
+        )
 
     def get_expert_parallel_rank(self, group_name: str) -> int:
         return self._expert_groups(group_name).expert_rank

@@ -51,8 +51,15 @@ class EngineCheckpointing:
         data-parallel layout; a pipeline engine declares DeepSpeed's per-stage one."""
         return FileNames()
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False, async_save: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state=None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        async_save: bool = False,
+    ) -> bool:
         """Save the full training state under ``save_dir/<tag>`` (every rank of the engine's
         data-parallel group must call this, every rank of every stage for a pipeline engine;
         ranks outside it take no part).
@@ -71,8 +78,10 @@ class EngineCheckpointing:
         # (tensor-parallel) ranks would still write the same file names.
         pipeline = self.checkpoint_layout().pipeline
         if self.topology.size("model") > 1 or (self.topology.distinct_size > 1 and not pipeline):
-            raise NotImplementedError(f"save_checkpoint on a {self.topology.describe()} topology is not supported "
-                                      "yet; save each model rank's engine.module_state_dict() yourself")
+            raise NotImplementedError(
+                f"save_checkpoint on a {self.topology.describe()} topology is not supported "
+                "yet; save each model rank's engine.module_state_dict() yourself"
+            )
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         group = self._checkpoint_group()
         check_tag(tag, self._config.checkpoint.tag_validation, group)
@@ -89,8 +98,9 @@ class EngineCheckpointing:
             pending.finish()
             return True
         self._checkpoint_pending = pending
-        self._checkpoint_thread = threading.Thread(target=self._write_in_background, args=(pending,),
-                                                   name=f"zerotrain-checkpoint-{tag}", daemon=True)
+        self._checkpoint_thread = threading.Thread(
+            target=self._write_in_background, args=(pending,), name=f"zerotrain-checkpoint-{tag}", daemon=True
+        )
         self._checkpoint_thread.start()
         return True
 
@@ -127,9 +137,16 @@ class EngineCheckpointing:
             raise error
         return time.perf_counter() - start
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
+    ):
         """Restore the state saved by ``save_checkpoint`` (``tag``, else ``load_dir/latest``).
 
         Works on any world size and ZeRO stage, fp32 or 16-bit: parameters, fp32 masters and
@@ -141,15 +158,21 @@ class EngineCheckpointing:
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported: zerotrain checkpoints are "
-                "loaded by parameter name; load the module yourself afterwards instead")
+                "loaded by parameter name; load the module yourself afterwards instead"
+            )
         self.wait_for_checkpoint()
         folder, tag = resolve_tag(load_dir, tag)
         reader = CheckpointReader(folder)
         try:
             client_state = load_into(
-                self, reader, strict=load_module_strict, load_optimizer=load_optimizer_states,
-                load_scheduler=load_lr_scheduler_states, module_only=load_module_only,
-                from_fp32=self._config.zero_optimization.load_from_fp32_weights)
+                self,
+                reader,
+                strict=load_module_strict,
+                load_optimizer=load_optimizer_states,
+                load_scheduler=load_lr_scheduler_states,
+                module_only=load_module_only,
+                from_fp32=self._config.zero_optimization.load_from_fp32_weights,
+            )
         finally:
             reader.close()
         self._zero.zero_grad()
@@ -167,8 +190,10 @@ class EngineCheckpointing:
             if not dist.is_initialized() or topology.world_size == 1:
                 return None
             if not topology.is_world:
-                raise NotImplementedError("save_checkpoint of a pipeline engine on part of the job's ranks "
-                                          "is not supported: build the PipelineModule over the whole world")
+                raise NotImplementedError(
+                    "save_checkpoint of a pipeline engine on part of the job's ranks "
+                    "is not supported: build the PipelineModule over the whole world"
+                )
             return topology.agreement_group(topology.members, dist.group.WORLD)
         if not dist.is_initialized() or topology.data_size == 1:
             return None

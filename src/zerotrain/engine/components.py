@@ -8,8 +8,7 @@ set after ``initialize`` (``set_dataloader``) is the one saved.
 
 from __future__ import annotations
 
-from zerotrain.checkpoint.stateful import (COUNTER_NAMES, COUNTERS, DATALOADER, LOSS_SCALER, LR_SCHEDULER,
-                                           PLD, Stateful)
+from zerotrain.checkpoint.stateful import COUNTER_NAMES, COUNTERS, DATALOADER, LOSS_SCALER, LR_SCHEDULER, PLD, Stateful
 from zerotrain.pld.engine import PLDCheckpointState
 
 
@@ -22,8 +21,12 @@ class StepCounters:
 
     def state_dict(self) -> dict[str, int]:
         engine = self._engine
-        return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps}
+        return {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         engine = self._engine

@@ -32,19 +32,35 @@ class DistributedDataLoader:
     run (``engine.load_checkpoint``) continues the interrupted epoch where it stopped.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, rank: int, world_size: int,
-                 collate_fn=None, drop_last: bool = False, shuffle: bool = True, seed: int = 0,
-                 num_workers: int = 0, pin_memory: bool = False):
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        collate_fn=None,
+        drop_last: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
         self.sampler: DistributedSampler | None = None
         self.world_size = world_size
         if not isinstance(dataset, IterableDataset):
-            self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                              shuffle=shuffle, seed=seed, drop_last=drop_last)
+            self.sampler = DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
             self._resumable = _ResumableSampler(self.sampler)
-        self.loader = DataLoader(dataset, batch_size=batch_size,
-                                 sampler=self._resumable if self.sampler is not None else None,
-                                 collate_fn=collate_fn, drop_last=drop_last,
-                                 num_workers=num_workers, pin_memory=pin_memory)
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self._resumable if self.sampler is not None else None,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
         self.epoch = 0
         self._consumed = 0  # batches of epoch ``epoch - 1`` handed out so far
         self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) for the next iter
@@ -81,17 +97,18 @@ class DistributedDataLoader:
             epoch, consumed = self._resume
         else:
             epoch, consumed = max(self.epoch - 1, 0), self._consumed
-        return {"epoch": epoch, "batches": consumed, "batch_size": self.batch_size,
-                "world_size": self.world_size}
+        return {"epoch": epoch, "batches": consumed, "batch_size": self.batch_size, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         """The next ``iter()`` continues epoch ``state["epoch"]`` after the batches already
         handed out. With another world size or micro-batch, the same number of samples of the
         epoch's global order is skipped (exact when the global batch is unchanged)."""
         if self.sampler is None:
-            raise ValueError("the dataloader iterates an IterableDataset, whose position "
-                             "zerotrain cannot restore; skip load_checkpoint's dataloader state "
-                             "by building the dataloader yourself")
+            raise ValueError(
+                "the dataloader iterates an IterableDataset, whose position "
+                "zerotrain cannot restore; skip load_checkpoint's dataloader state "
+                "by building the dataloader yourself"
+            )
         batches = int(state["batches"])
         if state.get("world_size") != self.world_size or state.get("batch_size") != self.batch_size:
             samples = batches * int(state["batch_size"]) * int(state["world_size"])

@@ -26,8 +26,8 @@ from zerotrain.engine.optimizer_surface import OptimizerSurface
 from zerotrain.engine.plain_backward import PlainBackward
 from zerotrain.engine.state_offload import EngineStateOffload
 from zerotrain.engine.step_core import StepCore, StepOutcome, StepSettings, TrainingState
-from zerotrain.experts.stats import MoEStats
 from zerotrain.engine.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, FORWARD, StepTimers
+from zerotrain.experts.stats import MoEStats
 from zerotrain.monitor import MonitorMaster
 from zerotrain.monitor.memory import register_engine, unregister_engine
 from zerotrain.pld.engine import EnginePLD
@@ -38,12 +38,19 @@ from zerotrain.zero import build_zero_stage
 from zerotrain.zero.interface import StageInterface
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, EngineFlops,
-                      nn.Module):
+class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, EngineFlops, nn.Module):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
-    def __init__(self, module: nn.Module, config, optimizer=None, lr_scheduler=None,
-                 training_dataloader=None, data_parallel_group=None, topology=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        optimizer=None,
+        lr_scheduler=None,
+        training_dataloader=None,
+        data_parallel_group=None,
+        topology=None,
+    ):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -67,9 +74,15 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         self.loss_scaler = build_loss_scaler(config, self.precision)
         # The gradient norm and the overflow decision span the data group and the ranks holding
         # distinct parameters beside it (pipeline stages, model slices).
-        self._zero = build_zero_stage(config, module, optimizer, self.precision,
-                                      group=self.data_parallel_group,
-                                      norm_group=self.topology.distinct_group, topology=self.topology)
+        self._zero = build_zero_stage(
+            config,
+            module,
+            optimizer,
+            self.precision,
+            group=self.data_parallel_group,
+            norm_group=self.topology.distinct_group,
+            topology=self.topology,
+        )
         self._timers = StepTimers(self.accelerator, bool(config.wall_clock_breakdown))
         # The data group's first rank writes; closed by destroy() or at exit.
         self.monitor = MonitorMaster(config, topology=self.topology)
@@ -82,10 +95,18 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         # offload_states, step, overflow on the optimizer, as on DeepSpeed's (engine/optimizer_surface.py)
         self._optimizer_surface = OptimizerSurface(self, optimizer)
         # counters, boundary, training state, the model step and its log (engine/step_core.py)
-        self._core = StepCore(self, StepSettings.from_config(config), zero=self._zero,
-                              loss_scaler=self.loss_scaler, check_overflow=self.precision.check_overflow,
-                              optimizer_surface=self._optimizer_surface, timers=self._timers,
-                              monitor=self.monitor, topology=self.topology, moe_stats=self._moe_stats)
+        self._core = StepCore(
+            self,
+            StepSettings.from_config(config),
+            zero=self._zero,
+            loss_scaler=self.loss_scaler,
+            check_overflow=self.precision.check_overflow,
+            optimizer_surface=self._optimizer_surface,
+            timers=self._timers,
+            monitor=self.monitor,
+            topology=self.topology,
+            moe_stats=self._moe_stats,
+        )
 
     # -- attributes fall back to the wrapped module, as DeepSpeed's engine does ---------
     def __getattr__(self, name: str):
@@ -99,14 +120,16 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
 
     # -- the step core's counters and state, under DeepSpeed's names ---------------------
     # Attributes (checkpoints and frameworks assign them); the values live in the core.
-    global_steps = property(lambda self: self._core.global_steps,
-                            lambda self, v: setattr(self._core, "global_steps", v))
-    global_samples = property(lambda self: self._core.global_samples,
-                              lambda self, v: setattr(self._core, "global_samples", v))
-    micro_steps = property(lambda self: self._core.micro_steps,
-                           lambda self, v: setattr(self._core, "micro_steps", v))
-    skipped_steps = property(lambda self: self._core.skipped_steps,
-                             lambda self, v: setattr(self._core, "skipped_steps", v))
+    global_steps = property(
+        lambda self: self._core.global_steps, lambda self, v: setattr(self._core, "global_steps", v)
+    )
+    global_samples = property(
+        lambda self: self._core.global_samples, lambda self, v: setattr(self._core, "global_samples", v)
+    )
+    micro_steps = property(lambda self: self._core.micro_steps, lambda self, v: setattr(self._core, "micro_steps", v))
+    skipped_steps = property(
+        lambda self: self._core.skipped_steps, lambda self, v: setattr(self._core, "skipped_steps", v)
+    )
 
     @property
     def training_state(self) -> TrainingState:
@@ -156,8 +179,10 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         profiling = self._flops_forward_begin()
         self._timers.start(FORWARD)
         try:
-            with self._core.phase(TrainingState.FORWARD), \
-                    autocast.forward_context(self.precision.autocast_dtype, self.device):
+            with (
+                self._core.phase(TrainingState.FORWARD),
+                autocast.forward_context(self.precision.autocast_dtype, self.device),
+            ):
                 # Outputs whose backward the engine notices when it did not start it.
                 return self._plain_backward.wrap_outputs(self.module(*inputs, **kwargs))
         finally:
@@ -173,8 +198,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """Override the boundary decision (for loops that end a window early)."""
         self._core.boundary_override = bool(is_boundary)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
-                 release_loss: bool = False) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True, release_loss: bool = False
+    ) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by the accumulation steps); gradients are reduced
         across ranks during this call when it ends an accumulation window. ``loss.backward()``
         on the engine's outputs does the same (engine/plain_backward.py)."""
@@ -283,8 +309,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         """Milliseconds per phase since the last report (with ``wall_clock_breakdown: true``)."""
         return self._timers.pop()
 
-    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
-                          exclude_frozen_parameters: bool = False):
+    def module_state_dict(
+        self, destination=None, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ):
         """The module's weights in the training dtype, as ``nn.Module.state_dict``.
 
         At stage 3 partitioned parameters are gathered (collective: every rank must call it)
@@ -294,16 +321,20 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         if coordinator is None:
             state = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
             if exclude_frozen_parameters:
-                frozen = {prefix + n for n, p in self.module.named_parameters(remove_duplicate=False)
-                          if not p.requires_grad}
+                frozen = {
+                    prefix + n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad
+                }
                 state = type(state)((k, v) for k, v in state.items() if k not in frozen)
         else:
             if keep_vars:
-                raise ValueError("module_state_dict(keep_vars=True) at ZeRO stage 3: the "
-                                 "parameters are partitioned placeholders; use keep_vars=False "
-                                 "for gathered copies")
-            gathered = full_state_dict(self.module, coordinator, exclude_frozen_parameters,
-                                       group=self.data_parallel_group)
+                raise ValueError(
+                    "module_state_dict(keep_vars=True) at ZeRO stage 3: the "
+                    "parameters are partitioned placeholders; use keep_vars=False "
+                    "for gathered copies"
+                )
+            gathered = full_state_dict(
+                self.module, coordinator, exclude_frozen_parameters, group=self.data_parallel_group
+            )
             state = {prefix + k: v for k, v in gathered.items()}
         if destination is not None:
             destination.update(state)
@@ -324,8 +355,10 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         ``_zero3_consolidated_16bit_state_dict``; ValueError otherwise, as DeepSpeed without
         tensor parallelism."""
         if self._zero.parameter_coordinator is None:
-            raise ValueError("_consolidated_16bit_state_dict applies where weights are partitioned (ZeRO stage 3); "
-                             "below it use engine.module_state_dict()")
+            raise ValueError(
+                "_consolidated_16bit_state_dict applies where weights are partitioned (ZeRO stage 3); "
+                "below it use engine.module_state_dict()"
+            )
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def load_state_dict(self, state_dict, strict: bool = True):  # type: ignore[override]  # no assign: loads into the shards
@@ -336,8 +369,9 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         Returns ``(missing_keys, unexpected_keys)`` like ``nn.Module.load_state_dict``."""
         return self._zero.load_module_state(self.module, state_dict, strict)
 
-    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Write the whole model in its training dtype from rank 0 (every rank must call this).
 
         At stage 3 it needs ``stage3_gather_16bit_weights_on_model_save: true`` and raises
@@ -347,9 +381,11 @@ class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, 
         if coordinator is not None and not self._config.zero_optimization.gather_16bit_weights_on_model_save:
             raise ValueError(
                 "save_16bit_model at ZeRO stage 3 gathers the partitioned weights, which "
-                "needs \"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization")
-        save_16bit_model(self.module, save_dir, save_filename, coordinator, exclude_frozen_parameters,
-                         group=self.data_parallel_group)
+                'needs "stage3_gather_16bit_weights_on_model_save": true in zero_optimization'
+            )
+        save_16bit_model(
+            self.module, save_dir, save_filename, coordinator, exclude_frozen_parameters, group=self.data_parallel_group
+        )
         return True
 
     def destroy(self) -> None:
@@ -383,5 +419,7 @@ def _check_device_supports(precision: PrecisionPolicy, device: torch.device) -> 
         torch.nn.functional.layer_norm(a @ a, (4,))
     except RuntimeError as error:
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[precision.param_dtype]
-        raise ValueError(f"{name} training was requested but {device} cannot compute in "
-                         f"{precision.param_dtype} ({error}); use the other 16-bit type or fp32") from None
+        raise ValueError(
+            f"{name} training was requested but {device} cannot compute in "
+            f"{precision.param_dtype} ({error}); use the other 16-bit type or fp32"
+        ) from None

@@ -37,6 +37,7 @@ class EngineFlops:
     _timers: StepTimers
 
     if TYPE_CHECKING:
+
         def train_batch_size(self) -> int: ...
 
         def train_micro_batch_size_per_gpu(self) -> int: ...
@@ -49,14 +50,20 @@ class EngineFlops:
         if not section.enabled:
             return
         self.flops_profiler = FlopsProfiler(self.module, self, section.recompute_fwd_factor)
-        self._flops_peak = (section.peak_tflops * 1e12 if section.peak_tflops
-                            else self.accelerator.peak_flops(self.precision.param_dtype))
+        self._flops_peak = (
+            section.peak_tflops * 1e12
+            if section.peak_tflops
+            else self.accelerator.peak_flops(self.precision.param_dtype)
+        )
 
     def _flops_forward_begin(self) -> bool:
         """Start (or go on) counting when this forward belongs to the profiled step."""
         profiler = self.flops_profiler
-        if (profiler is None or self.global_steps != self._flops_section.profile_step
-                or not self.topology.is_first("data")):
+        if (
+            profiler is None
+            or self.global_steps != self._flops_section.profile_step
+            or not self.topology.is_first("data")
+        ):
             return False
         if profiler.started:
             profiler.resume_profile()
@@ -81,13 +88,21 @@ class EngineFlops:
         times = None
         if self._timers.enabled:
             times = {k: v - self._flops_times_before.get(k, 0.0) for k, v in self._timers.step_ms.items()}
-        profiler.run_facts = {"world_size": self.topology.world_size, "dp_size": self.dp_world_size,
-                              "micro_batch": self.train_micro_batch_size_per_gpu(),
-                              "samples_per_step": self.train_batch_size(), "times_ms": times,
-                              "peak_flops": self._flops_peak}
-        profiler.print_model_profile(profile_step=self.global_steps - 1, module_depth=section.module_depth,
-                                     top_modules=section.top_modules, detailed=section.detailed,
-                                     output_file=section.output_file)
+        profiler.run_facts = {
+            "world_size": self.topology.world_size,
+            "dp_size": self.dp_world_size,
+            "micro_batch": self.train_micro_batch_size_per_gpu(),
+            "samples_per_step": self.train_batch_size(),
+            "times_ms": times,
+            "peak_flops": self._flops_peak,
+        }
+        profiler.print_model_profile(
+            profile_step=self.global_steps - 1,
+            module_depth=section.module_depth,
+            top_modules=section.top_modules,
+            detailed=section.detailed,
+            output_file=section.output_file,
+        )
         self._flops_per_step = (3 + profiler.recompute_fwd_factor) * profiler.get_total_flops()
         self._flops_clean_from = self.global_steps
         profiler.end_profile()

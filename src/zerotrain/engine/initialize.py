@@ -15,9 +15,9 @@ from zerotrain.config.load import _pick_source as pick_config_source
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import ZeroTrainEngine
 from zerotrain.engine.model_hooks import before_engine
-from zerotrain.log import log_rank0
 from zerotrain.experts.autoep import apply_autoep, autoep_size
 from zerotrain.experts.layer import MoE
+from zerotrain.log import log_rank0
 from zerotrain.optim import build_lr_scheduler, build_optimizer
 from zerotrain.optim.expert_groups import expert_parameters, refuse_unsupported_experts
 from zerotrain.optim.placeholders import is_placeholder, resolve_placeholders
@@ -29,10 +29,22 @@ from zerotrain.zero.flat import split_into_buckets
 _BROADCAST_CHUNK = 2**22
 
 
-def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
-               dist_init_required: bool | None = None, collate_fn=None, config=None,
-               mesh_param=None, config_params=None, data_parallel_group=None):
+def initialize(
+    args=None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+    data_parallel_group=None,
+):
     """Build the training engine.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the last three are
@@ -49,15 +61,15 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if model is None:
         raise ValueError("zerotrain.initialize() needs model=<torch.nn.Module>")
     if mesh_param is not None:
-        raise NotImplementedError("model parallelism (mesh_param=) is not supported: "
-                                  "zerotrain is data-parallel only")
+        raise NotImplementedError("model parallelism (mesh_param=) is not supported: zerotrain is data-parallel only")
     if config is not None and config_params is not None and config is not config_params:
         raise ValueError("pass the config once: config= and config_params= are aliases")
     config = config if config is not None else config_params
     if is_placeholder(optimizer) or is_placeholder(lr_scheduler):
         # Filled before validation, which rejects "auto"; the filled dict replaces args' config.
         config, optimizer, lr_scheduler, model_parameters = resolve_placeholders(
-            read_config(pick_config_source(config, args)), optimizer, lr_scheduler, model_parameters)
+            read_config(pick_config_source(config, args)), optimizer, lr_scheduler, model_parameters
+        )
         args = None
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -97,18 +109,26 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         micro_batch = cfg.train_micro_batch_size_per_gpu
         assert micro_batch is not None  # optional in the schema only until validation resolves it
         loader = DistributedDataLoader(
-            training_data, batch_size=micro_batch, rank=dp_rank,
-            world_size=dp_world, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-            pin_memory=device.type == "cuda", shuffle=not pipeline)  # DeepSpeed's pipeline: in order
+            training_data,
+            batch_size=micro_batch,
+            rank=dp_rank,
+            world_size=dp_world,
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+            pin_memory=device.type == "cuda",
+            shuffle=not pipeline,
+        )  # DeepSpeed's pipeline: in order
     engine: ZeroTrainEngine
     if pipeline:
         from zerotrain.engine.pipeline_engine import PipelineEngine
 
-        engine = PipelineEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
-                                training_dataloader=loader, topology=topology)
+        engine = PipelineEngine(
+            model, cfg, optimizer=opt, lr_scheduler=sched, training_dataloader=loader, topology=topology
+        )
     else:
-        engine = ZeroTrainEngine(model, cfg, optimizer=opt, lr_scheduler=sched,
-                                 training_dataloader=loader, topology=topology)
+        engine = ZeroTrainEngine(
+            model, cfg, optimizer=opt, lr_scheduler=sched, training_dataloader=loader, topology=topology
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -120,7 +140,7 @@ def _resolve_unfilled_auto(config, args, model, topology):
     data, lines = resolve_unfilled_auto(read_config(pick_config_source(config, args)), model)
     if not lines:
         return config, args
-    log_rank0("config: \"auto\" values nobody filled: " + "; ".join(lines), topology=topology)
+    log_rank0('config: "auto" values nobody filled: ' + "; ".join(lines), topology=topology)
     return data, None
 
 
@@ -133,12 +153,15 @@ def _is_pipeline_module(model) -> bool:
 def _pipeline_topology(model, mpu, group) -> Topology:
     """A ``PipelineModule`` brings its own grid (DeepSpeed: ``mpu`` must be None)."""
     if mpu is not None:
-        raise ValueError("initialize(mpu=...) with a PipelineModule: the module's own grid (model.mpu()) "
-                         "is used; pass mpu=None")
+        raise ValueError(
+            "initialize(mpu=...) with a PipelineModule: the module's own grid (model.mpu()) is used; pass mpu=None"
+        )
     topology = model.mpu().topology_
     if group is not None and dist_group_ranks(group) != sorted(topology.axis_ranks("data")):
-        raise ValueError("initialize(data_parallel_group=...) with a PipelineModule: the data group comes "
-                         "from the module's grid; leave data_parallel_group unset")
+        raise ValueError(
+            "initialize(data_parallel_group=...) with a PipelineModule: the data group comes "
+            "from the module's grid; leave data_parallel_group unset"
+        )
     return topology
 
 
@@ -156,27 +179,36 @@ def build_topology(group, mpu) -> Topology:
     if isinstance(mpu, PipelineParallelGrid):
         topology = mpu.topology_
     else:
-        for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
-                     "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size"):
+        for name in (
+            "get_model_parallel_world_size",
+            "get_tensor_model_parallel_world_size",
+            "get_pipeline_model_parallel_world_size",
+            "get_sequence_parallel_world_size",
+        ):
             size = getattr(mpu, name, None)
             if size is not None and size() > 1:
-                raise NotImplementedError(f"initialize(mpu=...): {name}() is {size()}; model, pipeline "
-                                          "and sequence parallelism from a Megatron mpu are not supported; "
-                                          "describe the layout with zerotrain.runtime.pipe.topology."
-                                          "PipelineParallelGrid")
+                raise NotImplementedError(
+                    f"initialize(mpu=...): {name}() is {size()}; model, pipeline "
+                    "and sequence parallelism from a Megatron mpu are not supported; "
+                    "describe the layout with zerotrain.runtime.pipe.topology."
+                    "PipelineParallelGrid"
+                )
         if not hasattr(mpu, "get_data_parallel_group"):
             raise ValueError("initialize(mpu=...): the mpu has no get_data_parallel_group()")
         topology = None
     mpu_group = mpu.get_data_parallel_group()
     if group is not None and group is not mpu_group:
-        raise ValueError("pass the data-parallel group once: data_parallel_group= and "
-                         "mpu.get_data_parallel_group() differ")
+        raise ValueError(
+            "pass the data-parallel group once: data_parallel_group= and mpu.get_data_parallel_group() differ"
+        )
     if topology is None:
         return Topology.from_group(mpu_group)
     if topology.size("pipe") > 1:
-        raise NotImplementedError(f"initialize(mpu=PipelineParallelGrid): {topology.describe()}: a pipe axis "
-                                  "above 1 needs the model to be a zerotrain.pipe.PipelineModule (pass it as "
-                                  "model= with mpu=None); otherwise use num_pp=1")
+        raise NotImplementedError(
+            f"initialize(mpu=PipelineParallelGrid): {topology.describe()}: a pipe axis "
+            "above 1 needs the model to be a zerotrain.pipe.PipelineModule (pass it as "
+            "model= with mpu=None); otherwise use num_pp=1"
+        )
     # A model axis: each model rank holds its own parameters (the user's split of the model);
     # ZeRO shards and reduces them over the data group, and the gradient norm and the overflow
     # decision sum over the model ranks too (Topology.distinct_group).
@@ -203,8 +235,10 @@ def _build_scheduler(client, cfg, optimizer):
     if cfg.scheduler is None:
         return None
     if optimizer is None:
-        raise ValueError("config has a 'scheduler' section but no optimizer: add an 'optimizer' "
-                         "section or pass optimizer= to initialize()")
+        raise ValueError(
+            "config has a 'scheduler' section but no optimizer: add an 'optimizer' "
+            "section or pass optimizer= to initialize()"
+        )
     return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
 
 
@@ -258,5 +292,5 @@ def _broadcast(tensors: list, src: int, group) -> None:
         collectives.broadcast(flat, src=src, group=group)
         offset = 0
         for t in chunk:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()

@@ -12,8 +12,8 @@ from torch import nn
 
 def before_engine(model: nn.Module, cfg) -> None:
     """Apply the checks and settings above for ``model`` under the loaded config ``cfg``."""
-    from zerotrain.recompute.settings import configure_from_engine_config
     from zerotrain.lora import check_quantized_base
+    from zerotrain.recompute.settings import configure_from_engine_config
 
     check_quantized_base(model, cfg.zero_optimization.stage)
     configure_from_engine_config(cfg)

@@ -33,8 +33,10 @@ class OptimizerSurface:
             return
         engine_ref = weakref.ref(engine)
         for name in DELEGATED:
+
             def call(*args, _name=name, **kwargs):
                 return getattr(engine_ref(), _name)(*args, **kwargs)
+
             call.__name__, call.__doc__ = name, getattr(type(engine), name).__doc__
             vars(optimizer)[name] = call
         own_step = optimizer.step
@@ -45,8 +47,10 @@ class OptimizerSurface:
             if current is None or current.training_state is TrainingState.STEPPING:
                 return own_step() if closure is None else own_step(closure)
             if closure is not None:
-                raise ValueError("optimizer.step(closure) on an engine's optimizer: the engine computes the "
-                                 "gradients; call engine.backward(loss) and then engine.step()")
+                raise ValueError(
+                    "optimizer.step(closure) on an engine's optimizer: the engine computes the "
+                    "gradients; call engine.backward(loss) and then engine.step()"
+                )
             current.step()
             return None
 

@@ -35,9 +35,9 @@ from zerotrain.engine.data import RepeatingLoader
 from zerotrain.engine.engine import ZeroTrainEngine, _cast_floats
 from zerotrain.engine.step_core import TrainingState
 from zerotrain.log import log_rank0
+from zerotrain.pipeline import timeline as _timeline
 from zerotrain.pipeline.schedule import StageRunner
 from zerotrain.pipeline.specs import PipelineError, TiedLayerSpec
-from zerotrain.pipeline import timeline as _timeline
 
 if TYPE_CHECKING:
     from zerotrain.pipeline.module import PipelineModule
@@ -53,22 +53,32 @@ def check_pipeline_config(config) -> None:
     """What the pipeline engine refuses, before anything is built (one line each)."""
     zero = config.zero_optimization
     if zero.stage >= 3:
-        raise NotImplementedError(f"zero_optimization.stage={zero.stage} with a PipelineModule: ZeRO-3 is not "
-                                  "supported with pipeline parallelism yet; use stage 0, 1 or 2")
+        raise NotImplementedError(
+            f"zero_optimization.stage={zero.stage} with a PipelineModule: ZeRO-3 is not "
+            "supported with pipeline parallelism yet; use stage 0, 1 or 2"
+        )
     if zero.stage > 0 and not zero.ignore_unused_parameters:
-        raise NotImplementedError("zero_optimization.ignore_unused_parameters=false with a PipelineModule is "
-                                  "not supported (the pipeline reduces once per batch); set it to true")
+        raise NotImplementedError(
+            "zero_optimization.ignore_unused_parameters=false with a PipelineModule is "
+            "not supported (the pipeline reduces once per batch); set it to true"
+        )
     if config.flops_profiler.enabled:
-        raise NotImplementedError("flops_profiler.enabled=true with a PipelineModule is not supported (the "
-                                  "profiler hooks engine.forward, which train_batch does not call); profile "
-                                  "the stages' layers with zerotrain.profiling.flops_profiler.get_model_profile")
+        raise NotImplementedError(
+            "flops_profiler.enabled=true with a PipelineModule is not supported (the "
+            "profiler hooks engine.forward, which train_batch does not call); profile "
+            "the stages' layers with zerotrain.profiling.flops_profiler.get_model_profile"
+        )
     if config.progressive_layer_drop.enabled:
-        raise ValueError("progressive_layer_drop is not supported with a PipelineModule (the pipeline "
-                         "engine calls the stages itself, with no pld_theta); set "
-                         "progressive_layer_drop.enabled to false")
+        raise ValueError(
+            "progressive_layer_drop is not supported with a PipelineModule (the pipeline "
+            "engine calls the stages itself, with no pld_theta); set "
+            "progressive_layer_drop.enabled to false"
+        )
     if config.torch_autocast.enabled:
-        raise NotImplementedError("torch_autocast.enabled with a PipelineModule is not supported yet (stage "
-                                  "forwards are not autocast); use bf16 or fp16, or a non-pipeline model")
+        raise NotImplementedError(
+            "torch_autocast.enabled with a PipelineModule is not supported yet (stage "
+            "forwards are not autocast); use bf16 or fp16, or a non-pipeline model"
+        )
 
 
 class PipelineEngine(ZeroTrainEngine):
@@ -82,11 +92,13 @@ class PipelineEngine(ZeroTrainEngine):
 
     module: PipelineModule  # initialize builds this engine for a PipelineModule only
 
-    def __init__(self, module, config, optimizer=None, lr_scheduler=None, training_dataloader=None,
-                 topology=None) -> None:
+    def __init__(
+        self, module, config, optimizer=None, lr_scheduler=None, training_dataloader=None, topology=None
+    ) -> None:
         check_pipeline_config(config)
-        super().__init__(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         training_dataloader=None, topology=topology)
+        super().__init__(
+            module, config, optimizer=optimizer, lr_scheduler=lr_scheduler, training_dataloader=None, topology=topology
+        )
         self.grid = module.mpu()
         self.stage_id = self.topology.rank("pipe")
         self.num_stages = self.topology.size("pipe")
@@ -98,15 +110,23 @@ class PipelineEngine(ZeroTrainEngine):
         cast = None
         if self.precision.auto_cast:
             cast = functools.partial(_cast_floats, dtype=self.precision.param_dtype)
-        self._runner = StageRunner(module, self.stage_id, self.num_stages, self.device,
-                                   self.topology.group("pipe"), schedule=pipe.schedule, cast_inputs=cast,
-                                   first_rank=self.grid.stage_to_global(0),
-                                   dynamic_shape=bool(getattr(module, "dynamic_shape", False)),
-                                   virtual_stages=virtual,
-                                   virtual_layout=getattr(module, "virtual_layout", "looped"))
+        self._runner = StageRunner(
+            module,
+            self.stage_id,
+            self.num_stages,
+            self.device,
+            self.topology.group("pipe"),
+            schedule=pipe.schedule,
+            cast_inputs=cast,
+            first_rank=self.grid.stage_to_global(0),
+            dynamic_shape=bool(getattr(module, "dynamic_shape", False)),
+            virtual_stages=virtual,
+            virtual_layout=getattr(module, "virtual_layout", "looped"),
+        )
         # The pipe rank computing the loss: the last one, or rank 0 when the stages form a V.
-        self._loss_rank = self.num_stages - 1 if virtual == 1 else module.rank_of_virtual_stage(
-            self.num_stages * virtual - 1)
+        self._loss_rank = (
+            self.num_stages - 1 if virtual == 1 else module.rank_of_virtual_stage(self.num_stages * virtual - 1)
+        )
         self._runner._schedule(self.micro_batches)  # torch's limits on M, one line on every rank now
         self._runner.on_weight_grads = self._fold_assigned_grads
         self.data_iterator = None
@@ -168,16 +188,20 @@ class PipelineEngine(ZeroTrainEngine):
         if not self._reads_data():
             return [], []
         if iterator is None:
-            raise ValueError("train_batch()/eval_batch(): no data on the first/last pipeline stage; pass "
-                             "data_iter=, call set_dataiterator(), or give initialize(training_data=...)")
+            raise ValueError(
+                "train_batch()/eval_batch(): no data on the first/last pipeline stage; pass "
+                "data_iter=, call set_dataiterator(), or give initialize(training_data=...)"
+            )
         inputs, labels = [], []
         for _ in range(n):
             batch = next(iterator)
             if self.batch_fn is not None:
                 batch = self.batch_fn(batch)
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise ValueError("a pipeline batch must be (inputs, labels): the first stage reads inputs, "
-                                 f"the last labels; got {type(batch).__name__}")
+                raise ValueError(
+                    "a pipeline batch must be (inputs, labels): the first stage reads inputs, "
+                    f"the last labels; got {type(batch).__name__}"
+                )
             inputs.append(self._to_device(batch[0]) if self.is_first_stage() else None)
             labels.append(self._to_device(batch[1]) if self.is_last_stage() else None)
         return inputs, labels
@@ -244,11 +268,18 @@ class PipelineEngine(ZeroTrainEngine):
         if self.num_stages > 1:
             collectives.barrier(group=self.topology.group("pipe"))
         span = self._clock.finish()
-        events, spans = _timeline.gather_timeline(self._clock.events, span, self.stage_id, self.num_stages,
-                                                  self.topology.group("pipe"), self.device)
+        events, spans = _timeline.gather_timeline(
+            self._clock.events, span, self.stage_id, self.num_stages, self.topology.group("pipe"), self.device
+        )
         self._last_timeline = events
-        self._last_bubble = _timeline.summarize(events, self.num_stages, self.micro_batches, max(spans),
-                                                self._runner.schedule_name, self._runner.virtual_stages)
+        self._last_bubble = _timeline.summarize(
+            events,
+            self.num_stages,
+            self.micro_batches,
+            max(spans),
+            self._runner.schedule_name,
+            self._runner.virtual_stages,
+        )
 
     def pipeline_timeline(self) -> list:
         """The last ``train_batch``'s events of every stage of this replica's pipeline, on every
@@ -269,14 +300,21 @@ class PipelineEngine(ZeroTrainEngine):
         self._need_timeline("save_pipeline_timeline()")
         if self._last_bubble is None:
             raise ValueError("save_pipeline_timeline(): no batch timed yet; call train_batch() first")
-        _timeline.save_timeline(path, self._last_timeline, self.num_stages, self.micro_batches,
-                                self._last_bubble["duration"], schedule=self._runner.schedule_name,
-                                virtual_stages=self._runner.virtual_stages)
+        _timeline.save_timeline(
+            path,
+            self._last_timeline,
+            self.num_stages,
+            self.micro_batches,
+            self._last_bubble["duration"],
+            schedule=self._runner.schedule_name,
+            virtual_stages=self._runner.virtual_stages,
+        )
 
     def _need_timeline(self, what: str) -> None:
         if self._clock is None:
-            raise ValueError(f"{what}: the pipeline timeline is off; set \"pipeline\": {{\"timeline\": true}} "
-                             "in the config")
+            raise ValueError(
+                f'{what}: the pipeline timeline is off; set "pipeline": {{"timeline": true}} in the config'
+            )
 
     def _log_pipeline_step(self, elapsed: float) -> None:
         """DeepSpeed's pipeline line every ``steps_per_print`` (global rank 0) and, with the
@@ -294,8 +332,10 @@ class PipelineEngine(ZeroTrainEngine):
         tput = self.train_batch_size() / max(iter_time, 1e-12)
         loss = self.agg_train_loss
         assert loss is not None  # train_batch sets it before it logs
-        log_rank0(f"steps: {self.global_steps} loss: {float(loss):0.4f} "
-                  f"iter time (s): {iter_time:0.3f} samples/sec: {tput:0.3f}")
+        log_rank0(
+            f"steps: {self.global_steps} loss: {float(loss):0.4f} "
+            f"iter time (s): {iter_time:0.3f} samples/sec: {tput:0.3f}"
+        )
         if self._last_bubble is not None:
             log_rank0(_timeline.describe(self._last_bubble))
 
@@ -317,7 +357,7 @@ class PipelineEngine(ZeroTrainEngine):
         (``dp_group_loss`` before the average), then broadcast over the pipe group."""
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage() and losses:
-            loss = torch.stack([l.float() for l in losses]).mean()
+            loss = torch.stack([part.float() for part in losses]).mean()
             self.dp_group_loss = loss.clone()
             if self.dp_world_size > 1:
                 collectives.all_reduce(loss, group=self.data_parallel_group)
@@ -328,9 +368,15 @@ class PipelineEngine(ZeroTrainEngine):
         return loss
 
     # -- evaluation ----------------------------------------------------------------------
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg", bcast_loss: bool = True,
-                   num_micro_batches: int | None = None):
+    def eval_batch(
+        self,
+        data_iter,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ):
         """Forward only over ``num_micro_batches`` (default: gradient_accumulation_steps)
         micro-batches pulled from ``data_iter``. Returns the loss averaged over micro-batches and
         the data group (``reduce_output="avg"``; None: the per-micro-batch list, last stage),
@@ -344,8 +390,7 @@ class PipelineEngine(ZeroTrainEngine):
         try:
             inputs, labels = self._pull(n, data_iter if self._reads_data() else None)
             with torch.no_grad(), self._core.phase(TrainingState.FORWARD):
-                losses, outputs = self._runner.run(inputs, labels, n, train=False,
-                                                   compute_loss=compute_loss)
+                losses, outputs = self._runner.run(inputs, labels, n, train=False, compute_loss=compute_loss)
         finally:
             self.module.train(was_training)
         values = losses if compute_loss else outputs
@@ -372,8 +417,12 @@ class PipelineEngine(ZeroTrainEngine):
     # rank of every stage calls them; a checkpoint loads with any number of stages or replicas.
     def checkpoint_layout(self) -> PipelineFileNames:
         """This stage's files in DeepSpeed's pipeline layout (``zerotrain.checkpoint.pipeline``)."""
-        return PipelineFileNames(self.stage_id, self.num_stages, self.precision.param_dtype == torch.bfloat16,
-                                 elsewhere=self.checkpoint_name_elsewhere)
+        return PipelineFileNames(
+            self.stage_id,
+            self.num_stages,
+            self.precision.param_dtype == torch.bfloat16,
+            elsewhere=self.checkpoint_name_elsewhere,
+        )
 
     def checkpoint_name_elsewhere(self, name: str) -> bool:
         """Whether a saved parameter or buffer ``name`` belongs to a layer another stage holds
@@ -386,7 +435,8 @@ class PipelineEngine(ZeroTrainEngine):
         if head == "tied_modules":
             key = rest.partition(".")[0]
             return key not in module.tied_modules and any(
-                isinstance(spec, TiedLayerSpec) and spec.key == key for spec in module._layer_specs)
+                isinstance(spec, TiedLayerSpec) and spec.key == key for spec in module._layer_specs
+            )
         return False
 
     def destroy(self) -> None:
@@ -411,9 +461,11 @@ def _virtual_stages(module, pipe) -> int:
     """The module's chunks per rank; ``pipeline.virtual_stages``, when set, must agree."""
     built = getattr(module, "virtual_stages", 1)
     if pipe.virtual_stages != "auto" and pipe.virtual_stages != built:
-        raise ValueError(f"pipeline.virtual_stages={pipe.virtual_stages} but the PipelineModule was built with "
-                         f"virtual_stages={built}: build it with PipelineModule(..., virtual_stages="
-                         f"{pipe.virtual_stages}) or set pipeline.virtual_stages to \"auto\"")
+        raise ValueError(
+            f"pipeline.virtual_stages={pipe.virtual_stages} but the PipelineModule was built with "
+            f"virtual_stages={built}: build it with PipelineModule(..., virtual_stages="
+            f'{pipe.virtual_stages}) or set pipeline.virtual_stages to "auto"'
+        )
     return built
 
 

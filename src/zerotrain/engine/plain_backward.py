@@ -34,11 +34,12 @@ from zerotrain.engine.step_core import TrainingState
 from zerotrain.engine.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE
 
 # Engines inside ``engine.backward()`` right now (weakly: the set keeps no engine alive).
-_explicit: "weakref.WeakSet" = weakref.WeakSet()
+_explicit: weakref.WeakSet = weakref.WeakSet()
 
 DYNAMIC_SCALE_MESSAGE = (
     "fp16 with dynamic loss scaling: loss.backward() without the loss scale would under- or "
-    "overflow unnoticed; call engine.scale(loss).backward() or engine.backward(loss)")
+    "overflow unnoticed; call engine.scale(loss).backward() or engine.backward(loss)"
+)
 
 
 def _current_task() -> int:

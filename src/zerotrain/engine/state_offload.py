@@ -31,8 +31,9 @@ class EngineStateOffload:
     _plain_backward: PlainBackward
     _zero: StageInterface
 
-    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(
+        self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
         """Move the training state named by ``include`` (``OffloadStateTypeEnum`` members;
         None: all of optimizer states, fp32 masters, 16-bit parameters, gradients, staging
         buffers) off the device to host memory until ``reload_states()``; at stage 3 the
@@ -71,8 +72,9 @@ class EngineStateOffload:
             params = self._zero.state_tensors(self.module, self.optimizer)["lp_params"]
             if not offloader.holds_any(params):
                 return
-        raise RuntimeError(f"{action} while {', '.join(sorted(offloader.offloaded))} are offloaded: "
-                           "call engine.reload_states() first")
+        raise RuntimeError(
+            f"{action} while {', '.join(sorted(offloader.offloaded))} are offloaded: call engine.reload_states() first"
+        )
 
     def _offloaded_nbytes(self) -> int:
         """Bytes of offloaded training state held in host buffers."""

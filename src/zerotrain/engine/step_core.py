@@ -56,8 +56,10 @@ class StepOutcome(enum.Enum):
 
 _PHASES = (TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.STEPPING)
 
-STEP_IN_NO_SYNC = ("engine.step() was called inside engine.no_sync(): gradients there are not "
-                   "reduced across ranks; leave the no_sync() block before stepping")
+STEP_IN_NO_SYNC = (
+    "engine.step() was called inside engine.no_sync(): gradients there are not "
+    "reduced across ranks; leave the no_sync() block before stepping"
+)
 NO_SYNC_REENTERED = "engine.no_sync() is not re-entrant"
 
 
@@ -73,10 +75,13 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, config) -> StepSettings:
-        return cls(gradient_clipping=config.gradient_clipping or 0.0, steps_per_print=config.steps_per_print,
-                   train_batch_size=config.train_batch_size,
-                   micro_batch_size=config.train_micro_batch_size_per_gpu,
-                   accumulation_steps=config.gradient_accumulation_steps)
+        return cls(
+            gradient_clipping=config.gradient_clipping or 0.0,
+            steps_per_print=config.steps_per_print,
+            train_batch_size=config.train_batch_size,
+            micro_batch_size=config.train_micro_batch_size_per_gpu,
+            accumulation_steps=config.gradient_accumulation_steps,
+        )
 
 
 class StepCore:
@@ -84,8 +89,20 @@ class StepCore:
     ``lr_scheduler`` are read at each step (a framework may replace them), and the monitors and
     MoE statistics are handed the engine, as they expect."""
 
-    def __init__(self, engine, settings: StepSettings, *, zero, loss_scaler, check_overflow: bool,
-                 optimizer_surface, timers, monitor, topology, moe_stats=None):
+    def __init__(
+        self,
+        engine,
+        settings: StepSettings,
+        *,
+        zero,
+        loss_scaler,
+        check_overflow: bool,
+        optimizer_surface,
+        timers,
+        monitor,
+        topology,
+        moe_stats=None,
+    ):
         self._engine = weakref.ref(engine)
         self.settings = settings
         self._zero = zero
@@ -236,8 +253,13 @@ class StepCore:
         self.skipped_steps += 1
         self.global_grad_norm = None
         self.outcome = StepOutcome.SKIPPED
-        log_rank0("OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
-                  self.global_steps, scale, self._loss_scaler.loss_scale, topology=self._topology)
+        log_rank0(
+            "OVERFLOW! Skipping step %d. Attempted loss scale: %g, reducing to %g",
+            self.global_steps,
+            scale,
+            self._loss_scaler.loss_scale,
+            topology=self._topology,
+        )
 
     # -- the step log -----------------------------------------------------------------------
     def restart_log_window(self) -> None:
@@ -266,12 +288,19 @@ class StepCore:
         loss = float(torch.stack(losses).mean()) if losses else float("nan")
         lr = ", ".join(f"{v:.6g}" for v in engine.get_lr())
         flops = engine._flops_log_suffix((self.global_samples - samples) // self.train_batch_size, now - then)
-        log_rank0("step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
-                  self.global_steps, self.skipped_steps, lr, loss, rate, flops, topology=self._topology)
+        log_rank0(
+            "step=%d, skipped=%d, lr=[%s], loss=%.4f, samples/sec=%.2f%s",
+            self.global_steps,
+            self.skipped_steps,
+            lr,
+            loss,
+            rate,
+            flops,
+            topology=self._topology,
+        )
         offload = describe_stats(self._zero.statistics(engine.module, engine.optimizer).offload)
         if offload:  # NVMe offload: the last step's swap I/O and the disk footprint
             log_rank0(offload, topology=self._topology)
         if self._timers.enabled:
             times = self._timers.pop()
-            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()),
-                      topology=self._topology)
+            log_rank0("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in times.items()), topology=self._topology)

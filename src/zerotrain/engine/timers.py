@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from zerotrain.accelerator import Accelerator
 
 # DeepSpeed's names, so logs and monitors read the same.
 FORWARD, BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP = (
-    "forward", "backward", "backward_inner", "backward_allreduce", "step")
+    "forward",
+    "backward",
+    "backward_inner",
+    "backward_allreduce",
+    "step",
+)
 
 
 class StepTimers:
@@ -58,9 +63,15 @@ class ThroughputTimer:
     """DeepSpeed's throughput timer. ``config`` may be None (enabled, synchronized) or any object
     with ``enabled`` and ``synchronized`` attributes (DeepSpeed's ``timers.throughput``)."""
 
-    def __init__(self, config=None, batch_size: int | None = 1, start_step: int = 2,
-                 steps_per_output: int | None = None, monitor_memory: bool = False,
-                 logging_fn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        config=None,
+        batch_size: int | None = 1,
+        start_step: int = 2,
+        steps_per_output: int | None = None,
+        monitor_memory: bool = False,
+        logging_fn: Callable[[str], None] | None = None,
+    ):
         self.enabled = getattr(config, "enabled", True)
         self.synchronized = getattr(config, "synchronized", True)
         self.batch_size = 1 if batch_size is None else batch_size
@@ -128,13 +139,16 @@ class ThroughputTimer:
             f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
             f"CurrSamplesPerSec={self.batch_size / max(self.step_elapsed_time, 1e-12)}, "
             f"MemAllocated={round(accelerator.memory_allocated() / 1024**3, 2)}GB, "
-            f"MaxMemAllocated={round(accelerator.max_memory_allocated() / 1024**3, 2)}GB")
+            f"MaxMemAllocated={round(accelerator.max_memory_allocated() / 1024**3, 2)}GB"
+        )
         if self.monitor_memory:
             import psutil
 
-            self.logging(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
-                         f"global_step={self.global_step_count}, vm %: {psutil.virtual_memory().percent}, "
-                         f"swap %: {psutil.swap_memory().percent}")
+            self.logging(
+                f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+                f"global_step={self.global_step_count}, vm %: {psutil.virtual_memory().percent}, "
+                f"swap %: {psutil.swap_memory().percent}"
+            )
 
     def avg_samples_per_sec(self) -> float:
         """``batch_size`` / mean seconds per timed step; ``-inf`` before any step was timed."""

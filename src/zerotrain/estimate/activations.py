@@ -45,12 +45,14 @@ class ActivationBytes:
         return self.layers + self.logits
 
 
-UNKNOWN = ActivationBytes(0, 0, "unknown: no model shape (give --hf-config, --model, or "
-                          "--layers/--hidden/--heads/--vocab)", known=False)
+UNKNOWN = ActivationBytes(
+    0, 0, "unknown: no model shape (give --hf-config, --model, or --layers/--hidden/--heads/--vocab)", known=False
+)
 
 
-def korthikanti_layer_bytes(seq: int, batch: int, hidden: int, heads: int, element_size: int,
-                            flash_attention: bool = False) -> int:
+def korthikanti_layer_bytes(
+    seq: int, batch: int, hidden: int, heads: int, element_size: int, flash_attention: bool = False
+) -> int:
     """Bytes one transformer layer keeps for backward (the whole model's ``M_activation`` / n)."""
     if element_size not in KORTHIKANTI:
         raise ValueError(f"activation element size {element_size}: the formula covers 2 (fp16/bf16) and 4 (fp32)")
@@ -60,8 +62,14 @@ def korthikanti_layer_bytes(seq: int, batch: int, hidden: int, heads: int, eleme
     return linear * sbh + score
 
 
-def formula_activations(shape: ModelShape, micro_batch: int, seq_len: int, element_size: int,
-                        checkpointing: bool = False, flash_attention: bool = False) -> ActivationBytes:
+def formula_activations(
+    shape: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    element_size: int,
+    checkpointing: bool = False,
+    flash_attention: bool = False,
+) -> ActivationBytes:
     """Activations of ``shape`` (needs layers, hidden, heads; vocab for the logits)."""
     if not shape.has_transformer_shape:
         return UNKNOWN
@@ -77,8 +85,7 @@ def formula_activations(shape: ModelShape, micro_batch: int, seq_len: int, eleme
     return ActivationBytes(layers, logits, what, checkpointing)
 
 
-def measure_saved_bytes(model: nn.Module, example_args: tuple, example_kwargs: dict | None = None
-                        ) -> tuple[int, int]:
+def measure_saved_bytes(model: nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> tuple[int, int]:
     """(bytes autograd saves for backward, bytes of the output tensors) for one forward of
     ``model(*example_args, **example_kwargs)``; on the meta device this allocates nothing.
 
@@ -109,8 +116,9 @@ def measure_saved_bytes(model: nn.Module, example_args: tuple, example_kwargs: d
     return sum(saved.values()), only_outputs
 
 
-def measured_activations(model: nn.Module, micro_batch: int, seq_len: int, vocab: int | None,
-                         element_size: int, checkpointing: bool = False) -> ActivationBytes:
+def measured_activations(
+    model: nn.Module, micro_batch: int, seq_len: int, vocab: int | None, element_size: int, checkpointing: bool = False
+) -> ActivationBytes:
     """Run one forward of a causal LM on ``micro_batch × seq_len`` token ids (``labels`` too
     when the forward accepts them) and count what it keeps for backward."""
     device = next(model.parameters()).device
@@ -124,13 +132,14 @@ def measured_activations(model: nn.Module, micro_batch: int, seq_len: int, vocab
         except TypeError:
             saved, outputs = measure_saved_bytes(model, (ids,))
     except Exception as err:  # a user's model may need other inputs: say what was tried
-        raise ValueError(f"could not run a forward of {type(model).__name__} on input_ids of shape "
-                         f"[{micro_batch}, {seq_len}] to measure activations ({type(err).__name__}: "
-                         f"{err}); give --hf-config (or --layers/--hidden/--heads/--vocab) for "
-                         "the formula instead") from None
+        raise ValueError(
+            f"could not run a forward of {type(model).__name__} on input_ids of shape "
+            f"[{micro_batch}, {seq_len}] to measure activations ({type(err).__name__}: "
+            f"{err}); give --hf-config (or --layers/--hidden/--heads/--vocab) for "
+            "the formula instead"
+        ) from None
     kind = "meta" if device.type == "meta" else device.type
-    return ActivationBytes(saved, outputs, f"measured: one forward on {kind} (saved-tensor hooks)",
-                           checkpointing)
+    return ActivationBytes(saved, outputs, f"measured: one forward on {kind} (saved-tensor hooks)", checkpointing)
 
 
 def _storage_key(t: torch.Tensor):

@@ -15,8 +15,11 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder)")
     source.add_argument("--params", metavar="N", help="parameter count, e.g. 7e9, 7B, 560M")
-    source.add_argument("--model", metavar="PKG.MOD:FN",
-                        help="a function building the model (called on the meta device: no memory used)")
+    source.add_argument(
+        "--model",
+        metavar="PKG.MOD:FN",
+        help="a function building the model (called on the meta device: no memory used)",
+    )
     model.add_argument("--layers", type=int, help="with --params: transformer layers (for activations)")
     model.add_argument("--hidden", type=int, help="with --params: hidden size")
     model.add_argument("--heads", type=int, help="with --params: attention heads")
@@ -25,23 +28,31 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node (default 1)")
     hw.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
-    hw.add_argument("--gpu-memory", metavar="SIZE",
-                    help="memory per GPU, e.g. 24GiB or 80GB (default: this machine's GPU, if any)")
+    hw.add_argument(
+        "--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 24GiB or 80GB (default: this machine's GPU, if any)"
+    )
     hw.add_argument("--cpu-memory", metavar="SIZE", help="host memory per node, e.g. 60GiB (default: not judged)")
-    hw.add_argument("--gpu-reserve", metavar="SIZE", default="1GiB",
-                    help="per GPU for the CUDA context, NCCL and fragmentation (default 1GiB)")
+    hw.add_argument(
+        "--gpu-reserve",
+        metavar="SIZE",
+        default="1GiB",
+        help="per GPU for the CUDA context, NCCL and fragmentation (default 1GiB)",
+    )
     run = parser.add_argument_group("training")
-    run.add_argument("--config", metavar="DS_CONFIG",
-                     help="a ds_config.json: its bucket sizes, precision, optimizer and batch are used "
-                          "unless given here")
+    run.add_argument(
+        "--config",
+        metavar="DS_CONFIG",
+        help="a ds_config.json: its bucket sizes, precision, optimizer and batch are used unless given here",
+    )
     run.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default 1)")
     run.add_argument("--gradient-accumulation-steps", type=int, help="(default 1)")
     run.add_argument("--seq-len", type=int, default=512, help="sequence length (default 512)")
     run.add_argument("--precision", choices=("fp32", "fp16", "bf16"), help="(default bf16)")
     run.add_argument("--optimizer", help="adamw (default), adam, sgd, sgd_momentum, adagrad, lion, none")
     run.add_argument("--activation-checkpointing", action="store_true", help="the model checkpoints each layer")
-    run.add_argument("--flash-attention", action="store_true",
-                     help="attention keeps no a*s^2 score matrix (SDPA/flash kernels)")
+    run.add_argument(
+        "--flash-attention", action="store_true", help="attention keeps no a*s^2 score matrix (SDPA/flash kernels)"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the estimate as JSON (schema: EstimateReport)")
     out.add_argument("--plot", metavar="PNG", help="draw per-stage stacked bars (needs zerotrain[plot])")
@@ -76,15 +87,27 @@ def build_estimate(args: argparse.Namespace):
         zero_cfg, raw, zero = _read_ds_config(args.config, world)
         offload = [k for k in ("offload_optimizer", "offload_param") if zero.get(k)]
         if offload:
-            print(f"note: {', '.join(offload)} in {args.config}: the offload rows follow DeepSpeed's "
-                  "placement (zerotrain keeps gradients on the device until the step), and the "
-                  "recommendation is chosen among the rows without offload", file=sys.stderr)
+            print(
+                f"note: {', '.join(offload)} in {args.config}: the offload rows follow DeepSpeed's "
+                "placement (zerotrain keeps gradients on the device until the step), and the "
+                "recommendation is chosen among the rows without offload",
+                file=sys.stderr,
+            )
         # Carried into --write-config (5e5 read as a float is written as 500000).
-        zero_extra = {k: int(v) if isinstance(v, float) and v.is_integer() else v
-                      for k, v in zero.items() if k != "stage" and not k.startswith("offload")}
-    precision = args.precision or ("bf16" if _enabled(raw.get("bf16")) else
-                                   "fp16" if _enabled(raw.get("fp16")) else
-                                   "fp32" if args.config else "bf16")
+        zero_extra = {
+            k: int(v) if isinstance(v, float) and v.is_integer() else v
+            for k, v in zero.items()
+            if k != "stage" and not k.startswith("offload")
+        }
+    precision = args.precision or (
+        "bf16"
+        if _enabled(raw.get("bf16"))
+        else "fp16"
+        if _enabled(raw.get("fp16"))
+        else "fp32"
+        if args.config
+        else "bf16"
+    )
     optimizer, momentum = args.optimizer, 0.0
     if optimizer is None:
         section = raw.get("optimizer") or {}
@@ -109,19 +132,30 @@ def build_estimate(args: argparse.Namespace):
 
         explicit = zero_cfg.model_fields_set
         settings = Settings(
-            world_size=world, precision=precision, optimizer=optimizer,
-            bucket_numel=bucket_numel(zero_cfg, e), overlap_comm=zero_cfg.overlap_comm is not False,
+            world_size=world,
+            precision=precision,
+            optimizer=optimizer,
+            bucket_numel=bucket_numel(zero_cfg, e),
+            overlap_comm=zero_cfg.overlap_comm is not False,
             param_persistence_threshold=int(zero_cfg.param_persistence_threshold),
             prefetch_numel=int(zero_cfg.prefetch_bucket_size) if "prefetch_bucket_size" in explicit else None,
-            max_live_parameters=int(zero_cfg.max_live_parameters))
+            max_live_parameters=int(zero_cfg.max_live_parameters),
+        )
     gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else _local_gpu_memory()
-    hardware = Hardware(gpus_per_node=args.num_gpus, nodes=args.num_nodes, gpu_memory=gpu_memory,
-                        cpu_memory=parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None,
-                        gpu_reserve=parse_bytes(args.gpu_reserve, "--gpu-reserve"))
-    workload = Workload(micro_batch=micro, seq_len=args.seq_len, gradient_accumulation_steps=gas,
-                        activation_checkpointing=args.activation_checkpointing)
-    est = estimate(shape, hardware, workload, settings, flash_attention=args.flash_attention,
-                   zero_extra=zero_extra)
+    hardware = Hardware(
+        gpus_per_node=args.num_gpus,
+        nodes=args.num_nodes,
+        gpu_memory=gpu_memory,
+        cpu_memory=parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None,
+        gpu_reserve=parse_bytes(args.gpu_reserve, "--gpu-reserve"),
+    )
+    workload = Workload(
+        micro_batch=micro,
+        seq_len=args.seq_len,
+        gradient_accumulation_steps=gas,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    est = estimate(shape, hardware, workload, settings, flash_attention=args.flash_attention, zero_extra=zero_extra)
     est.lr = args.lr
     if gpu_memory is None:
         est.notes.insert(0, "no --gpu-memory given and no GPU here: fits are not judged per GPU")
@@ -141,9 +175,13 @@ def _local_gpu_memory() -> int | None:
 
 def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``zerotrain estimate``: print tables (or JSON); write the plot and config when asked."""
-    for flag, value in (("--num-gpus", args.num_gpus), ("--num-nodes", args.num_nodes),
-                        ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch or 1),
-                        ("--gradient-accumulation-steps", args.gradient_accumulation_steps or 1)):
+    for flag, value in (
+        ("--num-gpus", args.num_gpus),
+        ("--num-nodes", args.num_nodes),
+        ("--seq-len", args.seq_len),
+        ("--micro-batch", args.micro_batch or 1),
+        ("--gradient-accumulation-steps", args.gradient_accumulation_steps or 1),
+    ):
         if value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
     if args.plot:

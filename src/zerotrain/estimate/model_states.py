@@ -17,11 +17,12 @@ from zerotrain.estimate.shapes import ModelShape
 
 # Optimizer state bytes per fp32 master element, and whether it keeps a 4-byte step tensor.
 OPTIMIZER_STATE = {
-    "adam": (8, True), "adamw": (8, True),          # exp_avg + exp_avg_sq
-    "adagrad": (4, True),                            # sum of squares
-    "lion": (4, False),                              # exp_avg
-    "sgd": (0, False),                               # plain SGD keeps nothing
-    "sgd_momentum": (4, False),                      # momentum_buffer
+    "adam": (8, True),
+    "adamw": (8, True),  # exp_avg + exp_avg_sq
+    "adagrad": (4, True),  # sum of squares
+    "lion": (4, False),  # exp_avg
+    "sgd": (0, False),  # plain SGD keeps nothing
+    "sgd_momentum": (4, False),  # momentum_buffer
     "none": (0, False),
 }
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -32,8 +33,9 @@ def optimizer_key(name: str, momentum: float = 0.0) -> str:
     if key == "sgd" and momentum:
         key = "sgd_momentum"
     if key not in OPTIMIZER_STATE:
-        raise ValueError(f"--optimizer: {name!r} is not one the estimator knows; use one of "
-                         f"{', '.join(sorted(OPTIMIZER_STATE))}")
+        raise ValueError(
+            f"--optimizer: {name!r} is not one the estimator knows; use one of {', '.join(sorted(OPTIMIZER_STATE))}"
+        )
     return key
 
 
@@ -44,12 +46,12 @@ class Settings:
     world_size: int
     precision: str = "bf16"
     optimizer: str = "adamw"
-    bucket_numel: int | None = None       # None: zerotrain's default (25 MiB of parameters)
+    bucket_numel: int | None = None  # None: zerotrain's default (25 MiB of parameters)
     overlap_comm: bool = True
     grad_accum_precision: str | None = None  # data_types.grad_accum_dtype (default: params')
-    comm_precision: str | None = None        # communication_data_type (default: gradients')
+    comm_precision: str | None = None  # communication_data_type (default: gradients')
     param_persistence_threshold: int = int(1e5)
-    prefetch_numel: int | None = None        # None: one bucket
+    prefetch_numel: int | None = None  # None: one bucket
     max_live_parameters: int = int(1e9)
 
     def __post_init__(self):
@@ -107,9 +109,13 @@ class StageBytes:
 
     def breakdown(self) -> dict[str, int]:
         """The categories ``engine.memory_breakdown()`` reports (stage 3's gathered bytes apart)."""
-        return {"parameters": self.parameters, "master_parameters": self.master_parameters,
-                "gradients": self.gradients, "optimizer_state": self.optimizer_state,
-                "communication_buffers": self.communication_buffers}
+        return {
+            "parameters": self.parameters,
+            "master_parameters": self.master_parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "communication_buffers": self.communication_buffers,
+        }
 
 
 @dataclass(frozen=True)
@@ -164,8 +170,7 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
         # The user's optimizer on the module's own parameters; gradients in flat unpadded buckets.
         tensors = sum(1 for p in shape.module.parameters() if p.requires_grad) if shape.module is not None else 0
         optimizer = per_elem * shape.params + (4 * tensors if has_step else 0)
-        return StageBytes(0, 4 * shape.params + frozen, 0, 4 * shape.params, optimizer, 0,
-                          shard_numel=shape.params)
+        return StageBytes(0, 4 * shape.params + frozen, 0, 4 * shape.params, optimizer, 0, shard_numel=shape.params)
     shard_world = world if stage >= 1 else 1
     if shape.module is not None:
         units = _units_from_module(stage, shape.module, settings, shard_world)
@@ -204,5 +209,16 @@ def stage_bytes(stage: int, shape: ModelShape, settings: Settings) -> StageBytes
     shards = [u.shard for u in units]
     chunk = max(sum(shards[i] for i in c) for c in plan_step_chunks(shards))
     transient = 4 * chunk if g != 4 else 0
-    return StageBytes(stage, parameters, masters, gradients, optimizer, comm, gathered, transient,
-                      shard_numel=shard, largest_unit_numel=largest, derived_shards=derived)
+    return StageBytes(
+        stage,
+        parameters,
+        masters,
+        gradients,
+        optimizer,
+        comm,
+        gathered,
+        transient,
+        shard_numel=shard,
+        largest_unit_numel=largest,
+        derived_shards=derived,
+    )

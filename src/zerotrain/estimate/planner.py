@@ -10,8 +10,8 @@ samples per step); finally the largest micro-batch that fits the chosen configur
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from zerotrain.estimate.activations import ActivationBytes
 from zerotrain.estimate.model_states import OPTIMIZER_STATE, Settings, StageBytes, optimizer_key, stage_bytes
@@ -19,14 +19,24 @@ from zerotrain.estimate.shapes import ModelShape
 from zerotrain.estimate.units import GiB
 
 OFFLOADS = ("none", "optimizer_cpu", "optimizer_params_cpu", "optimizer_params_nvme")
-OFFLOAD_ROWS = ((0, "none"), (1, "none"), (1, "optimizer_cpu"), (2, "none"), (2, "optimizer_cpu"),
-                (3, "none"), (3, "optimizer_cpu"), (3, "optimizer_params_cpu"),
-                (3, "optimizer_params_nvme"))
+OFFLOAD_ROWS = (
+    (0, "none"),
+    (1, "none"),
+    (1, "optimizer_cpu"),
+    (2, "none"),
+    (2, "optimizer_cpu"),
+    (3, "none"),
+    (3, "optimizer_cpu"),
+    (3, "optimizer_params_cpu"),
+    (3, "optimizer_params_nvme"),
+)
 # zerotrain runs every offload row (docs/offload.md), but keeps gradients on the device until the
 # step where DeepSpeed moves them to the host as they are reduced: these bytes are DeepSpeed's.
-OFFLOAD_NOT_MODELLED = ("the offload rows follow DeepSpeed's placement, not zerotrain's (which keeps "
-                        "gradients on the device until the step, docs/offload.md), so they are not "
-                        "recommended")
+OFFLOAD_NOT_MODELLED = (
+    "the offload rows follow DeepSpeed's placement, not zerotrain's (which keeps "
+    "gradients on the device until the step, docs/offload.md), so they are not "
+    "recommended"
+)
 MAX_MICRO_BATCH = 1 << 16
 
 
@@ -94,18 +104,29 @@ class Row:
 
     @property
     def label(self) -> str:
-        names = {"none": "no offload", "optimizer_cpu": "offload optimizer->cpu",
-                 "optimizer_params_cpu": "offload optimizer+params->cpu",
-                 "optimizer_params_nvme": "offload optimizer+params->nvme"}
+        names = {
+            "none": "no offload",
+            "optimizer_cpu": "offload optimizer->cpu",
+            "optimizer_params_cpu": "offload optimizer+params->cpu",
+            "optimizer_params_nvme": "offload optimizer+params->nvme",
+        }
         return f"stage {self.stage}, {names[self.offload]}"
 
 
 ActivationFn = Callable[[int, bool], ActivationBytes]
 
 
-def build_row(stage: int, offload: str, shape: ModelShape, settings: Settings, hw: Hardware,
-              micro_batch: int, checkpointing: bool, activations: ActivationFn,
-              vocab_logit_grad: int = 0) -> Row:
+def build_row(
+    stage: int,
+    offload: str,
+    shape: ModelShape,
+    settings: Settings,
+    hw: Hardware,
+    micro_batch: int,
+    checkpointing: bool,
+    activations: ActivationFn,
+    vocab_logit_grad: int = 0,
+) -> Row:
     """Bytes per GPU and per node of one configuration. ``vocab_logit_grad``: bytes per sample
     of the logits' gradient (backward's largest temporary)."""
     if offload != "none" and (stage == 0 or (offload != "optimizer_cpu" and stage != 3)):
@@ -135,11 +156,21 @@ def build_row(stage: int, offload: str, shape: ModelShape, settings: Settings, h
     states = params + masters + grads + opt
     working = max(act.total + backward_extra, step)
     peak = states + sb.communication_buffers + sb.gathered + working + hw.gpu_reserve
-    gpu = {"parameters": params, "master_parameters": masters, "gradients": grads,
-           "optimizer_state": opt, "model_states": states, "activations": act.total,
-           "activations_layers": act.layers, "activations_logits": act.logits,
-           "communication_buffers": sb.communication_buffers, "gathered_parameters": sb.gathered,
-           "transient": working - act.total, "reserve": hw.gpu_reserve, "peak": peak}
+    gpu = {
+        "parameters": params,
+        "master_parameters": masters,
+        "gradients": grads,
+        "optimizer_state": opt,
+        "model_states": states,
+        "activations": act.total,
+        "activations_layers": act.layers,
+        "activations_logits": act.logits,
+        "communication_buffers": sb.communication_buffers,
+        "gathered_parameters": sb.gathered,
+        "transient": working - act.total,
+        "reserve": hw.gpu_reserve,
+        "peak": peak,
+    }
     # Host, per node: every rank's process; the model as built before initialize (whole in
     # fp32 on every rank, except stage 3 under zero.Init: one module at a time); offloaded state.
     built = ranks * 4 * (shape.largest_layer_params if stage == 3 else shape.params)
@@ -150,13 +181,16 @@ def build_row(stage: int, offload: str, shape: ModelShape, settings: Settings, h
         # Swap buffers: 4 optimizer sub-groups (sub_group_size 1e9) and 5 parameter buffers
         # (buffer_size 1e8), DeepSpeed's defaults.
         pinned = ranks * (4 * min(int(1e9), shard) * 4 + 5 * min(int(1e8), shard) * e)
-    cpu = {"processes": ranks * hw.process_bytes, "model_build": built, "offloaded": offloaded,
-           "pinned_buffers": pinned}
+    cpu = {
+        "processes": ranks * hw.process_bytes,
+        "model_build": built,
+        "offloaded": offloaded,
+        "pinned_buffers": pinned,
+    }
     cpu["peak"] = cpu["processes"] + max(built, offloaded + pinned)
     fits_gpu = None if hw.gpu_memory is None else peak <= hw.gpu_memory
     fits_cpu = None if hw.cpu_memory is None else cpu["peak"] <= hw.cpu_memory
-    return Row(stage, offload, micro_batch, checkpointing, gpu, cpu, nvme, fits_gpu, fits_cpu,
-               act.method, act.known)
+    return Row(stage, offload, micro_batch, checkpointing, gpu, cpu, nvme, fits_gpu, fits_cpu, act.method, act.known)
 
 
 @dataclass
@@ -180,12 +214,16 @@ def explain(row: Row, hw: Hardware, checkpointed: Row | None = None) -> str:
     if row.fits_gpu is False:
         limit = hw.gpu_memory
         parts.append(f"needs {g['peak'] / GiB:.2f} GiB per GPU of {limit / GiB:.2f} GiB")
-        parts.append(f"model states: {g['model_states'] / GiB:.2f} GiB (parameters "
-                     f"{g['parameters'] / GiB:.2f}, fp32 masters {g['master_parameters'] / GiB:.2f}, "
-                     f"gradients {g['gradients'] / GiB:.2f}, optimizer {g['optimizer_state'] / GiB:.2f})")
+        parts.append(
+            f"model states: {g['model_states'] / GiB:.2f} GiB (parameters "
+            f"{g['parameters'] / GiB:.2f}, fp32 masters {g['master_parameters'] / GiB:.2f}, "
+            f"gradients {g['gradients'] / GiB:.2f}, optimizer {g['optimizer_state'] / GiB:.2f})"
+        )
         if row.activations_known:
-            text = (f"activations: {g['activations'] / GiB:.2f} GiB of {limit / GiB:.2f} GiB at "
-                    f"micro-batch {row.micro_batch}")
+            text = (
+                f"activations: {g['activations'] / GiB:.2f} GiB of {limit / GiB:.2f} GiB at "
+                f"micro-batch {row.micro_batch}"
+            )
             if checkpointed is not None and not row.activation_checkpointing:
                 text += f"; with activation checkpointing {checkpointed.gpu['activations'] / GiB:.2f} GiB"
             parts.append(text)
@@ -195,15 +233,16 @@ def explain(row: Row, hw: Hardware, checkpointed: Row | None = None) -> str:
         parts.append(f"buffers, temporaries and reserve: {extra / GiB:.2f} GiB")
     if row.fits_cpu is False:
         c = row.cpu_per_node
-        parts.append(f"needs {c['peak'] / GiB:.2f} GiB of host memory per node of "
-                     f"{hw.cpu_memory / GiB:.2f} GiB (model built on every rank "
-                     f"{c['model_build'] / GiB:.2f}, offloaded {c['offloaded'] / GiB:.2f}, "
-                     f"pinned buffers {c['pinned_buffers'] / GiB:.2f})")
+        parts.append(
+            f"needs {c['peak'] / GiB:.2f} GiB of host memory per node of "
+            f"{hw.cpu_memory / GiB:.2f} GiB (model built on every rank "
+            f"{c['model_build'] / GiB:.2f}, offloaded {c['offloaded'] / GiB:.2f}, "
+            f"pinned buffers {c['pinned_buffers'] / GiB:.2f})"
+        )
     return "; ".join(parts)
 
 
-def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload,
-              hw: Hardware) -> Recommendation:
+def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload, hw: Hardware) -> Recommendation:
     """The procedure of the module docstring over ``make_row(stage, offload, micro, ckpt)``."""
     micro, ckpt = workload.micro_batch, workload.activation_checkpointing
     log: list[str] = []
@@ -211,15 +250,18 @@ def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload
     judged = any(r.fits is not None for r in rows)
     for r in rows:
         if r.fits is not False:
-            log.append(f"stage {r.stage} fits at micro-batch {micro}" if judged else
-                       f"no memory limits given: stage {r.stage} (lowest) chosen without a fit check")
+            log.append(
+                f"stage {r.stage} fits at micro-batch {micro}"
+                if judged
+                else f"no memory limits given: stage {r.stage} (lowest) chosen without a fit check"
+            )
             return _finish(r, workload.gradient_accumulation_steps, make_row, hw, log)
         log.append(f"stage {r.stage} does not fit: {explain(r, hw, make_row(r.stage, 'none', micro, True))}")
-    offload = next((o for o in (make_row(s, off, micro, ckpt) for s, off in OFFLOAD_ROWS if off != "none")
-                    if o.fits), None)
+    offload = next(
+        (o for o in (make_row(s, off, micro, ckpt) for s, off in OFFLOAD_ROWS if off != "none") if o.fits), None
+    )
     if offload is not None:
-        log.append(f"{offload.label} would fit ({offload.gpu_total / GiB:.2f} GiB per GPU), but "
-                   f"{OFFLOAD_NOT_MODELLED}")
+        log.append(f"{offload.label} would fit ({offload.gpu_total / GiB:.2f} GiB per GPU), but {OFFLOAD_NOT_MODELLED}")
     if not ckpt:
         for s in range(4):
             r = make_row(s, "none", micro, True)
@@ -229,18 +271,19 @@ def recommend(make_row: Callable[[int, str, int, bool], Row], workload: Workload
         log.append("activation checkpointing alone is not enough")
     samples = micro * workload.gradient_accumulation_steps
     for smaller in _smaller_batches(micro):
-        for use_ckpt in ([ckpt] if ckpt else [False, True]):
+        for use_ckpt in [ckpt] if ckpt else [False, True]:
             for s in range(4):
                 r = make_row(s, "none", smaller, use_ckpt)
                 if r.fits:
                     gas = -(-samples // smaller)
-                    log.append(f"stage {s} fits at micro-batch {smaller} with gradient accumulation "
-                               f"{gas}{' and activation checkpointing' if use_ckpt else ''} "
-                               f"({smaller * gas} samples per step per GPU)")
+                    log.append(
+                        f"stage {s} fits at micro-batch {smaller} with gradient accumulation "
+                        f"{gas}{' and activation checkpointing' if use_ckpt else ''} "
+                        f"({smaller * gas} samples per step per GPU)"
+                    )
                     return _finish(r, gas, make_row, hw, log, offload)
     why = [f"{r.label}: {explain(r, hw, make_row(r.stage, 'none', micro, True))}" for r in rows]
-    log.append("nothing without offload fits, even at micro-batch 1 with activation "
-               "checkpointing at stage 3")
+    log.append("nothing without offload fits, even at micro-batch 1 with activation checkpointing at stage 3")
     return Recommendation(None, workload.gradient_accumulation_steps, None, log, offload, why)
 
 
@@ -252,14 +295,16 @@ def _smaller_batches(micro: int) -> list[int]:
     return out
 
 
-def _finish(row: Row, gas: int, make_row, hw: Hardware, log: list[str], offload: Row | None = None
-            ) -> Recommendation:
+def _finish(row: Row, gas: int, make_row, hw: Hardware, log: list[str], offload: Row | None = None) -> Recommendation:
     best = None
     if row.fits is not None and row.activations_known:
-        best = largest_micro_batch(lambda m: make_row(row.stage, row.offload, m,
-                                                       row.activation_checkpointing).fits, row.micro_batch)
-        log.append(f"largest micro-batch that fits stage {row.stage}"
-                   f"{' with checkpointing' if row.activation_checkpointing else ''}: {best}")
+        best = largest_micro_batch(
+            lambda m: make_row(row.stage, row.offload, m, row.activation_checkpointing).fits, row.micro_batch
+        )
+        log.append(
+            f"largest micro-batch that fits stage {row.stage}"
+            f"{' with checkpointing' if row.activation_checkpointing else ''}: {best}"
+        )
     return Recommendation(row, gas, best, log, offload)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,9 +46,9 @@ class RowReport(_Strict):
     per_gpu: GpuBytes
     per_node_cpu: CpuBytes
     per_node_nvme: int = Field(ge=0)
-    fits_gpu: Optional[bool]
-    fits_cpu: Optional[bool]
-    fits: Optional[bool]
+    fits_gpu: bool | None
+    fits_cpu: bool | None
+    fits: bool | None
 
 
 class ModelReport(_Strict):
@@ -56,17 +56,17 @@ class ModelReport(_Strict):
     source: Literal["params", "hf-config", "module"]
     params: int = Field(gt=0)
     largest_layer_params: int = Field(gt=0)
-    layers: Optional[int] = None
-    hidden: Optional[int] = None
-    heads: Optional[int] = None
-    vocab: Optional[int] = None
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
 
 
 class SetupReport(_Strict):
     gpus_per_node: int = Field(ge=1)
     nodes: int = Field(ge=1)
-    gpu_memory: Optional[int]
-    cpu_memory: Optional[int]
+    gpu_memory: int | None
+    cpu_memory: int | None
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     precision: Literal["fp32", "fp16", "bf16"]
@@ -84,15 +84,15 @@ class ThumbReport(_Strict):
 
 class RecommendationReport(_Strict):
     fits: bool
-    stage: Optional[int]
-    micro_batch: Optional[int]
-    gradient_accumulation_steps: Optional[int]
-    activation_checkpointing: Optional[bool]
-    max_micro_batch: Optional[int]
+    stage: int | None
+    micro_batch: int | None
+    gradient_accumulation_steps: int | None
+    activation_checkpointing: bool | None
+    max_micro_batch: int | None
     procedure: list[str]
     why_not: list[str]
-    offload_alternative: Optional[str]
-    config: Optional[dict]
+    offload_alternative: str | None
+    config: dict | None
 
 
 class EstimateReport(_Strict):
@@ -118,41 +118,52 @@ def _fit(v: bool | None) -> str:
 def render_text(report: EstimateReport) -> str:
     """The tables ``zerotrain estimate`` prints."""
     m, s = report.model, report.setup
-    out = [f"Model: {m.name}: {m.params:,} parameters ({m.params / 1e9:.3f}B), largest layer "
-           f"{m.largest_layer_params:,}" + (f"; {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
-                                            f"vocab {m.vocab}" if m.layers else ""),
-           f"Setup: {s.nodes} node(s) x {s.gpus_per_node} GPU(s), GPU memory {_g(s.gpu_memory)} GiB, "
-           f"host memory per node {_g(s.cpu_memory)} GiB; {s.precision}, {s.optimizer}, micro-batch "
-           f"{s.micro_batch}, seq {s.seq_len}, activation checkpointing "
-           f"{'on' if s.activation_checkpointing else 'off'}",
-           f"Activations: {s.activation_method}", ""]
-    head = ("stage offload                 | params  master  grads   optim  | activ  comm  gather  temp  "
-            "reserve | peak/GPU fits | host/node fits | nvme/node")
+    out = [
+        f"Model: {m.name}: {m.params:,} parameters ({m.params / 1e9:.3f}B), largest layer "
+        f"{m.largest_layer_params:,}"
+        + (f"; {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab}" if m.layers else ""),
+        f"Setup: {s.nodes} node(s) x {s.gpus_per_node} GPU(s), GPU memory {_g(s.gpu_memory)} GiB, "
+        f"host memory per node {_g(s.cpu_memory)} GiB; {s.precision}, {s.optimizer}, micro-batch "
+        f"{s.micro_batch}, seq {s.seq_len}, activation checkpointing "
+        f"{'on' if s.activation_checkpointing else 'off'}",
+        f"Activations: {s.activation_method}",
+        "",
+    ]
+    head = (
+        "stage offload                 | params  master  grads   optim  | activ  comm  gather  temp  "
+        "reserve | peak/GPU fits | host/node fits | nvme/node"
+    )
     out += ["Per GPU (GiB):", head, "-" * len(head)]
     for r in report.rows:
         g, c = r.per_gpu, r.per_node_cpu
         name = r.offload.replace("optimizer_params", "opt+params").replace("optimizer", "opt")
         mark = "" if r.recommendable else " *"
-        out.append(f"{r.stage:>5} {name + mark:<23} | {_g(g.parameters):>6} {_g(g.master_parameters):>6} "
-                   f"{_g(g.gradients):>6} {_g(g.optimizer_state):>7} | {_g(g.activations):>6} "
-                   f"{_g(g.communication_buffers):>5} {_g(g.gathered_parameters):>6} {_g(g.transient):>5} "
-                   f"{_g(g.reserve):>7} | {_g(g.peak):>8} {_fit(r.fits_gpu):>4} | {_g(c.peak):>9} "
-                   f"{_fit(r.fits_cpu):>4} | {_g(r.per_node_nvme):>9}")
-    out.append("* offload rows follow DeepSpeed's ZeRO-Offload/Infinity placement; zerotrain runs "
-               "offload with gradients on the device until the step, so they are not recommended")
-    out += ["", "Fine-tuning rules of thumb vs this estimator (whole model, one GPU, "
-            "activations excluded):"]
+        out.append(
+            f"{r.stage:>5} {name + mark:<23} | {_g(g.parameters):>6} {_g(g.master_parameters):>6} "
+            f"{_g(g.gradients):>6} {_g(g.optimizer_state):>7} | {_g(g.activations):>6} "
+            f"{_g(g.communication_buffers):>5} {_g(g.gathered_parameters):>6} {_g(g.transient):>5} "
+            f"{_g(g.reserve):>7} | {_g(g.peak):>8} {_fit(r.fits_gpu):>4} | {_g(c.peak):>9} "
+            f"{_fit(r.fits_cpu):>4} | {_g(r.per_node_nvme):>9}"
+        )
+    out.append(
+        "* offload rows follow DeepSpeed's ZeRO-Offload/Infinity placement; zerotrain runs "
+        "offload with gradients on the device until the step, so they are not recommended"
+    )
+    out += ["", "Fine-tuning rules of thumb vs this estimator (whole model, one GPU, activations excluded):"]
     for t in report.fine_tuning_rules_of_thumb:
-        out.append(f"  {t.method:<42} rule {t.rule_bytes / 1e9:8.2f} GB | refined "
-                   f"{t.refined_bytes / 1e9:8.2f} GB  ({t.note})")
+        out.append(
+            f"  {t.method:<42} rule {t.rule_bytes / 1e9:8.2f} GB | refined {t.refined_bytes / 1e9:8.2f} GB  ({t.note})"
+        )
     rec = report.recommendation
     out += ["", "Recommendation:"]
     out += [f"  - {line}" for line in rec.procedure]
     if rec.fits and rec.stage is not None:
-        out.append(f"  => ZeRO stage {rec.stage}, micro-batch {rec.micro_batch}, gradient accumulation "
-                   f"{rec.gradient_accumulation_steps}, activation checkpointing "
-                   f"{'on (enable it in the model)' if rec.activation_checkpointing else 'off'}"
-                   + (f"; largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""))
+        out.append(
+            f"  => ZeRO stage {rec.stage}, micro-batch {rec.micro_batch}, gradient accumulation "
+            f"{rec.gradient_accumulation_steps}, activation checkpointing "
+            f"{'on (enable it in the model)' if rec.activation_checkpointing else 'off'}"
+            + (f"; largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else "")
+        )
     else:
         out.append("  => does not fit without offload:")
         out += [f"     {w}" for w in rec.why_not]

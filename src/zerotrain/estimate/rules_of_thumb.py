@@ -37,10 +37,22 @@ def fine_tuning_rows(adapter_fraction: float = ADAPTER_FRACTION) -> list[ThumbRo
     adapter_adam = 16 * 8 * adapter_fraction  # 2 weights + 2 grads + 4 master + 8 Adam, in bits
     return [
         ThumbRow("load 16-bit weights (2 x params(B) = GB)", 16, 16, "weights only"),
-        ThumbRow("full fine-tuning, bf16 + Adam", 12 * 8, 16 * 8,
-                 "the rule's 12 B leaves out the 4-byte fp32 master weights mixed precision keeps"),
-        ThumbRow("LoRA (16-bit base)", 17.6, 16 + adapter_adam,
-                 f"frozen base 16 bits + adapters ({adapter_fraction:.1%} of params) at 16 B each"),
-        ThumbRow("QLoRA (4-bit base)", 5.6, 4 + QLORA_CONSTANTS_BITS + adapter_adam,
-                 "adds NF4 block constants; QLoRA does not combine with ZeRO-3"),
+        ThumbRow(
+            "full fine-tuning, bf16 + Adam",
+            12 * 8,
+            16 * 8,
+            "the rule's 12 B leaves out the 4-byte fp32 master weights mixed precision keeps",
+        ),
+        ThumbRow(
+            "LoRA (16-bit base)",
+            17.6,
+            16 + adapter_adam,
+            f"frozen base 16 bits + adapters ({adapter_fraction:.1%} of params) at 16 B each",
+        ),
+        ThumbRow(
+            "QLoRA (4-bit base)",
+            5.6,
+            4 + QLORA_CONSTANTS_BITS + adapter_adam,
+            "adds NF4 block constants; QLoRA does not combine with ZeRO-3",
+        ),
     ]

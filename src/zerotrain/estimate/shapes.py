@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ class ModelShape:
     def has_transformer_shape(self) -> bool:
         return None not in (self.layers, self.hidden, self.heads)
 
-    def with_layout(self, **changes) -> "ModelShape":
+    def with_layout(self, **changes) -> ModelShape:
         return replace(self, **changes)
 
 
@@ -65,9 +66,14 @@ def from_params(params: int, largest_layer_params: int | None = None, **shape: A
             largest_layer_params = max(vocab * hidden, 4 * hidden * hidden)
         else:
             largest_layer_params = max(1, params // 32)
-    return ModelShape(params=params, largest_layer_params=largest_layer_params,
-                      largest_param=largest_layer_params, name=f"{params / 1e9:g}B-parameter model",
-                      source="params", **shape)
+    return ModelShape(
+        params=params,
+        largest_layer_params=largest_layer_params,
+        largest_param=largest_layer_params,
+        name=f"{params / 1e9:g}B-parameter model",
+        source="params",
+        **shape,
+    )
 
 
 def _first(cfg: dict, *names: str, default=None):
@@ -108,15 +114,26 @@ def from_hf_config(config: str | os.PathLike | dict) -> ModelShape:
     hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
     heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
     vocab = _first(cfg, "vocab_size")
-    missing = [n for n, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
-                              ("num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
+    missing = [
+        n
+        for n, v in (
+            ("num_hidden_layers", layers),
+            ("hidden_size", hidden),
+            ("num_attention_heads", heads),
+            ("vocab_size", vocab),
+        )
+        if v is None
+    ]
     if missing:
-        raise ValueError(f"--hf-config: the config has no {', '.join(missing)} (a decoder "
-                         "transformer's config.json names them); give --params instead")
+        raise ValueError(
+            f"--hf-config: the config has no {', '.join(missing)} (a decoder "
+            "transformer's config.json names them); give --params instead"
+        )
     layers, hidden, heads, vocab = int(layers), int(hidden), int(heads), int(vocab)
     gated = model_type in _GATED
-    ffn = int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
-                     default=4 * hidden) or 4 * hidden)
+    ffn = int(
+        _first(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden) or 4 * hidden
+    )
     kv_heads = int(_first(cfg, "num_key_value_heads", default=heads) or heads)
     head_dim = int(_first(cfg, "head_dim", default=hidden // heads) or hidden // heads)
     bias = bool(_first(cfg, "attention_bias", "bias", "enable_bias", default=not gated))
@@ -137,9 +154,17 @@ def from_hf_config(config: str | os.PathLike | dict) -> ModelShape:
     tied = bool(cfg.get("tie_word_embeddings", True))
     head = 0 if tied else vocab * hidden
     params = layers * per_layer + embedding + positions + final_norm + extra + head
-    return ModelShape(params=params, largest_layer_params=max(embedding, mlp // (3 if gated else 2)),
-                      largest_param=embedding, name=cfg.get("_name_or_path") or model_type or "hf-model",
-                      layers=layers, hidden=hidden, heads=heads, vocab=vocab, source="hf-config")
+    return ModelShape(
+        params=params,
+        largest_layer_params=max(embedding, mlp // (3 if gated else 2)),
+        largest_param=embedding,
+        name=cfg.get("_name_or_path") or model_type or "hf-model",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        source="hf-config",
+    )
 
 
 def from_module(module: nn.Module, name: str | None = None) -> ModelShape:
@@ -150,20 +175,34 @@ def from_module(module: nn.Module, name: str | None = None) -> ModelShape:
     trainable = [p for p in seen.values() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters to estimate")
-    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
-                        for m in module.modules())
+    largest_layer = max(
+        sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in module.modules()
+    )
     config = getattr(module, "config", None)
     shape: dict[str, Any] = {}
     if config is not None:  # HF-style or zerotrain GPTConfig: read the shape for the formulas
-        get = (lambda *n: _first(config if isinstance(config, dict) else vars(config), *n))
-        shape = dict(layers=get("num_hidden_layers", "n_layer", "num_layers"),
-                     hidden=get("hidden_size", "n_embd", "d_model"),
-                     heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"))
+        fields = config if isinstance(config, dict) else vars(config)
+
+        def get(*names):
+            return _first(fields, *names)
+
+        shape = dict(
+            layers=get("num_hidden_layers", "n_layer", "num_layers"),
+            hidden=get("hidden_size", "n_embd", "d_model"),
+            heads=get("num_attention_heads", "n_head"),
+            vocab=get("vocab_size"),
+        )
         shape = {k: int(v) for k, v in shape.items() if isinstance(v, int)}
-    return ModelShape(params=sum(p.numel() for p in trainable), largest_layer_params=largest_layer,
-                      largest_param=max(p.numel() for p in trainable),
-                      frozen_params=sum(p.numel() for p in seen.values() if not p.requires_grad),
-                      name=name or type(module).__name__, module=module, source="module", **shape)
+    return ModelShape(
+        params=sum(p.numel() for p in trainable),
+        largest_layer_params=largest_layer,
+        largest_param=max(p.numel() for p in trainable),
+        frozen_params=sum(p.numel() for p in seen.values() if not p.requires_grad),
+        name=name or type(module).__name__,
+        module=module,
+        source="module",
+        **shape,
+    )
 
 
 def load_builder(spec: str) -> Callable[[], nn.Module]:

@@ -17,9 +17,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from zerotrain.estimate.units import parse_bytes
 
@@ -40,16 +40,25 @@ def _add_options(parser: argparse.ArgumentParser, default=None) -> None:
         return value if default is None else default
 
     parser.add_argument("--config", default=d(None), metavar="DS_CONFIG", help="the ds_config.json to tune (required)")
-    parser.add_argument("--memory-limit", default=d(None), metavar="SIZE",
-                        help="per-rank peak memory allowed, e.g. 20GiB (GPU reserved memory, or RSS on CPU; required)")
-    parser.add_argument("--nproc", "--num_gpus", dest="nproc", type=int, default=d(None),
-                        help="ranks per trial (default: launch's)")
+    parser.add_argument(
+        "--memory-limit",
+        default=d(None),
+        metavar="SIZE",
+        help="per-rank peak memory allowed, e.g. 20GiB (GPU reserved memory, or RSS on CPU; required)",
+    )
+    parser.add_argument(
+        "--nproc", "--num_gpus", dest="nproc", type=int, default=d(None), help="ranks per trial (default: launch's)"
+    )
     parser.add_argument("--stages", default=d("0,1,2,3"), help="ZeRO stages to try (default 0,1,2,3)")
     parser.add_argument("--steps", type=int, default=d(3), help="timed optimizer steps per trial, after 1 warm-up")
     parser.add_argument("--max-micro-batch", type=int, default=d(64), help="largest micro-batch tried (default 64)")
     parser.add_argument("--trial-timeout", type=float, default=d(600.0), help="seconds per trial (default 600)")
-    parser.add_argument("--write-config", default=d("tuned_ds_config.json"), metavar="PATH",
-                        help="where the fastest fitting config is written (default tuned_ds_config.json)")
+    parser.add_argument(
+        "--write-config",
+        default=d("tuned_ds_config.json"),
+        metavar="PATH",
+        help="where the fastest fitting config is written (default tuned_ds_config.json)",
+    )
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +76,7 @@ def _split_script_args(args: argparse.Namespace) -> None:
     after = []
     if "--" in rest:
         i = rest.index("--")
-        rest, after = rest[:i], rest[i + 1:]
+        rest, after = rest[:i], rest[i + 1 :]
     found, script_args = own.parse_known_args(rest)
     vars(args).update(vars(found))
     args.user_args = script_args + after
@@ -115,8 +124,12 @@ def run_trial(args: argparse.Namespace, base: dict, stage: int, micro: int, limi
     if args.nproc:
         cmd += ["--nproc", str(args.nproc)]
     cmd += ["--module", "zerotrain.estimate.tune_runner", args.user_script, *args.user_args]
-    env = dict(os.environ, ZEROTRAIN_TUNE_CONFIG=str(config_path), ZEROTRAIN_TUNE_STEPS=str(args.steps),
-               ZEROTRAIN_TUNE_OUT=str(out))
+    env = dict(
+        os.environ,
+        ZEROTRAIN_TUNE_CONFIG=str(config_path),
+        ZEROTRAIN_TUNE_STEPS=str(args.steps),
+        ZEROTRAIN_TUNE_OUT=str(out),
+    )
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.trial_timeout)
     except subprocess.TimeoutExpired:
@@ -130,19 +143,22 @@ def run_trial(args: argparse.Namespace, base: dict, stage: int, micro: int, limi
         return Trial(stage, micro, False, error=why)
     peak = max(r["peak_bytes"] for r in results)
     speed = min(r["samples_per_s"] for r in results)
-    return Trial(stage, micro, peak <= limit, peak, speed,
-                 None if peak <= limit else f"peak {peak / 2**30:.2f} GiB > limit")
+    return Trial(
+        stage, micro, peak <= limit, peak, speed, None if peak <= limit else f"peak {peak / 2**30:.2f} GiB > limit"
+    )
 
 
 def run_tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from zerotrain.config.load import read_config
 
     _split_script_args(args)
-    missing = [flag for flag, value in (("--config", args.config), ("--memory-limit", args.memory_limit))
-               if value is None]
+    missing = [
+        flag for flag, value in (("--config", args.config), ("--memory-limit", args.memory_limit)) if value is None
+    ]
     if missing:
-        parser.error(f"{' and '.join(missing)} required, e.g. zerotrain tune train.py --config ds.json "
-                     "--memory-limit 20GiB")
+        parser.error(
+            f"{' and '.join(missing)} required, e.g. zerotrain tune train.py --config ds.json --memory-limit 20GiB"
+        )
     try:
         limit = parse_bytes(args.memory_limit, "--memory-limit")
         stages = [int(s) for s in args.stages.split(",")]
@@ -159,12 +175,19 @@ def run_tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with tempfile.TemporaryDirectory(prefix="zerotrain-tune-") as tmp:
         for stage in stages:
             best, trials = largest_fitting(
-                lambda m: run_trial(args, base, stage, m, limit, Path(tmp)), args.max_micro_batch)
+                lambda m: run_trial(args, base, stage, m, limit, Path(tmp)), args.max_micro_batch
+            )
             for t in trials:
-                detail = (f"peak {t.peak_bytes / 2**30:.3f} GiB, {t.samples_per_s:.1f} samples/s"
-                          if t.peak_bytes is not None else "")
-                print(f"stage {t.stage} micro-batch {t.micro_batch:>4}: {'fits' if t.fits else 'no'}"
-                      f"{' (' + detail + ')' if detail else ''}{' - ' + t.error if t.error else ''}", flush=True)
+                detail = (
+                    f"peak {t.peak_bytes / 2**30:.3f} GiB, {t.samples_per_s:.1f} samples/s"
+                    if t.peak_bytes is not None
+                    else ""
+                )
+                print(
+                    f"stage {t.stage} micro-batch {t.micro_batch:>4}: {'fits' if t.fits else 'no'}"
+                    f"{' (' + detail + ')' if detail else ''}{' - ' + t.error if t.error else ''}",
+                    flush=True,
+                )
             best_per_stage[stage] = best
     print(f"\n{'stage':>5} | {'largest micro-batch':>19} | {'samples/s':>9} | peak per rank")
     for stage, t in best_per_stage.items():
@@ -179,6 +202,8 @@ def run_tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     fastest = max(fitting, key=lambda t: t.samples_per_s)
     config = trial_config(base, fastest.stage, fastest.micro_batch)
     Path(args.write_config).write_text(json.dumps(config, indent=2) + "\n")
-    print(f"fastest that fits: stage {fastest.stage}, micro-batch {fastest.micro_batch} "
-          f"({fastest.samples_per_s:.1f} samples/s); wrote {args.write_config}")
+    print(
+        f"fastest that fits: stage {fastest.stage}, micro-batch {fastest.micro_batch} "
+        f"({fastest.samples_per_s:.1f} samples/s); wrote {args.write_config}"
+    )
     return 0

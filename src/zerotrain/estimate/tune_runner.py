@@ -76,8 +76,12 @@ def install(config_path: str, steps: int, out_dir: str) -> None:
         if state["done_steps"] >= steps:
             elapsed = time.perf_counter() - state["start"]
             samples = state["micro"] * self.train_micro_batch_size_per_gpu() * self.dp_world_size
-            record = {"peak_bytes": peak_memory_bytes(), "samples_per_s": samples / elapsed,
-                      "steps": state["done_steps"], "rank": self.global_rank}
+            record = {
+                "peak_bytes": peak_memory_bytes(),
+                "samples_per_s": samples / elapsed,
+                "steps": state["done_steps"],
+                "rank": self.global_rank,
+            }
             Path(out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
             raise _TrialDone(0)
         return result

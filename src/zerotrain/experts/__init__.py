@@ -6,5 +6,15 @@ from zerotrain.experts.gating import TopKGate, top1gating, top2gating, topkgatin
 from zerotrain.experts.hf import expert_parallel, gather_expert_state_dict, shard_expert_state_dict
 from zerotrain.experts.layer import Experts, MoE, MOELayer
 
-__all__ = ["MoE", "MOELayer", "Experts", "TopKGate", "top1gating", "top2gating", "topkgating",
-           "expert_parallel", "gather_expert_state_dict", "shard_expert_state_dict"]
+__all__ = [
+    "MoE",
+    "MOELayer",
+    "Experts",
+    "TopKGate",
+    "top1gating",
+    "top2gating",
+    "topkgating",
+    "expert_parallel",
+    "gather_expert_state_dict",
+    "shard_expert_state_dict",
+]

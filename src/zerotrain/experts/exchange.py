@@ -11,8 +11,9 @@ experts, so those two stay with the callers and the collectives live here once. 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,8 +25,9 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with (possibly uneven) splits; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx: Any, group, input: Tensor, output_splits: Optional[List[int]] = None,
-                input_splits: Optional[List[int]] = None) -> Tensor:
+    def forward(
+        ctx: Any, group, input: Tensor, output_splits: list[int] | None = None, input_splits: list[int] | None = None
+    ) -> Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         input = input.contiguous()
         if output_splits is None:
@@ -47,12 +49,18 @@ class DroplessResult:
     seconds spent in the outbound and the return all-to-all (None without an exchange)."""
 
     out: Tensor
-    dispatch_s: Optional[float] = None
-    combine_s: Optional[float] = None
+    dispatch_s: float | None = None
+    combine_s: float | None = None
 
 
-def dropless_exchange(rows: Sequence[Tensor], expert_of_row: Tensor, num_experts: int, ep_size: int, group,
-                      run_local_experts: Callable[[List[Tensor], Tensor, Tensor], Tensor]) -> DroplessResult:
+def dropless_exchange(
+    rows: Sequence[Tensor],
+    expert_of_row: Tensor,
+    num_experts: int,
+    ep_size: int,
+    group,
+    run_local_experts: Callable[[list[Tensor], Tensor, Tensor], Tensor],
+) -> DroplessResult:
     """Send each row to the rank owning its expert, run the local experts there, send the outputs back.
 
     ``rows``: tensors with one row per route, the routes sorted (stably) by global expert;

@@ -12,7 +12,7 @@ Jitter, top-2's second-expert sampling) are the same torch draws, in the same or
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,11 @@ class Routes(NamedTuple):
     """One gate decision. ``capacity`` is None when it was not asked for (dropless dispatch)."""
 
     l_aux: Tensor
-    capacity: Optional[int]
+    capacity: int | None
     num_experts: int
-    indices: Tensor    # [k, S] int64, -1 where the route was dropped
+    indices: Tensor  # [k, S] int64, -1 where the route was dropped
     locations: Tensor  # [k, S] int64, the slot in the expert's buffer (0 where dropped)
-    gates: Tensor      # [k, S] fp32 combine weights (0 where dropped)
+    gates: Tensor  # [k, S] fp32 combine weights (0 where dropped)
     exp_counts: Tensor  # [E] routes per expert before the capacity drops (detached)
 
 
@@ -73,19 +73,31 @@ def _dropless_capacity(exp_counts: Tensor, ep_group) -> int:
 
 def _no_tutel(use_tutel: bool) -> None:
     if use_tutel:
-        raise NotImplementedError("use_tutel=True: Tutel is not supported by zerotrain; leave use_tutel=False "
-                                  "(the dispatch is by index already)")
+        raise NotImplementedError(
+            "use_tutel=True: Tutel is not supported by zerotrain; leave use_tutel=False "
+            "(the dispatch is by index already)"
+        )
 
 
 def _check_min_capacity(num_tokens: int, min_capacity: int) -> None:
     if num_tokens < min_capacity:
-        raise ValueError(f"min_capacity={min_capacity} is more than the {num_tokens} tokens of this batch: set "
-                         "min_capacity to 0 or give the MoE layer more tokens (DeepSpeed asserts the same)")
+        raise ValueError(
+            f"min_capacity={min_capacity} is more than the {num_tokens} tokens of this batch: set "
+            "min_capacity to 0 or give the MoE layer more tokens (DeepSpeed asserts the same)"
+        )
 
 
-def top1_routes(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[Tensor] = None,
-                noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
-                ep_group=None, need_capacity: bool = True) -> Routes:
+def top1_routes(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: Tensor | None = None,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+    ep_group=None,
+    need_capacity: bool = True,
+) -> Routes:
     if noisy_gate_policy == "RSample":
         logits_w_noise = logits + gumbel_rsample(logits.shape, device=logits.device)
     gates = F.softmax(logits, dim=1)
@@ -119,12 +131,26 @@ def top1_routes(logits: Tensor, capacity_factor: float, min_capacity: int, used_
     indices = torch.where(kept, indices1_s, torch.full_like(indices1_s, -1))
     locations = torch.sum(locations1 * mask1, dim=1)
     gates1_s = (gates * mask1.float()).sum(dim=1)  # top-1 is not renormalized
-    return Routes(l_aux, cap if (drop_tokens or need_capacity) else None, num_experts, indices.unsqueeze(0),
-                  locations.long().unsqueeze(0), gates1_s.unsqueeze(0), exp_counts)
+    return Routes(
+        l_aux,
+        cap if (drop_tokens or need_capacity) else None,
+        num_experts,
+        indices.unsqueeze(0),
+        locations.long().unsqueeze(0),
+        gates1_s.unsqueeze(0),
+        exp_counts,
+    )
 
 
-def top2_routes(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-                ep_group=None, top2_2nd_expert_sampling: bool = True, need_capacity: bool = True) -> Routes:
+def top2_routes(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    top2_2nd_expert_sampling: bool = True,
+    need_capacity: bool = True,
+) -> Routes:
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = int(gates.shape[0]), int(gates.shape[1])
     indices1_s = torch.argmax(gates, dim=1)
@@ -164,12 +190,27 @@ def top2_routes(logits: Tensor, capacity_factor: float, min_capacity: int, drop_
     gates2_s = gates2_s / denom_s
     idx1 = torch.where(kept1, indices1_s, torch.full_like(indices1_s, -1))
     idx2 = torch.where(kept2, indices2_s, torch.full_like(indices2_s, -1))
-    return Routes(l_aux, cap, num_experts, torch.stack([idx1, idx2]),
-                  torch.stack([locations1_s, locations2_s]).long(), torch.stack([gates1_s, gates2_s]), exp_counts)
+    return Routes(
+        l_aux,
+        cap,
+        num_experts,
+        torch.stack([idx1, idx2]),
+        torch.stack([locations1_s, locations2_s]).long(),
+        torch.stack([gates1_s, gates2_s]),
+        exp_counts,
+    )
 
 
-def topk_routes(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-                ep_group=None, drop_policy: str = "probs", need_capacity: bool = True) -> Routes:
+def topk_routes(
+    logits: Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    drop_policy: str = "probs",
+    need_capacity: bool = True,
+) -> Routes:
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy={drop_policy!r}: use 'probs' or 'position'")
     gates = F.softmax(logits, dim=1)
@@ -207,8 +248,15 @@ def topk_routes(logits: Tensor, k: int, capacity_factor: float, min_capacity: in
     indices = torch.where(route_kept, top_idx, torch.full_like(top_idx, -1))
     route_locations = locations.gather(1, top_idx) * route_kept
     route_gates = gates_masked.gather(1, top_idx)
-    return Routes(l_aux, cap, num_experts, indices.t().contiguous(), route_locations.t().contiguous().long(),
-                  route_gates.t().contiguous(), exp_counts)
+    return Routes(
+        l_aux,
+        cap,
+        num_experts,
+        indices.t().contiguous(),
+        route_locations.t().contiguous().long(),
+        route_gates.t().contiguous(),
+        exp_counts,
+    )
 
 
 def dense(routes: Routes) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -225,29 +273,61 @@ def dense(routes: Routes) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _sparse(routes: Routes) -> tuple:
-    return (routes.l_aux, routes.capacity, routes.num_experts, routes.indices.to(torch.int32),
-            routes.locations.to(torch.int32), routes.gates, routes.exp_counts)
+    return (
+        routes.l_aux,
+        routes.capacity,
+        routes.num_experts,
+        routes.indices.to(torch.int32),
+        routes.locations.to(torch.int32),
+        routes.gates,
+        routes.exp_counts,
+    )
 
 
-def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor = None,
-               noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group=None, sparse_routes: bool = False, use_tutel: bool = False):
+def top1gating(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: Tensor = None,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+    ep_group=None,
+    sparse_routes: bool = False,
+    use_tutel: bool = False,
+):
     """Top-1 gating (Switch): the raw softmax probability weights the output (no renormalization)."""
     _no_tutel(use_tutel)
-    routes = top1_routes(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens,
-                         use_rts, ep_group)
+    routes = top1_routes(
+        logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens, use_rts, ep_group
+    )
     return _sparse(routes) if sparse_routes else dense(routes)
 
 
-def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, top2_2nd_expert_sampling: bool = True, sparse_routes: bool = False):
+def top2gating(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    top2_2nd_expert_sampling: bool = True,
+    sparse_routes: bool = False,
+):
     """Top-2 gating (GShard): capacity from ``2 * capacity_factor``, second choices after first ones."""
     routes = top2_routes(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling)
     return _sparse(routes) if sparse_routes else dense(routes)
 
 
-def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, drop_policy: str = "probs", sparse_routes: bool = False):
+def topkgating(
+    logits: Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    drop_policy: str = "probs",
+    sparse_routes: bool = False,
+):
     """Top-k gating: capacity from ``k * capacity_factor``, gates renormalized over the kept experts."""
     routes = topk_routes(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy)
     return _sparse(routes) if sparse_routes else dense(routes)
@@ -259,10 +339,20 @@ class TopKGate(nn.Module):
 
     wg: nn.Linear
 
-    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: Optional[str] = None,
-                 drop_tokens: bool = True, use_rts: bool = True, ep_group=None,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 8,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        ep_group=None,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
         super().__init__()
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}: use None, 'Jitter' or 'RSample'")
@@ -284,7 +374,7 @@ class TopKGate(nn.Module):
             raise RuntimeError("TopKGate already has an expert-parallel group")
         self.ep_group = ep_group
 
-    def routes(self, input: Tensor, used_token: Optional[Tensor] = None, need_capacity: bool = True) -> Routes:
+    def routes(self, input: Tensor, used_token: Tensor | None = None, need_capacity: bool = True) -> Routes:
         """The gate's decision as routes (what the layer dispatches with)."""
         input_fp32 = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
@@ -292,17 +382,32 @@ class TopKGate(nn.Module):
         logits = F.linear(input_fp32, weight=self.wg.weight.float(), bias=None)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
-            return top1_routes(logits, cf, self.min_capacity, used_token,
-                               self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
-                               self.ep_group, need_capacity)
+            return top1_routes(
+                logits,
+                cf,
+                self.min_capacity,
+                used_token,
+                self.noisy_gate_policy if self.training else None,
+                self.drop_tokens,
+                self.use_rts,
+                self.ep_group,
+                need_capacity,
+            )
         if self.k == 2:
-            return top2_routes(logits, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                               self.top2_2nd_expert_sampling, need_capacity)
-        return topk_routes(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                           need_capacity=need_capacity)
+            return top2_routes(
+                logits,
+                cf,
+                self.min_capacity,
+                self.drop_tokens,
+                self.ep_group,
+                self.top2_2nd_expert_sampling,
+                need_capacity,
+            )
+        return topk_routes(
+            logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group, need_capacity=need_capacity
+        )
 
-    def forward(self, input: Tensor, used_token: Tensor = None, sparse_routes: bool = False,
-                use_tutel: bool = False):
+    def forward(self, input: Tensor, used_token: Tensor = None, sparse_routes: bool = False, use_tutel: bool = False):
         _no_tutel(use_tutel)
         routes = self.routes(input, used_token)
         return _sparse(routes) if sparse_routes else dense(routes)

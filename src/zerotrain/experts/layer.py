@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,7 @@ class Experts(nn.Module):
     """The local experts: ``deepspeed_experts``, copies of ``expert`` whose parameters are marked
     ``allreduce = False`` and ``group_name = expert_group_name`` (what ``is_moe_param`` tests)."""
 
-    def __init__(self, expert: nn.Module, num_local_experts: int = 1,
-                 expert_group_name: Optional[str] = None) -> None:
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
         super().__init__()
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
@@ -55,12 +54,21 @@ class MOELayer(nn.Module):
     """Gate, dispatch (all-to-all over the expert-parallel group), local experts, combine.
     ``l_aux`` and ``exp_counts`` of the last forward stay on the module, as in DeepSpeed."""
 
-    def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, use_tutel: bool = False) -> None:
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: nn.Module,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ) -> None:
         super().__init__()
         if use_tutel:
-            raise NotImplementedError("use_tutel=True: Tutel is not supported by zerotrain; leave use_tutel=False "
-                                      "(the dispatch is by index already)")
+            raise NotImplementedError(
+                "use_tutel=True: Tutel is not supported by zerotrain; leave use_tutel=False "
+                "(the dispatch is by index already)"
+            )
         self.gate = gate
         self.experts = experts
         self.ep_group = None
@@ -96,8 +104,10 @@ class MOELayer(nn.Module):
         used_token = input[1] if len(input) > 1 else None
         drop = getattr(self.gate, "drop_tokens", True)
         if self._exchanges() and self.ep_group is None:
-            raise RuntimeError(f"MOELayer with ep_size={self.ep_size} has no expert-parallel group: build it "
-                               "through the MoE layer (MoE.set_deepspeed_parallelism())")
+            raise RuntimeError(
+                f"MOELayer with ep_size={self.ep_size} has no expert-parallel group: build it "
+                "through the MoE layer (MoE.set_deepspeed_parallelism())"
+            )
         routes = self.gate.routes(x, used_token, need_capacity=drop)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         self.capacity = routes.capacity  # None in dropless mode (zerotrain.experts.stats reads it)
@@ -141,9 +151,11 @@ class MOELayer(nn.Module):
         comm.all_gather_into(every, mine, group=self.ep_group)
         caps = every.view(-1, 2)
         if bool((caps[:, 0] != cap).any()):
-            raise ValueError(f"MoE capacities differ across the expert-parallel group {self.ep_group_name} "
-                             f"(tokens per rank {caps[:, 1].tolist()} give capacities {caps[:, 0].tolist()}): "
-                             "give every rank the same number of tokens, or use drop_tokens=False")
+            raise ValueError(
+                f"MoE capacities differ across the expert-parallel group {self.ep_group_name} "
+                f"(tokens per rank {caps[:, 1].tolist()} give capacities {caps[:, 0].tolist()}): "
+                "give every rank the same number of tokens, or use drop_tokens=False"
+            )
 
     # -- dropless: only routed tokens travel ----------------------------------------------------
     def _dropless_dispatch(self, x: Tensor, routes: Routes) -> Tensor:
@@ -158,7 +170,7 @@ class MOELayer(nn.Module):
         tokens = route_of_row % num_tokens
         send = x.index_select(0, tokens)
 
-        def run_local_experts(received: List[Tensor], local_of_row: Tensor, received_counts: Tensor) -> Tensor:
+        def run_local_experts(received: list[Tensor], local_of_row: Tensor, received_counts: Tensor) -> Tensor:
             # received: [source rank][local expert][tokens]; regroup by local expert
             perm = torch.sort(local_of_row, stable=True)[1]
             grouped = received[0].index_select(0, perm).split(received_counts.sum(0).tolist())
@@ -204,15 +216,32 @@ class MoE(nn.Module):
     has no such argument, so without one the layer takes the process's current topology
     (``zerotrain.topology.current()``, what DeepSpeed's global groups answer from)."""
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
-                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
-                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True, *, topology=None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        *,
+        topology=None,
+    ) -> None:
         super().__init__()
         if use_tutel:
-            raise NotImplementedError("MoE(use_tutel=True): Tutel is not supported by zerotrain; leave "
-                                      "use_tutel=False (the dispatch is by index already)")
+            raise NotImplementedError(
+                "MoE(use_tutel=True): Tutel is not supported by zerotrain; leave "
+                "use_tutel=False (the dispatch is by index already)"
+            )
         if ep_size < 1 or num_experts < 1 or num_experts % ep_size:
             raise ValueError(f"MoE: num_experts={num_experts} must be a positive multiple of ep_size={ep_size}")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
@@ -224,8 +253,19 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            None,
+            top2_2nd_expert_sampling,
+        )
         self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if use_residual:
             self.mlp = expert
@@ -253,11 +293,13 @@ class MoE(nn.Module):
             groups = topology.expert_groups(self.ep_size, use_data_before_expert_parallel_)
             self.deepspeed_moe._set_ep_group(groups.expert_group)
         elif self.ep_size > 1:
-            raise RuntimeError(f"MoE(ep_size={self.ep_size}) needs torch.distributed initialized "
-                               "(zerotrain.init_distributed() or zerotrain launch)")
+            raise RuntimeError(
+                f"MoE(ep_size={self.ep_size}) needs torch.distributed initialized "
+                "(zerotrain.init_distributed() or zerotrain launch)"
+            )
         self._groups_ready = True
 
-    def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         self._create_process_groups()
         output = self.deepspeed_moe(hidden_states, used_token)
         if self.use_residual:

@@ -40,12 +40,13 @@ def _manage(action: str) -> int:
     try:
         if action == "install":
             written = manager.install()
-            print("zerotrain.hf: installed zerotrain as deepspeed in this environment "
-                  f"({sys.prefix}); wrote:")
+            print(f"zerotrain.hf: installed zerotrain as deepspeed in this environment ({sys.prefix}); wrote:")
             for path in written:
                 print(f"  {path}")
-            print("`deepspeed ...`, `accelerate launch ...` and `import deepspeed` now run zerotrain; "
-                  "`python -m zerotrain.hf uninstall` undoes it")
+            print(
+                "`deepspeed ...`, `accelerate launch ...` and `import deepspeed` now run zerotrain; "
+                "`python -m zerotrain.hf uninstall` undoes it"
+            )
         elif action == "uninstall":
             removed = manager.uninstall()
             print(f"zerotrain.hf: removed zerotrain's deepspeed from {sys.prefix}:")
@@ -77,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, command, environment())
     program = shutil.which(argv[0])
     if program is None:
-        print(f"zerotrain.hf: command not found: {argv[0]} (run `python -m zerotrain.hf COMMAND ...` with a "
-              "command on PATH, e.g. `python -m zerotrain.hf accelerate launch train.py` or "
-              "`python -m zerotrain.hf deepspeed --num_gpus=2 train.py`; `python -m zerotrain.hf install` "
-              "makes the commands work without this prefix)", file=sys.stderr)
+        print(
+            f"zerotrain.hf: command not found: {argv[0]} (run `python -m zerotrain.hf COMMAND ...` with a "
+            "command on PATH, e.g. `python -m zerotrain.hf accelerate launch train.py` or "
+            "`python -m zerotrain.hf deepspeed --num_gpus=2 train.py`; `python -m zerotrain.hf install` "
+            "makes the commands work without this prefix)",
+            file=sys.stderr,
+        )
         return 127
     os.execve(program, argv, environment())
     return 0  # not reached

@@ -31,7 +31,7 @@ TARGET = "zerotrain"
 
 
 def _target_name(alias_name: str) -> str:
-    return TARGET + alias_name[len(ALIAS):]
+    return TARGET + alias_name[len(ALIAS) :]
 
 
 class DeepSpeedAliasModule(types.ModuleType):
@@ -65,7 +65,8 @@ class DeepSpeedAliasModule(types.ModuleType):
             return importlib.import_module(sub)
         raise AttributeError(
             f"'{sub}' is not provided by zerotrain (running as DeepSpeed through zerotrain.hf); "
-            "docs/compat.md lists the DeepSpeed names zerotrain provides")
+            "docs/compat.md lists the DeepSpeed names zerotrain provides"
+        )
 
     def __dir__(self):
         target = self.__dict__["_zerotrain_target"]

@@ -51,15 +51,19 @@ def _paths() -> tuple[Path, Path]:
 
 
 def _package_text() -> str:
-    return (f"{MARKER}\n# `python -m zerotrain.hf uninstall` removes it (docs/hf.md).\n"
-            "from zerotrain.hf.deepspeed_alias import become_deepspeed\n\n"
-            "become_deepspeed(__name__)\n")
+    return (
+        f"{MARKER}\n# `python -m zerotrain.hf uninstall` removes it (docs/hf.md).\n"
+        "from zerotrain.hf.deepspeed_alias import become_deepspeed\n\n"
+        "become_deepspeed(__name__)\n"
+    )
 
 
 def _script_text() -> str:
-    return (f"#!{sys.executable}\n{MARKER}\n# DeepSpeed's launcher command, running zerotrain's launcher.\n"
-            "import sys\n\nfrom zerotrain.launcher.cli import main\n\n"
-            "if __name__ == \"__main__\":\n    sys.exit(main())\n")
+    return (
+        f"#!{sys.executable}\n{MARKER}\n# DeepSpeed's launcher command, running zerotrain's launcher.\n"
+        "import sys\n\nfrom zerotrain.launcher.cli import main\n\n"
+        'if __name__ == "__main__":\n    sys.exit(main())\n'
+    )
 
 
 def _metadata_text() -> str:
@@ -103,7 +107,8 @@ def _refuse_real_deepspeed(site: Path, script: Path) -> None:
             raise InstallError(
                 f"a real DeepSpeed is installed (deepspeed {dist.version} at {_dist_location(dist)}); "
                 "zerotrain will not shadow it. Run `pip uninstall deepspeed` first, or keep it and "
-                "start commands with `python -m zerotrain.hf ...` instead")
+                "start commands with `python -m zerotrain.hf ...` instead"
+            )
     shim = os.path.abspath(SHIM_DIR)
     saved = list(sys.path)
     try:
@@ -113,11 +118,15 @@ def _refuse_real_deepspeed(site: Path, script: Path) -> None:
         sys.path[:] = saved
     origin = getattr(spec, "origin", None)
     if spec is not None and origin != str(site / PACKAGE / "__init__.py"):
-        raise InstallError(f"a `deepspeed` module is importable from {origin or spec.submodule_search_locations}; "
-                           "remove it from the path first (zerotrain will not shadow it)")
+        raise InstallError(
+            f"a `deepspeed` module is importable from {origin or spec.submodule_search_locations}; "
+            "remove it from the path first (zerotrain will not shadow it)"
+        )
     if script.exists() and MARKER not in script.read_text(encoding="utf-8", errors="replace"):
-        raise InstallError(f"{script} exists and was not written by zerotrain; remove it first "
-                           "(or use `python -m zerotrain.hf deepspeed ...`)")
+        raise InstallError(
+            f"{script} exists and was not written by zerotrain; remove it first "
+            "(or use `python -m zerotrain.hf deepspeed ...`)"
+        )
 
 
 def _record_line(site: Path, path: Path, data: bytes | None) -> list[str]:
@@ -138,8 +147,10 @@ def install() -> list[Path]:
     _refuse_real_deepspeed(site, script)
     for folder in (site, scripts):
         if not os.access(folder if folder.exists() else folder.parent, os.W_OK):
-            raise InstallError(f"{folder} is not writable; activate the virtual environment you train in "
-                               "(or run with the interpreter that owns it) and run this again")
+            raise InstallError(
+                f"{folder} is not writable; activate the virtual environment you train in "
+                "(or run with the interpreter that owns it) and run this again"
+            )
     if installed() is not None:
         uninstall()  # re-install over our own files: same set, fresh contents
     files = {
@@ -180,10 +191,11 @@ def uninstall() -> list[Path]:
     if installed() is None:
         others = [d for d in _deepspeed_distributions(site) if not _ours(d)]
         if others:
-            raise InstallError(f"the deepspeed at {_dist_location(others[0])} was not installed by zerotrain; "
-                               "leaving it (remove it with `pip uninstall deepspeed`)")
-        raise InstallError("zerotrain's deepspeed is not installed in this environment "
-                           f"({site}); nothing to remove")
+            raise InstallError(
+                f"the deepspeed at {_dist_location(others[0])} was not installed by zerotrain; "
+                "leaving it (remove it with `pip uninstall deepspeed`)"
+            )
+        raise InstallError(f"zerotrain's deepspeed is not installed in this environment ({site}); nothing to remove")
     rows = list(csv.reader(io.StringIO((folder / "RECORD").read_text(encoding="utf-8"))))
     removed = []
     for row in rows:
@@ -216,10 +228,14 @@ def status() -> str:
     site, scripts = _paths()
     folder = installed()
     if folder is not None:
-        return (f"installed: `import deepspeed` and the `deepspeed` command ({scripts / PACKAGE}) run zerotrain "
-                f"in {sys.prefix}; `python -m zerotrain.hf uninstall` removes them")
+        return (
+            f"installed: `import deepspeed` and the `deepspeed` command ({scripts / PACKAGE}) run zerotrain "
+            f"in {sys.prefix}; `python -m zerotrain.hf uninstall` removes them"
+        )
     real = [d for d in _deepspeed_distributions(site) if not _ours(d)]
     if real:
         return f"not installed: a real DeepSpeed is present (deepspeed {real[0].version} at {_dist_location(real[0])})"
-    return (f"not installed in {sys.prefix}: `python -m zerotrain.hf install` makes `deepspeed` and "
-            "`import deepspeed` run zerotrain here")
+    return (
+        f"not installed in {sys.prefix}: `python -m zerotrain.hf install` makes `deepspeed` and "
+        "`import deepspeed` run zerotrain here"
+    )

@@ -52,7 +52,9 @@ def _alias_deepspeed_to_zerotrain() -> None:
 
     current = sys.modules.get("deepspeed")
     if current is not None and not isinstance(current, DeepSpeedAliasModule):
-        raise RuntimeError(f"the real DeepSpeed is imported ({getattr(current, '__file__', current)}); "
-                           "use transformers' HfDeepSpeedConfig with it, or zerotrain.hf.HfZeroConfig "
-                           "in a process that does not import deepspeed")
+        raise RuntimeError(
+            f"the real DeepSpeed is imported ({getattr(current, '__file__', current)}); "
+            "use transformers' HfDeepSpeedConfig with it, or zerotrain.hf.HfZeroConfig "
+            "in a process that does not import deepspeed"
+        )
     become_deepspeed()

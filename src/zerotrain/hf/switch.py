@@ -45,15 +45,18 @@ def use_zerotrain_as_deepspeed() -> None:
     if isinstance(current, DeepSpeedAliasModule):
         return
     if current is not None:
-        raise RuntimeError(f"the real DeepSpeed is already imported ({getattr(current, '__file__', current)}); "
-                           "call use_zerotrain_as_deepspeed() before anything imports deepspeed")
+        raise RuntimeError(
+            f"the real DeepSpeed is already imported ({getattr(current, '__file__', current)}); "
+            "call use_zerotrain_as_deepspeed() before anything imports deepspeed"
+        )
     early = [name for name in _DECIDE_AT_IMPORT if name in sys.modules]
     if early:
         raise RuntimeError(
             f"use_zerotrain_as_deepspeed() was called after {', '.join(early)} was imported; those modules "
             "decided then that DeepSpeed is not installed. Call it first in the script (before importing "
             "transformers or accelerate), start the script with `python -m zerotrain.hf python train.py`, or run "
-            "`python -m zerotrain.hf install` once to make `import deepspeed` zerotrain in this environment.")
+            "`python -m zerotrain.hf install` once to make `import deepspeed` zerotrain in this environment."
+        )
     put_shim_first()
 
 

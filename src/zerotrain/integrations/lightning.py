@@ -63,7 +63,8 @@ def use_zerotrain_for_lightning() -> None:
         raise RuntimeError(
             f"the real DeepSpeed is already imported ({getattr(current, '__file__', current)}): ZeroTrainStrategy "
             "runs Lightning's DeepSpeed code on zerotrain and needs `deepspeed` to be zerotrain in this process; "
-            "use Lightning's DeepSpeedStrategy for the real DeepSpeed, or build ZeroTrainStrategy before importing it")
+            "use Lightning's DeepSpeedStrategy for the real DeepSpeed, or build ZeroTrainStrategy before importing it"
+        )
     put_shim_first()
 
 
@@ -88,7 +89,8 @@ class ZeroTrainStrategy(DeepSpeedStrategy):
         if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
             raise RuntimeError(
                 f"ZeroTrainStrategy runs on CUDA or CPU accelerators, not `{type(self.accelerator).__name__}`: "
-                "pass Trainer(accelerator='cuda') or Trainer(accelerator='cpu')")
+                "pass Trainer(accelerator='cuda') or Trainer(accelerator='cpu')"
+            )
         DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
@@ -112,12 +114,23 @@ class ZeroTrainStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("zerotrain", cls, description="zerotrain (ZeRO stage 2)", override=True)
         for stage in (1, 2, 3):
-            strategy_registry.register(f"zerotrain_stage_{stage}", cls, override=True,
-                                       description=f"zerotrain with ZeRO stage {stage}", stage=stage)
             strategy_registry.register(
-                f"zerotrain_stage_{stage}_offload", cls, override=True, stage=stage, offload_optimizer=True,
+                f"zerotrain_stage_{stage}",
+                cls,
+                override=True,
+                description=f"zerotrain with ZeRO stage {stage}",
+                stage=stage,
+            )
+            strategy_registry.register(
+                f"zerotrain_stage_{stage}_offload",
+                cls,
+                override=True,
+                stage=stage,
+                offload_optimizer=True,
                 offload_parameters=stage == 3,
-                description=f"zerotrain with ZeRO stage {stage}, optimizer{' and parameters' * (stage == 3)} in CPU memory")
+                description=f"zerotrain with ZeRO stage {stage}, "
+                f"optimizer{' and parameters' * (stage == 3)} in CPU memory",
+            )
 
 
 ZeroTrainStrategy.register_strategies(StrategyRegistry)

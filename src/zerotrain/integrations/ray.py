@@ -93,8 +93,9 @@ def _read_config(config: str | dict) -> dict:
         return json.load(f)
 
 
-def scaling_config(config: str | dict, num_workers: int | None = None, use_gpu: bool | None = None,
-                   **kwargs: Any) -> ScalingConfig:
+def scaling_config(
+    config: str | dict, num_workers: int | None = None, use_gpu: bool | None = None, **kwargs: Any
+) -> ScalingConfig:
     """Ray's ``ScalingConfig`` for a ds_config (dict or JSON path).
 
     ``num_workers`` defaults to ``train_batch_size / (train_micro_batch_size_per_gpu *
@@ -106,16 +107,19 @@ def scaling_config(config: str | dict, num_workers: int | None = None, use_gpu: 
         batch, micro = values.get("train_batch_size"), values.get("train_micro_batch_size_per_gpu")
         accumulation = values.get("gradient_accumulation_steps", 1)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (batch, micro, accumulation)):
-            raise ValueError("scaling_config: give num_workers, or a config whose train_batch_size, "
-                             "train_micro_batch_size_per_gpu and gradient_accumulation_steps are numbers "
-                             f"(got {batch!r}, {micro!r}, {accumulation!r})")
+            raise ValueError(
+                "scaling_config: give num_workers, or a config whose train_batch_size, "
+                "train_micro_batch_size_per_gpu and gradient_accumulation_steps are numbers "
+                f"(got {batch!r}, {micro!r}, {accumulation!r})"
+            )
         if batch % (micro * accumulation):
-            raise ValueError(f"scaling_config: train_batch_size {batch} is not a multiple of "
-                             f"train_micro_batch_size_per_gpu * gradient_accumulation_steps = {micro * accumulation}")
+            raise ValueError(
+                f"scaling_config: train_batch_size {batch} is not a multiple of "
+                f"train_micro_batch_size_per_gpu * gradient_accumulation_steps = {micro * accumulation}"
+            )
         num_workers = batch // (micro * accumulation)
     if use_gpu is None:
         import torch
 
         use_gpu = torch.cuda.is_available()
     return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, **kwargs)
-

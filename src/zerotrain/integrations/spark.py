@@ -30,7 +30,8 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 try:
     from pyspark.ml.torch.distributor import TorchDistributor
@@ -60,14 +61,22 @@ class DeepspeedTorchDistributor(TorchDistributor):
 
     _DEEPSPEED_SSL_CONF = "deepspeed.spark.distributor.ignoreSsl"
 
-    def __init__(self, numGpus: int = 1, nnodes: int = 1, localMode: bool = True, useGpu: bool = True,
-                 deepspeedConfig: str | dict[str, Any] | None = None):
+    def __init__(
+        self,
+        numGpus: int = 1,
+        nnodes: int = 1,
+        localMode: bool = True,
+        useGpu: bool = True,
+        deepspeedConfig: str | dict[str, Any] | None = None,
+    ):
         for name, value in (("numGpus", numGpus), ("nnodes", nnodes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DeepspeedTorchDistributor: {name} must be a positive int, got {value!r}")
         if deepspeedConfig is not None and not isinstance(deepspeedConfig, (str, dict)):
-            raise TypeError("DeepspeedTorchDistributor: deepspeedConfig must be a dict, a JSON file path or None, "
-                            f"got {type(deepspeedConfig).__name__}")
+            raise TypeError(
+                "DeepspeedTorchDistributor: deepspeedConfig must be a dict, a JSON file path or None, "
+                f"got {type(deepspeedConfig).__name__}"
+            )
         if isinstance(deepspeedConfig, dict):
             json.dumps(deepspeedConfig)  # fail here, not on a node, if it cannot be written as JSON
         self.deepspeed_config = deepspeedConfig
@@ -104,24 +113,30 @@ class DeepspeedTorchDistributor(TorchDistributor):
                 raise RuntimeError(
                     f"DeepspeedTorchDistributor: {self.num_tasks} barrier task(s) needed (numGpus * nnodes) but the "
                     f"cluster runs {slots} task(s) at once; Spark would wait for slots that never come. Use fewer "
-                    "processes or add executors/cores")
+                    "processes or add executors/cores"
+                )
         python = getattr(self.spark.sparkContext, "pythonExec", None)
         if python and python != sys.executable and shutil.which(python) != sys.executable:
-            self.logger.warning(f"executors run Python {python!r}, not the driver's {sys.executable!r}; it must "
-                                f"import zerotrain and torch (set PYSPARK_PYTHON={sys.executable} before creating "
-                                "the SparkSession to use the driver's)")
+            self.logger.warning(
+                f"executors run Python {python!r}, not the driver's {sys.executable!r}; it must "
+                f"import zerotrain and torch (set PYSPARK_PYTHON={sys.executable} before creating "
+                "the SparkSession to use the driver's)"
+            )
 
     def _explain_failure(self, err: Exception) -> Exception:
         text = str(err)
         reports = _REPORT.findall(text)
         if re.search(r"No module named '(zerotrain|torch)'", text):
             python = getattr(self.spark.sparkContext, "pythonExec", "python3")
-            return RuntimeError(f"DeepspeedTorchDistributor: the executors' Python ({python}) cannot import "
-                                f"zerotrain/torch; set PYSPARK_PYTHON (or spark.pyspark.python) to an interpreter "
-                                f"that has them, e.g. the driver's {sys.executable}, before creating the SparkSession")
+            return RuntimeError(
+                f"DeepspeedTorchDistributor: the executors' Python ({python}) cannot import "
+                f"zerotrain/torch; set PYSPARK_PYTHON (or spark.pyspark.python) to an interpreter "
+                f"that has them, e.g. the driver's {sys.executable}, before creating the SparkSession"
+            )
         if reports:
-            return RuntimeError("DeepspeedTorchDistributor: training failed: " + reports[0].split("\\n")[0]
-                                + "\n" + _tail_of(text))
+            return RuntimeError(
+                "DeepspeedTorchDistributor: training failed: " + reports[0].split("\\n")[0] + "\n" + _tail_of(text)
+            )
         return err
 
     def run(self, train_object: Callable | str, *args: Any, **kwargs: Any) -> Any:
@@ -129,8 +144,10 @@ class DeepspeedTorchDistributor(TorchDistributor):
         ``args``/``kwargs`` on every rank); return global rank 0's return value (None for a
         script). Raises RuntimeError naming the failing rank when any rank fails."""
         if isinstance(train_object, str) and kwargs:
-            raise ValueError("DeepspeedTorchDistributor.run: a script takes command-line strings, not keyword "
-                             f"arguments ({', '.join(kwargs)})")
+            raise ValueError(
+                "DeepspeedTorchDistributor.run: a script takes command-line strings, not keyword "
+                f"arguments ({', '.join(kwargs)})"
+            )
         self._check_cluster()
         try:
             if isinstance(train_object, str):
@@ -151,8 +168,9 @@ class DeepspeedTorchDistributor(TorchDistributor):
             framework_wrapper_fn = _run_function
         if self.local_mode:
             return self._run_local_training(framework_wrapper_fn, train_object, run_pytorch_file_fn, *args, **kwargs)
-        return self._run_distributed_training(framework_wrapper_fn, train_object, run_pytorch_file_fn, None,
-                                              *args, **kwargs)
+        return self._run_distributed_training(
+            framework_wrapper_fn, train_object, run_pytorch_file_fn, None, *args, **kwargs
+        )
 
 
 def _tail_of(text: str, lines: int = 12) -> str:
@@ -180,7 +198,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(input_params: dict[str, Any], train_path: str, args: list[str], config_path: str | None) -> list[str]:
+def launch_command(
+    input_params: dict[str, Any], train_path: str, args: list[str], config_path: str | None
+) -> list[str]:
     """``zerotrain launch`` for this node: all processes here (local mode), or node RANK of the
     Spark barrier job (pyspark's task set MASTER_ADDR/MASTER_PORT/RANK and the rendezvous id)."""
     command = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--no_local_rank"]
@@ -189,10 +209,21 @@ def launch_command(input_params: dict[str, Any], train_path: str, args: list[str
     else:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         per_node = len(visible.split(",")) if visible else 1
-        command += ["--no_ssh", "--num_nodes", str(input_params["num_processes"] // per_node),
-                    "--node_rank", os.environ["RANK"], "--nproc", str(per_node),
-                    "--master_addr", os.environ["MASTER_ADDR"], "--master_port", os.environ["MASTER_PORT"],
-                    "--rdzv_id", os.environ.get("PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID", "zerotrain-spark")]
+        command += [
+            "--no_ssh",
+            "--num_nodes",
+            str(input_params["num_processes"] // per_node),
+            "--node_rank",
+            os.environ["RANK"],
+            "--nproc",
+            str(per_node),
+            "--master_addr",
+            os.environ["MASTER_ADDR"],
+            "--master_port",
+            os.environ["MASTER_PORT"],
+            "--rdzv_id",
+            os.environ.get("PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID", "zerotrain-spark"),
+        ]
     deepspeed = ["--deepspeed"] + (["--deepspeed_config", config_path] if config_path else [])
     return [*command, train_path, *map(str, args), *deepspeed]
 

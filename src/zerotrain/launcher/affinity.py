@@ -20,13 +20,17 @@ def parse_core_list(text: str) -> list[int]:
         try:
             lo, hi = int(first), int(last) if dash else int(first)
         except ValueError:
-            raise LaunchError("--bind_core_list", f"{item!r} in {text!r} is not a core number or a range "
-                                                  "like 2-5 (e.g. --bind_core_list 0,2-4,6)") from None
+            raise LaunchError(
+                "--bind_core_list",
+                f"{item!r} in {text!r} is not a core number or a range like 2-5 (e.g. --bind_core_list 0,2-4,6)",
+            ) from None
         if lo < 0 or hi < lo:
             raise LaunchError("--bind_core_list", f"bad range {item!r}: write low-high with low <= high")
         if cores and lo <= cores[-1]:
-            raise LaunchError("--bind_core_list", f"{item!r} overlaps or precedes an earlier entry; "
-                                                  "list cores in ascending order without repeats")
+            raise LaunchError(
+                "--bind_core_list",
+                f"{item!r} overlaps or precedes an earlier entry; list cores in ascending order without repeats",
+            )
         cores.extend(range(lo, hi + 1))
     return cores
 
@@ -61,11 +65,15 @@ def cores_to_bind(core_list: str | None, nproc: int) -> list[int]:
         cores, flag = parse_core_list(core_list), "--bind_core_list"
         outside = [c for c in cores if c not in allowed]
         if outside:
-            raise LaunchError(flag, f"core(s) {outside} are not available to this process "
-                                    f"(allowed: {format_core_list(allowed)})")
+            raise LaunchError(
+                flag, f"core(s) {outside} are not available to this process (allowed: {format_core_list(allowed)})"
+            )
     if len(cores) < nproc:
-        raise LaunchError(flag, f"{len(cores)} core(s) cannot give each of the {nproc} rank(s) one; "
-                                f"list more cores or start fewer processes")
+        raise LaunchError(
+            flag,
+            f"{len(cores)} core(s) cannot give each of the {nproc} rank(s) one; "
+            f"list more cores or start fewer processes",
+        )
     return cores
 
 

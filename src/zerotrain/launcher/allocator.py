@@ -25,14 +25,16 @@ import contextlib
 import ctypes.util
 import glob
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from zerotrain.launcher.errors import LaunchError, flag_or_env
 
 ALLOCATORS = ("auto", "tcmalloc", "system")
 ENV_VAR = "ZEROTRAIN_ALLOCATOR"
-INSTALL_HINT = ("install it (Debian/Ubuntu: apt-get install libtcmalloc-minimal4; conda: conda install "
-                "-c conda-forge gperftools) or pass --allocator system")
+INSTALL_HINT = (
+    "install it (Debian/Ubuntu: apt-get install libtcmalloc-minimal4; conda: conda install "
+    "-c conda-forge gperftools) or pass --allocator system"
+)
 # tcmalloc reports every allocation above 1 GiB on stderr ("tcmalloc: large alloc ..."): a
 # model's flat buffers would fill the logs. Raised unless the user set it.
 _REPORT_VAR = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
@@ -79,8 +81,7 @@ def configure(choice: str | None, on_cpu: bool, environ=os.environ) -> str | Non
         return None
     environ["LD_PRELOAD"] = ":".join([library, *preloaded])
     environ.setdefault(_REPORT_VAR, _NO_REPORT)
-    return (f"ranks allocate host memory with tcmalloc ({library}); --allocator system "
-            "keeps the system's malloc")
+    return f"ranks allocate host memory with tcmalloc ({library}); --allocator system keeps the system's malloc"
 
 
 @contextlib.contextmanager

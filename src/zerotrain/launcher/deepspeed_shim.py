@@ -27,8 +27,8 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from zerotrain.launcher.errors import flag_or_env
 
@@ -38,8 +38,10 @@ ENV_VAR = "ZEROTRAIN_DEEPSPEED_SHIM"
 NEEDS_DEEPSPEED = ("transformers", "accelerate", "deepspeed")
 # What ``python -m zerotrain.hf install`` writes first in its files (zerotrain.hf.install.MARKER).
 _INSTALLED_MARKER = "written by `python -m zerotrain.hf install`"
-INSTALL_HINT = ("`python -m zerotrain.hf install` makes zerotrain the `deepspeed` of this environment "
-                "(or start the command with `python -m zerotrain.hf`)")
+INSTALL_HINT = (
+    "`python -m zerotrain.hf install` makes zerotrain the `deepspeed` of this environment "
+    "(or start the command with `python -m zerotrain.hf`)"
+)
 
 
 def shim_dir() -> str:
@@ -99,7 +101,8 @@ def _module_file(name: str) -> str | None:
 def installed_deepspeed(shim: str) -> str | None:
     """Where an importable ``deepspeed`` other than the shim folder's lives, or None."""
     spec = importlib.machinery.PathFinder.find_spec(
-        "deepspeed", [p for p in _search_path() if os.path.abspath(p) != shim])
+        "deepspeed", [p for p in _search_path() if os.path.abspath(p) != shim]
+    )
     if spec is None:
         return None
     return spec.origin or next(iter(spec.submodule_search_locations or []), "deepspeed")
@@ -142,16 +145,21 @@ def configure(choice: str | None, script: str, module: bool, no_python: bool, en
         return f"{why}; its ranks use the DeepSpeed installed at {origin} (zerotrain leaves it alone)"
     missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        return (f"{why}, but DeepSpeed is not installed and zerotrain's stand-in needs {' and '.join(missing)}: "
-                "pip install 'zerotrain[hf]' (or write `import zerotrain as deepspeed` in the script)")
+        return (
+            f"{why}, but DeepSpeed is not installed and zerotrain's stand-in needs {' and '.join(missing)}: "
+            "pip install 'zerotrain[hf]' (or write `import zerotrain as deepspeed` in the script)"
+        )
     environ["PYTHONPATH"] = os.pathsep.join([shim, *(p for p in pythonpath if p != shim)])
-    return (f"{why} and DeepSpeed is not installed: `import deepspeed` in its ranks is zerotrain "
-            f"(zerotrain.hf's shim first on PYTHONPATH; --deepspeed_shim off or {ENV_VAR}=off turns this off)")
+    return (
+        f"{why} and DeepSpeed is not installed: `import deepspeed` in its ranks is zerotrain "
+        f"(zerotrain.hf's shim first on PYTHONPATH; --deepspeed_shim off or {ENV_VAR}=off turns this off)"
+    )
 
 
 @contextlib.contextmanager
-def for_ranks(choice: str | None, script: str, module: bool, no_python: bool,
-              say: Callable[[str], None]) -> Iterator[None]:
+def for_ranks(
+    choice: str | None, script: str, module: bool, no_python: bool, say: Callable[[str], None]
+) -> Iterator[None]:
     """Within the block, this process's environment (which the elastic agent hands its ranks)
     carries the shim when it applies; afterwards ``PYTHONPATH`` is what it was."""
     saved = os.environ.get("PYTHONPATH")
@@ -176,7 +184,11 @@ def failure_hint(stderr_tail: list[str]) -> str | None:
     if not any(sign in line for line in stderr_tail for sign in _MISSING_SIGNS):
         return None
     if any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")):
-        return ("zerotrain: the rank found no `deepspeed`; zerotrain stands in for it with the hf extra "
-                "(pip install 'zerotrain[hf]'), or write `import zerotrain as deepspeed` in the script")
-    return (f"zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: {INSTALL_HINT}, or let "
-            f"the launcher do it for this run with --deepspeed_shim on (or {ENV_VAR}=on)")
+        return (
+            "zerotrain: the rank found no `deepspeed`; zerotrain stands in for it with the hf extra "
+            "(pip install 'zerotrain[hf]'), or write `import zerotrain as deepspeed` in the script"
+        )
+    return (
+        f"zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: {INSTALL_HINT}, or let "
+        f"the launcher do it for this run with --deepspeed_shim on (or {ENV_VAR}=on)"
+    )

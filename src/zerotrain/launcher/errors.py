@@ -20,14 +20,12 @@ class LaunchError(Exception):
         self.message = message
 
 
-def flag_or_env(choice: str | None, flag: str, env_var: str, choices, what: str = "value",
-                environ=os.environ) -> str:
+def flag_or_env(choice: str | None, flag: str, env_var: str, choices, what: str = "value", environ=os.environ) -> str:
     """A launcher flag's value, else its environment variable's, else ``auto``; anything not in
     ``choices`` is one line naming where it came from."""
     name = choice or environ.get(env_var) or "auto"
     if name not in choices:
-        raise LaunchError(flag if choice else env_var,
-                          f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
+        raise LaunchError(flag if choice else env_var, f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
     return name
 
 
@@ -74,7 +72,10 @@ def _first_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
 
 
 def format_failure_report(
-    err: ChildFailedError, stderrs: dict[int, str], nproc: int, logs_kept: bool = False,
+    err: ChildFailedError,
+    stderrs: dict[int, str],
+    nproc: int,
+    logs_kept: bool = False,
     node_name: str | None = None,
 ) -> str:
     """Text naming the failed global rank (and ``node_name``, on a multi-node launch), how it

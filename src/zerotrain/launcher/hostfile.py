@@ -47,18 +47,24 @@ def node_problem(node: str) -> str | None:
     """Why ``node`` (``[user@]host``) cannot be used, with the fix; None when it can."""
     user, at, host = node.rpartition("@")
     if at and not _NAME.match(user):
-        return (f"{node!r} is not USER@HOST (a user name is letters, digits, '.', '-', '_'; "
-                "or set the user in ~/.ssh/config)")
+        return (
+            f"{node!r} is not USER@HOST (a user name is letters, digits, '.', '-', '_'; "
+            "or set the user in ~/.ssh/config)"
+        )
     if host.startswith("-"):
         return f"host {host!r} starts with '-', which ssh would read as an option; fix the host name"
     if ":" in host or host.startswith("["):
         try:
             ipaddress.ip_address(host.strip("[]").split("%")[0])
         except ValueError:
-            return (f"{host!r} is not a host name: for HOST:PORT write the host alone and pass "
-                    "--ssh_port PORT (or set Port in ~/.ssh/config)")
-        return (f"IPv6 address {host!r} is not supported as a node; give the node's host name "
-                "(e.g. from /etc/hosts or a Host entry of ~/.ssh/config)")
+            return (
+                f"{host!r} is not a host name: for HOST:PORT write the host alone and pass "
+                "--ssh_port PORT (or set Port in ~/.ssh/config)"
+            )
+        return (
+            f"IPv6 address {host!r} is not supported as a node; give the node's host name "
+            "(e.g. from /etc/hosts or a Host entry of ~/.ssh/config)"
+        )
     if not _NAME.match(host):
         return f"host {host!r} may hold only letters, digits, '.', '-' and '_'"
     return None
@@ -74,22 +80,30 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> World:
             continue
         match = _LINE.match(line)
         if not match:
-            raise LaunchError("--hostfile", f"{source}:{number}: {raw!r} is not 'HOST slots=N' "
-                                            "(e.g. 'worker-0 slots=4')")
+            raise LaunchError(
+                "--hostfile", f"{source}:{number}: {raw!r} is not 'HOST slots=N' (e.g. 'worker-0 slots=4')"
+            )
         host, slot_text = match["host"], match["slots"]
         problem = node_problem(host)
         if problem:
             raise LaunchError("--hostfile", f"{source}:{number}: {raw!r}: {problem}")
         slots = int(slot_text) if len(slot_text) <= 6 else MAX_SLOTS + 1
         if slots < 1:
-            raise LaunchError("--hostfile", f"{source}:{number}: {raw!r} gives {host} no slots; "
-                                            "use slots=1 or more, or remove the line")
+            raise LaunchError(
+                "--hostfile",
+                f"{source}:{number}: {raw!r} gives {host} no slots; use slots=1 or more, or remove the line",
+            )
         if slots > MAX_SLOTS:
-            raise LaunchError("--hostfile", f"{source}:{number}: {raw!r}: slots={slot_text} is more than "
-                                            f"{MAX_SLOTS} devices per node; give the node's device count")
+            raise LaunchError(
+                "--hostfile",
+                f"{source}:{number}: {raw!r}: slots={slot_text} is more than "
+                f"{MAX_SLOTS} devices per node; give the node's device count",
+            )
         if host_of(host) in hosts:
-            raise LaunchError("--hostfile", f"{source}:{number}: {raw!r} repeats host {host_of(host)!r}; "
-                                            "list each host once with its total slots")
+            raise LaunchError(
+                "--hostfile",
+                f"{source}:{number}: {raw!r} repeats host {host_of(host)!r}; list each host once with its total slots",
+            )
         hosts.add(host_of(host))
         world[host] = list(range(slots))
     if not world:
@@ -115,8 +129,11 @@ def read_hostfile(path: str | None) -> World | None:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise LaunchError("--hostfile", f"{path}:{line}: byte {data[err.start]:#04x} is not UTF-8 text; "
-                                        "save the hostfile as plain text ('HOST slots=N' lines)") from None
+        raise LaunchError(
+            "--hostfile",
+            f"{path}:{line}: byte {data[err.start]:#04x} is not UTF-8 text; "
+            "save the hostfile as plain text ('HOST slots=N' lines)",
+        ) from None
     return parse_hostfile_text(text, source=path)
 
 
@@ -126,8 +143,9 @@ def parse_node_specs(spec: str, flag: str) -> dict[str, list[int] | None]:
     for node_spec in spec.split("@"):
         host, colon, slot_text = node_spec.partition(":")
         if not host or (colon and not slot_text):
-            raise LaunchError(flag, f"{node_spec!r} in {spec!r} is not HOST or HOST:SLOT[,SLOT...] "
-                                    "(e.g. \"worker-0@worker-1:0,2\")")
+            raise LaunchError(
+                flag, f'{node_spec!r} in {spec!r} is not HOST or HOST:SLOT[,SLOT...] (e.g. "worker-0@worker-1:0,2")'
+            )
         if host in nodes:
             raise LaunchError(flag, f"host {host!r} appears twice in {spec!r}; join its slots: {host}:0,1")
         slots = None
@@ -135,8 +153,11 @@ def parse_node_specs(spec: str, flag: str) -> dict[str, list[int] | None]:
             try:
                 slots = [int(s) for s in slot_text.split(",")]
             except ValueError:
-                raise LaunchError(flag, f"slots {slot_text!r} of {host!r} in {spec!r} must be numbers "
-                                        "separated by commas (e.g. worker-1:0,2)") from None
+                raise LaunchError(
+                    flag,
+                    f"slots {slot_text!r} of {host!r} in {spec!r} must be numbers "
+                    "separated by commas (e.g. worker-1:0,2)",
+                ) from None
         nodes[host] = slots
     return nodes
 
@@ -148,13 +169,18 @@ def _by_node(world: World, specs: dict[str, list[int] | None], flag: str, spec: 
     keyed: dict[str, list[int] | None] = {}
     for host, slots in specs.items():
         if host not in nodes:
-            raise LaunchError(flag, f"{spec!r} names host {host!r}, which is not in the hostfile "
-                                    f"(hosts: {', '.join(host_of(n) for n in world)})")
+            raise LaunchError(
+                flag,
+                f"{spec!r} names host {host!r}, which is not in the hostfile "
+                f"(hosts: {', '.join(host_of(n) for n in world)})",
+            )
         node = nodes[host]
         unknown = [s for s in slots or [] if s not in world[node]]
         if unknown:
-            raise LaunchError(flag, f"{spec!r} names slot(s) {unknown} of {host!r}, which has slots "
-                                    f"{world[node][0]}-{world[node][-1]}")
+            raise LaunchError(
+                flag,
+                f"{spec!r} names slot(s) {unknown} of {host!r}, which has slots {world[node][0]}-{world[node][-1]}",
+            )
         keyed[node] = slots
     return keyed
 
@@ -187,16 +213,19 @@ def limit_world(world: World, num_nodes: int | None, num_gpus: int | None) -> Wo
     hosts = list(world)
     if num_nodes is not None:
         if num_nodes > len(hosts):
-            raise LaunchError("--num_nodes", f"{num_nodes} node(s) asked but the hostfile has "
-                                             f"{len(hosts)}: {', '.join(hosts)}")
+            raise LaunchError(
+                "--num_nodes", f"{num_nodes} node(s) asked but the hostfile has {len(hosts)}: {', '.join(hosts)}"
+            )
         hosts = hosts[:num_nodes]
     limited: World = {}
     for host in hosts:
         slots = world[host]
         if num_gpus is not None:
             if num_gpus > len(slots):
-                raise LaunchError("--num_gpus", f"{num_gpus} process(es) per node asked but {host} has "
-                                                f"{len(slots)} slot(s) in the hostfile")
+                raise LaunchError(
+                    "--num_gpus",
+                    f"{num_gpus} process(es) per node asked but {host} has {len(slots)} slot(s) in the hostfile",
+                )
             slots = slots[:num_gpus]
         limited[host] = slots
     return limited
@@ -227,8 +256,12 @@ def decode_world(text: str, flag: str = "--world") -> World:
         pairs = json.loads(text)
         world = {node: slots for node, slots in pairs}
         ok = len(world) == len(pairs) and all(
-            isinstance(node, str) and isinstance(slots, list) and 0 < len(slots) <= MAX_SLOTS
-            and all(type(s) is int and 0 <= s for s in slots) for node, slots in world.items())
+            isinstance(node, str)
+            and isinstance(slots, list)
+            and 0 < len(slots) <= MAX_SLOTS
+            and all(type(s) is int and 0 <= s for s in slots)
+            for node, slots in world.items()
+        )
     except (ValueError, TypeError):
         ok = False
     if not ok or not world:

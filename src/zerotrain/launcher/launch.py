@@ -17,8 +17,8 @@ import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch.distributed import DistNetworkError
@@ -29,8 +29,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from zerotrain.launcher import affinity, allocator, deepspeed_shim, ports
-from zerotrain.launcher.node_lifetime import node_lifetime
 from zerotrain.launcher.errors import LaunchError, failure_exit_code, format_failure_report
+from zerotrain.launcher.node_lifetime import node_lifetime
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -198,8 +198,11 @@ def restart_safe_environment(opts: LaunchOptions, environ: dict[str, str] = os.e
         return
     value = environ.get(UNSHARED_STORE_VAR)
     if value not in (None, "1"):
-        raise LaunchError("--max_restarts", f"{UNSHARED_STORE_VAR}={value} makes restarted ranks share the failed "
-                                            "attempt's store and read its stale addresses; unset it")
+        raise LaunchError(
+            "--max_restarts",
+            f"{UNSHARED_STORE_VAR}={value} makes restarted ranks share the failed "
+            "attempt's store and read its stale addresses; unset it",
+        )
     environ[UNSHARED_STORE_VAR] = "1"
 
 
@@ -207,8 +210,7 @@ def worker_command(opts: LaunchOptions, bind_cores: list[int] | None = None) -> 
     """The (entrypoint, args) every rank runs: the per-rank entry shim (which pins itself to its
     slice of ``bind_cores`` when given, and ends with this process: orphan_guard.py)."""
     mode = "exec" if opts.no_python else "module" if opts.module else "script"
-    args = ["-u", ENTRY_SCRIPT, f"--mode={mode}", f"--launcher_pid={os.getpid()}",
-            f"--grace={opts.shutdown_timeout:g}"]
+    args = ["-u", ENTRY_SCRIPT, f"--mode={mode}", f"--launcher_pid={os.getpid()}", f"--grace={opts.shutdown_timeout:g}"]
     if opts.no_local_rank:
         args.append("--no_local_rank")
     if bind_cores:
@@ -260,9 +262,12 @@ def _shutdown_timeout_argument(opts: LaunchOptions) -> dict:
     if any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig)):
         return {"shutdown_timeout": opts.shutdown_timeout}
     if opts.shutdown_timeout != DEFAULT_SHUTDOWN_TIMEOUT:
-        raise LaunchError("shutdown_timeout", f"torch {torch.__version__}'s elastic launcher has "
-                          "no shutdown timeout to set (it waits 30 s); drop the option or upgrade "
-                          "torch")
+        raise LaunchError(
+            "shutdown_timeout",
+            f"torch {torch.__version__}'s elastic launcher has "
+            "no shutdown timeout to set (it waits 30 s); drop the option or upgrade "
+            "torch",
+        )
     return {}
 
 
@@ -285,8 +290,11 @@ def _resolve_port(opts: LaunchOptions) -> int:
     if ports.is_port_free(opts.master_addr, opts.master_port):
         return opts.master_port
     if opts.nnodes > 1:
-        raise LaunchError("--master_port", f"port {opts.master_port} is busy on {opts.master_addr} (node 0), "
-                                           "and the other nodes cannot learn a replacement; choose a free port")
+        raise LaunchError(
+            "--master_port",
+            f"port {opts.master_port} is busy on {opts.master_addr} (node 0), "
+            "and the other nodes cannot learn a replacement; choose a free port",
+        )
     port = ports.free_port(opts.master_addr)
     note(f"master port {opts.master_port} is busy on {opts.master_addr}; using free port {port} instead")
     return port
@@ -317,22 +325,27 @@ def launch_local(opts: LaunchOptions) -> int:
 
         get_accelerator().set_visible_devices_envs(os.environ, opts.devices)
     quiet_agent_bookkeeping()
-    with allocator.for_ranks(opts.allocator, _ranks_on_cpu(), note), \
-            deepspeed_shim.for_ranks(opts.deepspeed_shim, opts.script, opts.module, opts.no_python, note), \
-            _log_root(opts.log_dir) as log_root, node_lifetime(opts):
+    with (
+        allocator.for_ranks(opts.allocator, _ranks_on_cpu(), note),
+        deepspeed_shim.for_ranks(opts.deepspeed_shim, opts.script, opts.module, opts.no_python, note),
+        _log_root(opts.log_dir) as log_root,
+        node_lifetime(opts),
+    ):
         return _run_with_port_retry(opts, nproc, master_port, log_root, bind_cores)
 
 
-def _run_with_port_retry(opts: LaunchOptions, nproc: int, master_port: int, log_root: str,
-                         bind_cores: list[int] | None = None) -> int:
+def _run_with_port_retry(
+    opts: LaunchOptions, nproc: int, master_port: int, log_root: str, bind_cores: list[int] | None = None
+) -> int:
     entrypoint, args = worker_command(opts, bind_cores)
     attempt = 1
     while True:
         logs_specs = build_logs_specs(opts, log_root)
         config = build_launch_config(opts, nproc, master_port, logs_specs)
         try:
-            return _run_agent(config, entrypoint, args, logs_specs, logs_kept=bool(opts.log_dir),
-                              node_name=opts.node_name)
+            return _run_agent(
+                config, entrypoint, args, logs_specs, logs_kept=bool(opts.log_dir), node_name=opts.node_name
+            )
         except (DistNetworkError, RendezvousConnectionError) as err:
             # Another process took the port between our check and the store's bind (the c10d
             # rendezvous wraps the store's error).

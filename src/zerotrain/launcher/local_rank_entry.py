@@ -31,16 +31,23 @@ def _option(opts: list[str], name: str, default: str | None = None) -> str | Non
 
 def _parse(argv: list[str]) -> tuple[dict, str, list[str]]:
     if "--" not in argv:
-        raise SystemExit("local_rank_entry: expected '[--mode=M] [--no_local_rank] [--bind_cores=L] "
-                         "[--launcher_pid=P] [--grace=S] -- target [args...]'")
+        raise SystemExit(
+            "local_rank_entry: expected '[--mode=M] [--no_local_rank] [--bind_cores=L] "
+            "[--launcher_pid=P] [--grace=S] -- target [args...]'"
+        )
     split = argv.index("--")
     opts, rest = argv[:split], argv[split + 1 :]
     mode = _option(opts, "mode", "script")
     if mode not in _MODES or not rest:
         raise SystemExit(f"local_rank_entry: bad mode {mode!r} or missing target")
     pid = _option(opts, "launcher_pid")
-    parsed = dict(mode=mode, add_local_rank="--no_local_rank" not in opts, bind=_option(opts, "bind_cores"),
-                  launcher_pid=int(pid) if pid else None, grace=float(_option(opts, "grace", "5")))
+    parsed = dict(
+        mode=mode,
+        add_local_rank="--no_local_rank" not in opts,
+        bind=_option(opts, "bind_cores"),
+        launcher_pid=int(pid) if pid else None,
+        grace=float(_option(opts, "grace", "5")),
+    )
     return parsed, rest[0], rest[1:]
 
 

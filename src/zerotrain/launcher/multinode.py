@@ -63,10 +63,24 @@ class MultiNodePlan:
 
 def agent_argv(plan: MultiNodePlan, node_rank: str, extra: list[str] = ()) -> list[str]:
     """The per-node agent's command line; ``node_rank`` is a number or how to find it."""
-    argv = [plan.python, "-u", "-m", "zerotrain.launcher.cli", "launch", "--no_ssh",
-            "--num_nodes", str(len(plan.hosts)), "--node_rank", node_rank,
-            "--master_addr", plan.master_addr, "--master_port", str(plan.master_port),
-            "--rdzv_id", plan.run_id]
+    argv = [
+        plan.python,
+        "-u",
+        "-m",
+        "zerotrain.launcher.cli",
+        "launch",
+        "--no_ssh",
+        "--num_nodes",
+        str(len(plan.hosts)),
+        "--node_rank",
+        node_rank,
+        "--master_addr",
+        plan.master_addr,
+        "--master_port",
+        str(plan.master_port),
+        "--rdzv_id",
+        plan.run_id,
+    ]
     if plan.world is not None:
         argv += ["--world", encode_world(plan.world)]
     return [*argv, *extra, *plan.agent_flags, *plan.target]
@@ -89,8 +103,10 @@ def ssh_command(plan: MultiNodePlan, host: str, remote: str) -> list[str]:
 def node_commands(plan: MultiNodePlan) -> list[list[str]]:
     """One local command per node (ssh), or one command for all nodes (pdsh, slurm, openmpi)."""
     if plan.launcher == "ssh":
-        return [ssh_command(plan, host, remote_shell_command(plan, agent_argv(plan, str(rank), ["--stop_on_stdin_eof"])))
-                for rank, host in enumerate(plan.hosts)]
+        return [
+            ssh_command(plan, host, remote_shell_command(plan, agent_argv(plan, str(rank), ["--stop_on_stdin_eof"])))
+            for rank, host in enumerate(plan.hosts)
+        ]
     if plan.launcher == "pdsh":
         # pdsh holds each ssh's standard input open while it runs: a killed pdsh ends the agents.
         flags = ["--write_pid_file", "--stop_on_stdin_eof"]
@@ -100,15 +116,44 @@ def node_commands(plan: MultiNodePlan) -> list[list[str]]:
     if plan.launcher == "slurm":
         nodes = str(len(plan.hosts))
         nodelist = ["--nodelist", ",".join(plan.hosts)] if plan.world is not None else []
-        return [["srun", "--nodes", nodes, "--ntasks", nodes, "--ntasks-per-node", "1", *nodelist,
-                 "--kill-on-bad-exit=1", *plan.launcher_args, *agent_argv(plan, "slurm")]]
+        return [
+            [
+                "srun",
+                "--nodes",
+                nodes,
+                "--ntasks",
+                nodes,
+                "--ntasks-per-node",
+                "1",
+                *nodelist,
+                "--kill-on-bad-exit=1",
+                *plan.launcher_args,
+                *agent_argv(plan, "slurm"),
+            ]
+        ]
     if plan.launcher == "openmpi":
         exports = [arg for key in plan.exports for arg in ("-x", key)]
         rsh = ["--mca", "plm_rsh_args", f"-p {plan.ssh_port}"] if plan.ssh_port else []
-        return [["mpirun", "-np", str(len(plan.hosts)), "--host", ",".join(f"{h}:1" for h in plan.hosts),
-                 # One agent per node, free to use every core (mpirun binds to one by default).
-                 "--map-by", "ppr:1:node", "--bind-to", "none", "--wdir", plan.cwd, *rsh, *exports, *plan.launcher_args,
-                 *agent_argv(plan, "openmpi")]]
+        return [
+            [
+                "mpirun",
+                "-np",
+                str(len(plan.hosts)),
+                "--host",
+                ",".join(f"{h}:1" for h in plan.hosts),
+                # One agent per node, free to use every core (mpirun binds to one by default).
+                "--map-by",
+                "ppr:1:node",
+                "--bind-to",
+                "none",
+                "--wdir",
+                plan.cwd,
+                *rsh,
+                *exports,
+                *plan.launcher_args,
+                *agent_argv(plan, "openmpi"),
+            ]
+        ]
     raise LaunchError("--launcher", f"unknown launcher {plan.launcher!r}; choose one of {', '.join(LAUNCHERS)}")
 
 
@@ -183,8 +228,14 @@ def resolve_master_addr(plan: MultiNodePlan) -> str:
             return asked
     elif address is not None:
         return host  # srun/mpirun tasks resolve the name on the nodes themselves
-    why = (f"it resolves to the loopback address {address} here, which other nodes cannot reach"
-           if address else "it does not resolve on this machine")
-    raise LaunchError("--master_addr", f"cannot find an address of the first host {host!r}: {why}"
-                                       + (" and 'hostname -I' over ssh printed none" if plan.launcher in ("ssh", "pdsh") else "")
-                                       + "; pass --master_addr ADDRESS (node 0's address the others can reach)")
+    why = (
+        f"it resolves to the loopback address {address} here, which other nodes cannot reach"
+        if address
+        else "it does not resolve on this machine"
+    )
+    raise LaunchError(
+        "--master_addr",
+        f"cannot find an address of the first host {host!r}: {why}"
+        + (" and 'hostname -I' over ssh printed none" if plan.launcher in ("ssh", "pdsh") else "")
+        + "; pass --master_addr ADDRESS (node 0's address the others can reach)",
+    )

@@ -18,20 +18,32 @@ from zerotrain.launcher.multinode import LAUNCHERS, MultiNodePlan, resolve_maste
 from zerotrain.launcher.node_lifetime import pid_file_path
 from zerotrain.launcher.remote_env import exported_env
 
-_TOOLS = {"ssh": ("ssh", "openssh-client"), "pdsh": ("pdsh", "pdsh"), "slurm": ("srun", "Slurm"),
-          "openmpi": ("mpirun", "openmpi-bin")}
+_TOOLS = {
+    "ssh": ("ssh", "openssh-client"),
+    "pdsh": ("pdsh", "pdsh"),
+    "slurm": ("srun", "Slurm"),
+    "openmpi": ("mpirun", "openmpi-bin"),
+}
 
 
 def local_options(args: argparse.Namespace, **overrides) -> LaunchOptions:
     """LaunchOptions from parsed ``zerotrain launch`` arguments (this machine only)."""
     fields = dict(
-        script=args.user_script, script_args=list(args.user_args), nproc=args.nproc,
-        master_addr=args.master_addr or DEFAULT_MASTER_ADDR, master_port=args.master_port,
-        module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank,
-        rank0_only=args.rank0_only, log_dir=args.log_dir,
+        script=args.user_script,
+        script_args=list(args.user_args),
+        nproc=args.nproc,
+        master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
+        master_port=args.master_port,
+        module=args.module,
+        no_python=args.no_python,
+        no_local_rank=args.no_local_rank,
+        rank0_only=args.rank0_only,
+        log_dir=args.log_dir,
         bind_cores_to_rank=args.bind_cores_to_rank or args.bind_core_list is not None,
-        bind_core_list=args.bind_core_list, max_restarts=args.max_restarts,
-        allocator=args.allocator, deepspeed_shim=args.deepspeed_shim,
+        bind_core_list=args.bind_core_list,
+        max_restarts=args.max_restarts,
+        allocator=args.allocator,
+        deepspeed_shim=args.deepspeed_shim,
     )
     fields.update(overrides)
     return LaunchOptions(**fields)
@@ -53,8 +65,9 @@ def _world_from_args(args: argparse.Namespace) -> hostfile.World | None:
     return hostfile.limit_world(world, args.num_nodes, args.nproc)
 
 
-def resolve_node_rank(spec: str | None, world: hostfile.World | None, nnodes: int,
-                      environ: dict[str, str] | None = None) -> int:
+def resolve_node_rank(
+    spec: str | None, world: hostfile.World | None, nnodes: int, environ: dict[str, str] | None = None
+) -> int:
     """``--node_rank``: a number; ``host=NAME`` (NAME's position in the world); ``slurm``
     (SLURMD_NODENAME's position in the world, else SLURM_NODEID); ``openmpi`` (OMPI_COMM_WORLD_RANK)."""
     env = os.environ if environ is None else environ
@@ -62,7 +75,7 @@ def resolve_node_rank(spec: str | None, world: hostfile.World | None, nnodes: in
     if spec is None:
         raise LaunchError("--node_rank", f"required with --no_ssh: {forms} (e.g. --node_rank 0 on the first node)")
     if spec.startswith("host="):
-        name = spec[len("host="):]
+        name = spec[len("host=") :]
         nodes = list(world or [])
         # pdsh's %h is the host of a user@host node.
         matches = [i for i, node in enumerate(nodes) if name in (node, hostfile.host_of(node))]
@@ -75,8 +88,11 @@ def resolve_node_rank(spec: str | None, world: hostfile.World | None, nnodes: in
             hosts = [hostfile.host_of(h) for h in world]
             names = {h: i for i, h in enumerate(hosts)} | {h.split(".")[0]: i for i, h in enumerate(hosts)}
             if node not in names:
-                raise LaunchError("--node_rank", f"SLURMD_NODENAME={node!r} is not one of the hostfile's hosts "
-                                                 f"({', '.join(world)}); name the nodes as Slurm does")
+                raise LaunchError(
+                    "--node_rank",
+                    f"SLURMD_NODENAME={node!r} is not one of the hostfile's hosts "
+                    f"({', '.join(world)}); name the nodes as Slurm does",
+                )
             rank = names[node]
         else:
             rank = _int_env(env, "SLURM_NODEID", "srun")
@@ -103,8 +119,9 @@ def _int_env(env, name: str, tool: str) -> int:
 
 def _check_size(env, name: str, nnodes: int, how: str) -> None:
     if name in env and env[name] != str(nnodes):
-        raise LaunchError("--node_rank", f"{name}={env[name]} but {nnodes} node(s) expected: start one task "
-                                         f"per node ({how})")
+        raise LaunchError(
+            "--node_rank", f"{name}={env[name]} but {nnodes} node(s) expected: start one task per node ({how})"
+        )
 
 
 def node_agent_options(args: argparse.Namespace) -> LaunchOptions:
@@ -125,18 +142,27 @@ def node_agent_options(args: argparse.Namespace) -> LaunchOptions:
             raise LaunchError("--master_addr", "with --no_ssh give node 0's address (e.g. --master_addr 10.0.0.1)")
         master_addr = hostfile.host_of(list(world)[0])
     return local_options(
-        args, nproc=args.nproc if args.nproc is not None or slots is None else len(slots),
-        master_addr=master_addr, nnodes=nnodes, node_rank=rank, run_id=args.rdzv_id,
-        devices=_devices(slots) if slots else None, node_name=f"node {rank} ({host})",
+        args,
+        nproc=args.nproc if args.nproc is not None or slots is None else len(slots),
+        master_addr=master_addr,
+        nnodes=nnodes,
+        node_rank=rank,
+        run_id=args.rdzv_id,
+        devices=_devices(slots) if slots else None,
+        node_name=f"node {rank} ({host})",
         stop_on_stdin_eof=args.stop_on_stdin_eof,
-        pid_file=pid_file_path(args.rdzv_id or "manual", rank) if args.write_pid_file else None)
+        pid_file=pid_file_path(args.rdzv_id or "manual", rank) if args.write_pid_file else None,
+    )
 
 
 def _slurm_hosts() -> list[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
-        raise LaunchError("--launcher", "slurm: not inside a Slurm allocation (SLURM_JOB_NODELIST is not set); "
-                                        "run under sbatch/salloc, or pass --hostfile")
+        raise LaunchError(
+            "--launcher",
+            "slurm: not inside a Slurm allocation (SLURM_JOB_NODELIST is not set); "
+            "run under sbatch/salloc, or pass --hostfile",
+        )
     result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
     hosts = result.stdout.split()
     if result.returncode != 0 or not hosts:
@@ -147,8 +173,10 @@ def _slurm_hosts() -> list[str]:
 def plan_launch(args: argparse.Namespace) -> LaunchOptions | MultiNodePlan:
     """What ``zerotrain launch`` runs for these arguments."""
     if (args.include or args.exclude) and (args.num_nodes or args.nproc):
-        raise LaunchError("--include" if args.include else "--exclude",
-                          "cannot be combined with --num_nodes/--num_gpus; the spec already picks nodes and slots")
+        raise LaunchError(
+            "--include" if args.include else "--exclude",
+            "cannot be combined with --num_nodes/--num_gpus; the spec already picks nodes and slots",
+        )
     if args.no_ssh:
         return node_agent_options(args)
     world = _world_from_args(args)
@@ -179,8 +207,11 @@ def _plan(args: argparse.Namespace, launcher: str, hosts: list[str], world: host
         raise LaunchError("--launcher", f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     users = [h for h in hosts if hostfile.user_of(h) is not None]
     if users and launcher in ("slurm", "openmpi"):
-        raise LaunchError("--hostfile", f"{users[0]!r}: a user@host node needs --launcher ssh or pdsh "
-                                        f"({launcher} starts the nodes' tasks itself); write the host alone")
+        raise LaunchError(
+            "--hostfile",
+            f"{users[0]!r}: a user@host node needs --launcher ssh or pdsh "
+            f"({launcher} starts the nodes' tasks itself); write the host alone",
+        )
     tool, package = _TOOLS[launcher]
     if shutil.which(tool) is None:
         raise LaunchError("--launcher", f"{launcher} needs '{tool}' on PATH ({package} is not installed here)")
@@ -196,10 +227,18 @@ def _plan(args: argparse.Namespace, launcher: str, hosts: list[str], world: host
     if world is None and args.nproc is not None:
         flags += ["--nproc", str(args.nproc)]
     plan = MultiNodePlan(
-        launcher=launcher, hosts=hosts, world=world, master_addr=args.master_addr or "",
-        master_port=args.master_port, target=[args.user_script, *args.user_args], agent_flags=flags,
-        exports=exported_env(), cwd=os.getcwd(), launcher_args=shlex.split(args.launcher_args or ""),
-        ssh_port=args.ssh_port)
+        launcher=launcher,
+        hosts=hosts,
+        world=world,
+        master_addr=args.master_addr or "",
+        master_port=args.master_port,
+        target=[args.user_script, *args.user_args],
+        agent_flags=flags,
+        exports=exported_env(),
+        cwd=os.getcwd(),
+        launcher_args=shlex.split(args.launcher_args or ""),
+        ssh_port=args.ssh_port,
+    )
     if not plan.master_addr:
         plan.master_addr = resolve_master_addr(plan)
     return plan

@@ -17,8 +17,9 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from zerotrain.launcher.launch import LaunchOptions
@@ -39,7 +40,7 @@ def _terminate_at_stdin_eof() -> None:
 
 
 @contextmanager
-def node_lifetime(opts: "LaunchOptions") -> Iterator[None]:
+def node_lifetime(opts: LaunchOptions) -> Iterator[None]:
     """Install the stop mechanisms ``opts`` asks for while the agent runs."""
     if opts.stop_on_stdin_eof:
         threading.Thread(target=_terminate_at_stdin_eof, name="zerotrain-stdin-watch", daemon=True).start()

@@ -23,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable
+from collections.abc import Callable
+from typing import IO
 
 from zerotrain.launcher.multinode import MultiNodePlan, launcher_env, node_commands, pdsh_stop_command
 from zerotrain.launcher.orphan_guard import guarded_command
@@ -88,11 +89,19 @@ class NodeRunner:
         use_stdin = self.plan.launcher == "ssh"
         for name, command in zip(self._names(), node_commands(self.plan)):
             command = guarded_command(command, os.getpid(), _STOP_GRACE)
-            process = subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command,
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
+                start_new_session=True,
+            )
             client = _Client(name, process)
-            for stream, sink, tail in ((process.stdout, sys.stdout, None), (process.stderr, sys.stderr, client.stderr_tail)):
+            for stream, sink, tail in (
+                (process.stdout, sys.stdout, None),
+                (process.stderr, sys.stderr, client.stderr_tail),
+            ):
                 reader = threading.Thread(target=_pump, args=(stream, sink, tail, self._on_line), daemon=True)
                 reader.start()
                 client.readers.append(reader)
@@ -114,8 +123,15 @@ class NodeRunner:
                     except OSError:
                         pass
         elif self.plan.launcher == "pdsh":
-            subprocess.run(pdsh_stop_command(self.plan), env=self.env, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=_STOP_GRACE, check=False)
+            subprocess.run(
+                pdsh_stop_command(self.plan),
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=_STOP_GRACE,
+                check=False,
+            )
         else:
             for client in self.clients:
                 if client.process.poll() is None:
@@ -174,7 +190,9 @@ class NodeRunner:
             lines.append(f"zerotrain: last {len(client.stderr_tail)} line(s) of {name}'s stderr:")
             lines += [f"    {line}" for line in client.stderr_tail]
         if self.plan.launcher == "ssh" and code == 255:
-            lines.append(f"zerotrain: ssh exit 255 means the connection to {name} failed: check "
-                         "passwordless ssh to it (ssh -o BatchMode=yes HOST true) and --ssh_port/--launcher_args")
+            lines.append(
+                f"zerotrain: ssh exit 255 means the connection to {name} failed: check "
+                "passwordless ssh to it (ssh -o BatchMode=yes HOST true) and --ssh_port/--launcher_args"
+            )
         print("\n".join(lines), file=sys.stderr, flush=True)
         return code

@@ -107,8 +107,9 @@ def _signal_group(pid: int, pgid: int, sig: int) -> None:
         pass
 
 
-def _watch(launcher_pid: int, launcher_fd: int | None, guarded: int, guarded_fd: int | None,
-           pgid: int, grace: float) -> None:
+def _watch(
+    launcher_pid: int, launcher_fd: int | None, guarded: int, guarded_fd: int | None, pgid: int, grace: float
+) -> None:
     _wait_for_first_end({launcher_pid: launcher_fd, guarded: guarded_fd})
     # The parent-death signal may end the guarded process before the launcher's end is seen
     # here: what matters is whether the launcher ends too (the group may still hold the guarded
@@ -184,14 +185,24 @@ def guard(launcher_pid: int, grace: float = 5.0) -> None:
     except OSError as err:
         if err.errno not in (errno.EAGAIN, errno.ENOMEM):
             raise
-        print(f"zerotrain: no watchdog for pid {os.getpid()} ({err.strerror}); it stops with the launcher only "
-              "by the parent-death signal", file=sys.stderr)
+        print(
+            f"zerotrain: no watchdog for pid {os.getpid()} ({err.strerror}); it stops with the launcher only "
+            "by the parent-death signal",
+            file=sys.stderr,
+        )
 
 
 def guarded_command(command: list[str], launcher_pid: int, grace: float, python: str = sys.executable) -> list[str]:
     """``command`` run under `guard` of ``launcher_pid`` (then exec'd, same pid)."""
-    return [python, "-u", os.path.abspath(__file__), f"--launcher_pid={launcher_pid}", f"--grace={grace:g}",
-            "--", *command]
+    return [
+        python,
+        "-u",
+        os.path.abspath(__file__),
+        f"--launcher_pid={launcher_pid}",
+        f"--grace={grace:g}",
+        "--",
+        *command,
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -199,7 +210,7 @@ def main(argv: list[str]) -> None:
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         raise SystemExit("orphan_guard: expected '--launcher_pid=P [--grace=S] -- COMMAND [ARGS...]'")
     split = argv.index("--")
-    opts, command = argv[:split], argv[split + 1:]
+    opts, command = argv[:split], argv[split + 1 :]
     values = dict(o.lstrip("-").split("=", 1) for o in opts if "=" in o)
     guard(int(values["launcher_pid"]), float(values.get("grace", 5)))
     try:

@@ -47,18 +47,18 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         if line.startswith("export "):
-            line = line[len("export "):].lstrip()
+            line = line[len("export ") :].lstrip()
         key, eq, value = line.partition("=")
         key = key.strip()
         if not eq or not _NAME.match(key):
-            raise LaunchError("env file", f"{source}:{number}: {raw!r} is not KEY=VALUE "
-                                          "(e.g. NCCL_SOCKET_IFNAME=eth0)")
+            raise LaunchError("env file", f"{source}:{number}: {raw!r} is not KEY=VALUE (e.g. NCCL_SOCKET_IFNAME=eth0)")
         values[key] = value.strip()
     return values
 
 
-def exported_env(environ: dict[str, str] | None = None, cwd: str | None = None,
-                 prefixes: list[str] | None = None) -> dict[str, str]:
+def exported_env(
+    environ: dict[str, str] | None = None, cwd: str | None = None, prefixes: list[str] | None = None
+) -> dict[str, str]:
     """Name -> value of everything a node's command exports (ordered, later wins)."""
     environ = dict(os.environ if environ is None else environ)
     cwd = os.getcwd() if cwd is None else cwd

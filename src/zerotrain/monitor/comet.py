@@ -17,9 +17,14 @@ class CometMonitor(Monitor):
     def __init__(self, config):
         import comet_ml
 
-        self.experiment = comet_ml.start(api_key=config.api_key, project=config.project,
-                                         workspace=config.workspace, experiment_key=config.experiment_key,
-                                         mode=config.mode, online=config.online)
+        self.experiment = comet_ml.start(
+            api_key=config.api_key,
+            project=config.project,
+            workspace=config.workspace,
+            experiment_key=config.experiment_key,
+            mode=config.mode,
+            online=config.online,
+        )
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
         self.samples_log_interval = config.samples_log_interval

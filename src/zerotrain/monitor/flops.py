@@ -20,11 +20,24 @@ import time
 import torch
 from torch import nn
 
-from zerotrain.monitor.flops_report import (duration_to_string, flops_to_string, macs_to_string,
-                                            number_to_string, params_to_string, write_report)
+from zerotrain.monitor.flops_report import (
+    duration_to_string,
+    flops_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+    write_report,
+)
 
-__all__ = ["FlopsProfiler", "get_model_profile", "number_to_string", "flops_to_string",
-           "macs_to_string", "params_to_string", "duration_to_string"]
+__all__ = [
+    "FlopsProfiler",
+    "get_model_profile",
+    "number_to_string",
+    "flops_to_string",
+    "macs_to_string",
+    "params_to_string",
+    "duration_to_string",
+]
 
 
 def _param_count(module: nn.Module) -> int:
@@ -39,17 +52,23 @@ def _torch_formulas_for_unlisted_kernels() -> dict:
     from torch.utils import flop_counter
 
     aten = torch.ops.aten
-    kernels = {"_scaled_dot_product_flash_attention_for_cpu": flop_counter.sdpa_flop,
-               "_scaled_dot_product_flash_attention_for_cpu_backward": flop_counter.sdpa_backward_flop}
+    kernels = {
+        "_scaled_dot_product_flash_attention_for_cpu": flop_counter.sdpa_flop,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": flop_counter.sdpa_backward_flop,
+    }
 
     def as_registered(formula):  # the registry's formulas already take tensors (shape_wrapper)
         def count(*args, **kwargs):
             return formula(*args, **kwargs)
+
         count._get_raw = True
         return count
 
-    return {getattr(aten, name): as_registered(formula) for name, formula in kernels.items()
-            if hasattr(aten, name) and getattr(aten, name) not in flop_counter.flop_registry}
+    return {
+        getattr(aten, name): as_registered(formula)
+        for name, formula in kernels.items()
+        if hasattr(aten, name) and getattr(aten, name) not in flop_counter.flop_registry
+    }
 
 
 class FlopsProfiler:
@@ -147,6 +166,7 @@ class FlopsProfiler:
                 self.module_duration[name] = self.module_duration.get(name, 0.0) + time.perf_counter() - t0
                 if module is self.model:
                     self.forwards += 1
+
             return post_hook
 
         for name, module in self.model.named_modules():
@@ -180,8 +200,11 @@ class FlopsProfiler:
     def module_rows(self) -> list[tuple[str, nn.Module, int, int, float]]:
         """``(name, module, params, flops, seconds)`` of every profiled module, in model order. A
         module never called itself (a ModuleList) gets the sum of its children's, as in DeepSpeed."""
-        named = [(name, module) for name, module in self.model.named_modules()
-                 if not (name and self._ignore and isinstance(module, self._ignore))]
+        named = [
+            (name, module)
+            for name, module in self.model.named_modules()
+            if not (name and self._ignore and isinstance(module, self._ignore))
+        ]
         flops, seconds = dict(self.module_flops), dict(self.module_duration)
         for name, module in reversed(named):  # children before parents
             if name not in flops:
@@ -190,8 +213,14 @@ class FlopsProfiler:
                 seconds[name] = sum(seconds.get(c, 0.0) for c in children)
         return [(name, module, _param_count(module), flops[name], seconds[name]) for name, module in named]
 
-    def print_model_profile(self, profile_step: int = 1, module_depth: int = -1, top_modules: int = 1,
-                            detailed: bool = True, output_file: str | None = None) -> str | None:
+    def print_model_profile(
+        self,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+    ) -> str | None:
         """Print the profile (or write it to ``output_file``): the summary with ``fwd flops per
         GPU:``, the ``top_modules`` largest modules at each depth up to ``module_depth`` (-1: all)
         and, with ``detailed``, every module. Returns the text; None before ``start_profile()``."""
@@ -200,10 +229,21 @@ class FlopsProfiler:
         return write_report(self, profile_step, module_depth, top_modules, detailed, output_file)
 
 
-def get_model_profile(model: nn.Module, input_shape: tuple | None = None, args=(), kwargs=None,
-                      print_profile: bool = True, detailed: bool = True, module_depth: int = -1,
-                      top_modules: int = 1, warm_up: int = 1, as_string: bool = True,
-                      output_file: str | None = None, ignore_modules=None, mode: str = "forward"):
+def get_model_profile(
+    model: nn.Module,
+    input_shape: tuple | None = None,
+    args=(),
+    kwargs=None,
+    print_profile: bool = True,
+    detailed: bool = True,
+    module_depth: int = -1,
+    top_modules: int = 1,
+    warm_up: int = 1,
+    as_string: bool = True,
+    output_file: str | None = None,
+    ignore_modules=None,
+    mode: str = "forward",
+):
     """Profile one forward (``mode="forward"``) or ``model.generate`` call (``"generate"``) after
     ``warm_up`` unprofiled ones; returns ``(flops, macs, params)``, as strings with ``as_string``.
     ``input_shape`` makes one input tensor of that shape (in the model's dtype and device)."""
@@ -217,8 +257,13 @@ def get_model_profile(model: nn.Module, input_shape: tuple | None = None, args=(
         if not isinstance(input_shape, tuple) or not input_shape:
             raise ValueError("get_model_profile: input_shape must be a non-empty tuple")
         first = next(model.parameters(), None)
-        args = [torch.ones(input_shape, dtype=first.dtype if first is not None else None,
-                           device=first.device if first is not None else None)]
+        args = [
+            torch.ones(
+                input_shape,
+                dtype=first.dtype if first is not None else None,
+                device=first.device if first is not None else None,
+            )
+        ]
     if not args and not kwargs:
         raise ValueError("get_model_profile: give input_shape, args or kwargs")
     call = model if mode == "forward" else model.generate
@@ -234,8 +279,13 @@ def get_model_profile(model: nn.Module, input_shape: tuple | None = None, args=(
             profiler.stop_profile()
     flops, macs, params = profiler.get_total_flops(), profiler.get_total_macs(), profiler.get_total_params()
     if print_profile:
-        profiler.print_model_profile(profile_step=warm_up, module_depth=module_depth, top_modules=top_modules,
-                                     detailed=detailed, output_file=output_file)
+        profiler.print_model_profile(
+            profile_step=warm_up,
+            module_depth=module_depth,
+            top_modules=top_modules,
+            detailed=detailed,
+            output_file=output_file,
+        )
     profiler.end_profile()
     if as_string:
         return number_to_string(flops), macs_to_string(macs), params_to_string(params)

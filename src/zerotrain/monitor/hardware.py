@@ -19,8 +19,10 @@ class HardwareSampler:
         self.group = group
         self.ranks = list(ranks) if ranks is not None else [0]
         if len(self.ranks) > 1 and group is None:
-            raise ValueError("HardwareSampler: pass the group of the ranks it gathers over "
-                             "(the engine's topology.data_group); None would be the whole world")
+            raise ValueError(
+                "HardwareSampler: pass the group of the ranks it gathers over "
+                "(the engine's topology.data_group); None would be the whole world"
+            )
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the interval
         self._cuda = torch.cuda.is_available()
@@ -47,8 +49,10 @@ class HardwareSampler:
             values += [torch.cuda.memory_allocated() / _MB, torch.cuda.max_memory_allocated() / _MB]
             if self._nvml is not None:
                 pynvml, handle = self._nvml
-                values += [float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                           pynvml.nvmlDeviceGetMemoryInfo(handle).used / _MB]
+                values += [
+                    float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    pynvml.nvmlDeviceGetMemoryInfo(handle).used / _MB,
+                ]
         return values
 
     def gather(self, device) -> torch.Tensor:
@@ -63,5 +67,8 @@ class HardwareSampler:
         return out.view(len(self.ranks), -1).cpu()
 
     def events(self, table: torch.Tensor, step: int) -> list[tuple[str, float, int]]:
-        return [(f"Hardware/rank{self.ranks[row]}/{name}", float(table[row, i]), step)
-                for row in range(table.shape[0]) for i, name in enumerate(self.names)]
+        return [
+            (f"Hardware/rank{self.ranks[row]}/{name}", float(table[row, i]), step)
+            for row in range(table.shape[0])
+            for i, name in enumerate(self.names)
+        ]

@@ -56,8 +56,7 @@ def _held(engines: list) -> tuple[dict, list[dict]]:
     return total, each
 
 
-def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False,
-                  engine=None) -> dict | None:
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False, engine=None) -> dict | None:
     """Print this rank's memory (every rank, or only ``print_rank``) and return the numbers.
 
     CUDA: ``RANK=r MEMSTATS msg device=cuda:r current alloc=..GB (delta=..GB max=..GB) current
@@ -76,30 +75,40 @@ def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False,
         if reset_max:
             torch.cuda.reset_peak_memory_stats()
         device = torch.cuda.current_device()
-        stats = {"device": f"cuda:{device}", "allocated": torch.cuda.memory_allocated(device),
-                 "max_allocated": torch.cuda.max_memory_allocated(device),
-                 "cached": torch.cuda.memory_reserved(device),
-                 "max_cached": torch.cuda.max_memory_reserved(device)}
+        stats = {
+            "device": f"cuda:{device}",
+            "allocated": torch.cuda.memory_allocated(device),
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "cached": torch.cuda.memory_reserved(device),
+            "max_cached": torch.cuda.max_memory_reserved(device),
+        }
         current, peak, other = stats["allocated"], stats["max_allocated"], stats["cached"]
         d_alloc, d_cache = current - _last["alloc"], other - _last["cache"]
         _last.update(alloc=current, cache=other)
-        line = (f"RANK={rank} MEMSTATS {msg} device={stats['device']} current alloc={current / GB:0.4f}GB "
-                f"(delta={d_alloc / GB:0.4f}GB max={peak / GB:0.4f}GB) current cache={other / GB:0.4f}GB "
-                f"(delta={d_cache / GB:0.4f}GB max={stats['max_cached'] / GB:0.4f}GB)")
+        line = (
+            f"RANK={rank} MEMSTATS {msg} device={stats['device']} current alloc={current / GB:0.4f}GB "
+            f"(delta={d_alloc / GB:0.4f}GB max={peak / GB:0.4f}GB) current cache={other / GB:0.4f}GB "
+            f"(delta={d_cache / GB:0.4f}GB max={stats['max_cached'] / GB:0.4f}GB)"
+        )
     else:
         rss = psutil.Process().memory_info().rss
         # the kernel folds current RSS into the peak lazily, so the peak can trail it by a few pages
         stats = {"device": "cpu", "rss": rss, "max_rss": max(peak_rss_bytes(), rss)}
         delta = rss - _last["alloc"]
         _last["alloc"] = rss
-        line = (f"RANK={rank} MEMSTATS {msg} device=cpu current rss={rss / GB:0.4f}GB "
-                f"(delta={delta / GB:0.4f}GB max={stats['max_rss'] / GB:0.4f}GB)")
+        line = (
+            f"RANK={rank} MEMSTATS {msg} device=cpu current rss={rss / GB:0.4f}GB "
+            f"(delta={delta / GB:0.4f}GB max={stats['max_rss'] / GB:0.4f}GB)"
+        )
     engines = [engine] if engine is not None else live_engines()
     if engines:
         held, stats["engines"] = _held(engines)
         stats["engine"] = held
-        line += (f" engine={sum(held.values()) / GB:0.4f}GB ("
-                 + " ".join(f"{k}={v / GB:0.4f}GB" for k, v in held.items()) + ")")
+        line += (
+            f" engine={sum(held.values()) / GB:0.4f}GB ("
+            + " ".join(f"{k}={v / GB:0.4f}GB" for k, v in held.items())
+            + ")"
+        )
         if len(engines) > 1:
             line += f" engines={len(engines)}"
         offload = " ".join(filter(None, (_offload_line(e) for e in engines)))
@@ -129,10 +138,12 @@ def see_memory_usage(message: str, force: bool = False, engine=None) -> None:
     gc.collect()
     logger.info(message)
     if get_accelerator().name == "cuda":
-        logger.info(f"MA {round(torch.cuda.memory_allocated() / GB, 2)} GB "
-                    f"Max_MA {round(torch.cuda.max_memory_allocated() / GB, 2)} GB "
-                    f"CA {round(torch.cuda.memory_reserved() / GB, 2)} GB "
-                    f"Max_CA {round(torch.cuda.max_memory_reserved() / GB, 2)} GB ")
+        logger.info(
+            f"MA {round(torch.cuda.memory_allocated() / GB, 2)} GB "
+            f"Max_MA {round(torch.cuda.max_memory_allocated() / GB, 2)} GB "
+            f"CA {round(torch.cuda.memory_reserved() / GB, 2)} GB "
+            f"Max_CA {round(torch.cuda.max_memory_reserved() / GB, 2)} GB "
+        )
         torch.cuda.reset_peak_memory_stats()
     else:
         rss = psutil.Process().memory_info().rss
@@ -148,6 +159,4 @@ def see_memory_usage(message: str, force: bool = False, engine=None) -> None:
                 line += " | " + offload
         logger.info(line)
     vm = psutil.virtual_memory()
-    logger.info(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / GB, 2)} GB, "
-                f"percent = {vm.percent}%")
-
+    logger.info(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / GB, 2)} GB, percent = {vm.percent}%")

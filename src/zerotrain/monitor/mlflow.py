@@ -52,7 +52,7 @@ class MLflowMonitor(Monitor):
 
         items = [Param(str(k), str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH])
 
     def write_events(self, events) -> None:
         from mlflow.entities import Metric

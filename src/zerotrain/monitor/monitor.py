@@ -10,7 +10,11 @@ _TIMER_EVENTS = ("forward", "backward", "backward_inner", "backward_allreduce", 
 
 #: config section -> ((master attribute, module, class), package it needs, extra that installs it)
 _WRITERS = {
-    "tensorboard": (("tb_monitor", "zerotrain.monitor.tensorboard", "TensorBoardMonitor"), "tensorboard", "tensorboard"),
+    "tensorboard": (
+        ("tb_monitor", "zerotrain.monitor.tensorboard", "TensorBoardMonitor"),
+        "tensorboard",
+        "tensorboard",
+    ),
     "csv_monitor": (("csv_monitor", "zerotrain.monitor.csv_monitor", "CSVMonitor"), None, None),
     "mlflow": (("mlflow_monitor", "zerotrain.monitor.mlflow", "MLflowMonitor"), "mlflow", "mlflow"),
     "wandb": (("wandb_monitor", "zerotrain.monitor.wandb", "WandbMonitor"), "wandb", "wandb"),
@@ -35,8 +39,9 @@ def missing_extra(section: str, module: str, extra: str) -> ImportError | None:
     """An ImportError naming the extra to install when ``module`` is not importable, else None."""
     if importlib.util.find_spec(module) is not None:
         return None
-    return ImportError(f'"{section}.enabled" needs the {module} package, which is not installed: '
-                       f'pip install "zerotrain[{extra}]"')
+    return ImportError(
+        f'"{section}.enabled" needs the {module} package, which is not installed: pip install "zerotrain[{extra}]"'
+    )
 
 
 def config_params(config, world_size: int) -> dict:
@@ -52,9 +57,12 @@ def config_params(config, world_size: int) -> dict:
             flat[prefix[:-1]] = node
 
     walk(dict(getattr(config, "_raw", None) or {}), "")
-    flat.update(train_batch_size=config.train_batch_size,
-                train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
-                gradient_accumulation_steps=config.gradient_accumulation_steps, world_size=world_size)
+    flat.update(
+        train_batch_size=config.train_batch_size,
+        train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        world_size=world_size,
+    )
     return flat
 
 

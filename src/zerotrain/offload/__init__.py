@@ -24,12 +24,28 @@ import os
 import torch
 
 from zerotrain.offload.aio import SwapFileError
-from zerotrain.offload.nvme import (MAX_CHUNK_NUMEL, NvmeOptimizerOffload, NvmeParamOffload,
-                                   NvmeParamSettings, NvmeSettings, OffloadError)
+from zerotrain.offload.nvme import (
+    MAX_CHUNK_NUMEL,
+    NvmeOptimizerOffload,
+    NvmeParamOffload,
+    NvmeParamSettings,
+    NvmeSettings,
+    OffloadError,
+)
 from zerotrain.offload.placement import Placement
 
-__all__ = ["build_placement", "describe_stats", "Placement", "NvmeSettings", "NvmeOptimizerOffload", "NvmeParamSettings",
-           "NvmeParamOffload", "OffloadError", "SwapFileError", "HOST"]
+__all__ = [
+    "build_placement",
+    "describe_stats",
+    "Placement",
+    "NvmeSettings",
+    "NvmeOptimizerOffload",
+    "NvmeParamSettings",
+    "NvmeParamOffload",
+    "OffloadError",
+    "SwapFileError",
+    "HOST",
+]
 
 logger = logging.getLogger("zerotrain")
 
@@ -47,9 +63,11 @@ def describe_stats(stats: dict) -> str:
     written = sum(p["bytes_written"] for p in parts)
     wait_s = sum(p["io_wait_s"] for p in parts)
     disk = sum(p.get("swap_file_bytes", 0) for p in parts)
-    return (f"offload read={read / 2**30:.3f}GB written={written / 2**30:.3f}GB "
-            f"io_wait={wait_s:.2f}s io_busy={stats.get('io_busy_s', 0.0):.2f}s "
-            f"swap_on_disk={disk / 2**30:.3f}GB")
+    return (
+        f"offload read={read / 2**30:.3f}GB written={written / 2**30:.3f}GB "
+        f"io_wait={wait_s:.2f}s io_busy={stats.get('io_busy_s', 0.0):.2f}s "
+        f"swap_on_disk={disk / 2**30:.3f}GB"
+    )
 
 
 def chunk_numel(zero_config) -> int:
@@ -59,8 +77,12 @@ def chunk_numel(zero_config) -> int:
     asked = -(-int(zero_config.sub_group_size) // 1024) * 1024
     if asked > MAX_CHUNK_NUMEL:
         if "sub_group_size" in zero_config.model_fields_set:
-            logger.info("offload: sub_group_size %d is capped at %d elements per swapped chunk, so "
-                        "the update keeps at most buffer_count chunks in memory", asked, MAX_CHUNK_NUMEL)
+            logger.info(
+                "offload: sub_group_size %d is capped at %d elements per swapped chunk, so "
+                "the update keeps at most buffer_count chunks in memory",
+                asked,
+                MAX_CHUNK_NUMEL,
+            )
         return MAX_CHUNK_NUMEL
     return max(1, asked)
 
@@ -84,19 +106,34 @@ def build_placement(config):
         section = zero.offload_optimizer
         pin = section.pin_memory
         if optimizer_device == "nvme":
-            nvme = NvmeSettings(path=str(section.nvme_path), buffer_count=int(section.buffer_count),
-                                pin_memory=section.pin_memory, chunk_numel=chunk_numel(zero),
-                                block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
-                                threads=int(aio.intra_op_parallelism))
+            nvme = NvmeSettings(
+                path=str(section.nvme_path),
+                buffer_count=int(section.buffer_count),
+                pin_memory=section.pin_memory,
+                chunk_numel=chunk_numel(zero),
+                block_size=int(aio.block_size),
+                queue_depth=int(aio.queue_depth),
+                threads=int(aio.intra_op_parallelism),
+            )
     param_nvme = None
     if param_device == "nvme":
         section = zero.offload_param
         param_nvme = NvmeParamSettings(
-            path=str(section.nvme_path), buffer_count=int(section.buffer_count),
-            buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
-            pin_memory=section.pin_memory, block_size=int(aio.block_size),
-            queue_depth=int(aio.queue_depth), threads=int(aio.intra_op_parallelism))
-    return Placement(master_device=HOST if optimizer_device != "none" else None, pin_memory=pin,
-                     param_device=HOST if param_device in ("cpu", "nvme") else None, param_nvme=param_nvme,
-                     param_pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory),
-                     nvme=nvme, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            path=str(section.nvme_path),
+            buffer_count=int(section.buffer_count),
+            buffer_numel=int(section.buffer_size),
+            max_in_cpu=int(section.max_in_cpu),
+            pin_memory=section.pin_memory,
+            block_size=int(aio.block_size),
+            queue_depth=int(aio.queue_depth),
+            threads=int(aio.intra_op_parallelism),
+        )
+    return Placement(
+        master_device=HOST if optimizer_device != "none" else None,
+        pin_memory=pin,
+        param_device=HOST if param_device in ("cpu", "nvme") else None,
+        param_nvme=param_nvme,
+        param_pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory),
+        nvme=nvme,
+        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+    )

@@ -99,7 +99,6 @@ class DiskActivity:
             return self._busy + running
 
 
-
 class AsyncFileIO:
     """Reads and writes whole swap files on ``threads`` background threads.
 
@@ -108,8 +107,14 @@ class AsyncFileIO:
     ``DiskActivity`` its operations are timed in (shared by the swappers of one stage; None: its
     own)."""
 
-    def __init__(self, threads: int = 1, block_size: int = 1 << 20, queue_depth: int = 8,
-                 direct: bool = True, activity: DiskActivity | None = None):
+    def __init__(
+        self,
+        threads: int = 1,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        direct: bool = True,
+        activity: DiskActivity | None = None,
+    ):
         self.activity = activity if activity is not None else DiskActivity()
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.block_size = max(ALIGN, round_up(block_size))
@@ -126,7 +131,8 @@ class AsyncFileIO:
         trailer = buffer.narrow(0, data, ALIGN)
         trailer.zero_()
         trailer.narrow(0, 0, _TRAILER.size).copy_(
-            torch.frombuffer(bytearray(_TRAILER.pack(_MAGIC, generation, nbytes)), dtype=torch.uint8))
+            torch.frombuffer(bytearray(_TRAILER.pack(_MAGIC, generation, nbytes)), dtype=torch.uint8)
+        )
         if data > nbytes:  # padding is written too: keep it deterministic
             buffer.narrow(0, nbytes, data - nbytes).zero_()
         return self._submit(self._write, path, buffer.narrow(0, 0, data + ALIGN))
@@ -134,8 +140,7 @@ class AsyncFileIO:
     def read(self, path: str, buffer: torch.Tensor, nbytes: int, generation: int) -> Future:
         """Read what ``write`` wrote under ``generation`` into ``buffer``; the future raises
         ``SwapFileError`` naming ``path`` if the file is not exactly that write."""
-        return self._submit(self._read, path, buffer.narrow(0, 0, round_up(nbytes) + ALIGN),
-                            nbytes, generation)
+        return self._submit(self._read, path, buffer.narrow(0, 0, round_up(nbytes) + ALIGN), nbytes, generation)
 
     def _submit(self, fn, *args) -> Future:
         self._slots.acquire()
@@ -173,8 +178,11 @@ class AsyncFileIO:
                         raise OSError(errno.EIO, "short write")
                     offset += written
         except OSError as error:
-            hint = (" (the disk is full: free space or point nvme_path at a larger drive)"
-                    if error.errno == errno.ENOSPC else "")
+            hint = (
+                " (the disk is full: free space or point nvme_path at a larger drive)"
+                if error.errno == errno.ENOSPC
+                else ""
+            )
             raise SwapFileError(f"writing swap file {path} failed: {error}{hint}") from None
         finally:
             os.close(fd)
@@ -185,8 +193,10 @@ class AsyncFileIO:
         try:
             fd = self._open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise SwapFileError(f"swap file {path} is gone (deleted while training?): the "
-                                "optimizer state it held is lost; restart from a checkpoint") from None
+            raise SwapFileError(
+                f"swap file {path} is gone (deleted while training?): the "
+                "optimizer state it held is lost; restart from a checkpoint"
+            ) from None
         except OSError as error:
             raise SwapFileError(f"cannot read swap file {path}: {error}") from None
         try:
@@ -194,7 +204,8 @@ class AsyncFileIO:
             if size != view.numel():
                 raise SwapFileError(
                     f"swap file {path} has {size} bytes, {view.numel()} were written: it was "
-                    "truncated or replaced while training; restart from a checkpoint")
+                    "truncated or replaced while training; restart from a checkpoint"
+                )
             mem = memoryview(view.numpy())
             offset = 0
             with self.activity:
@@ -202,20 +213,24 @@ class AsyncFileIO:
                     end = min(len(mem), offset + self.block_size)
                     got = os.preadv(fd, [mem[offset:end]], offset)
                     if got <= 0:
-                        raise SwapFileError(f"swap file {path} ended after {offset} bytes of "
-                                            f"{len(mem)}: it was truncated while training")
+                        raise SwapFileError(
+                            f"swap file {path} ended after {offset} bytes of "
+                            f"{len(mem)}: it was truncated while training"
+                        )
                     offset += got
         except OSError as error:
             raise SwapFileError(f"reading swap file {path} failed: {error}") from None
         finally:
             os.close(fd)
         magic, written_generation, written_bytes = _TRAILER.unpack(
-            bytes(mem[round_up(nbytes):round_up(nbytes) + _TRAILER.size]))
+            bytes(mem[round_up(nbytes) : round_up(nbytes) + _TRAILER.size])
+        )
         if magic != _MAGIC or written_generation != generation or written_bytes != nbytes:
             raise SwapFileError(
                 f"swap file {path} does not hold the last completed write (generation "
                 f"{written_generation} of {generation}, {written_bytes} bytes of {nbytes}): it was "
-                "overwritten or only partly written; restart from a checkpoint")
+                "overwritten or only partly written; restart from a checkpoint"
+            )
         with self._lock:
             self.bytes_read += len(mem)
 

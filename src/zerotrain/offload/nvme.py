@@ -46,13 +46,17 @@ class NvmeSettings:
 def check_folder(path: str, what: str = "offload_optimizer.nvme_path") -> None:
     """Fail with the fix when ``path`` is not an existing, writable directory."""
     if not os.path.exists(path):
-        raise OffloadError(f"zero_optimization.{what} {path!r} does not exist: create it "
-                           "(a directory on the NVMe drive) or point nvme_path at one")
+        raise OffloadError(
+            f"zero_optimization.{what} {path!r} does not exist: create it "
+            "(a directory on the NVMe drive) or point nvme_path at one"
+        )
     if not os.path.isdir(path):
         raise OffloadError(f"zero_optimization.{what} {path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise OffloadError(f"zero_optimization.{what} {path!r} is not writable by this process "
-                           "(user id %d): fix its permissions or choose another directory" % os.getuid())
+        raise OffloadError(
+            f"zero_optimization.{what} {path!r} is not writable by this process "
+            "(user id %d): fix its permissions or choose another directory" % os.getuid()
+        )
 
 
 def _probe_state(optimizer, group: dict) -> dict[str, torch.dtype] | None:
@@ -65,8 +69,7 @@ def _probe_state(optimizer, group: dict) -> dict[str, torch.dtype] | None:
         probe.param_groups = [{**group, "params": [p]}]
         probe.state = collections.defaultdict(dict)
         probe.step()
-        return {k: v.dtype for k, v in probe.state[p].items()
-                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == 8}
+        return {k: v.dtype for k, v in probe.state[p].items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == 8}
     except Exception:  # noqa: BLE001 - an unusual constructor: estimate instead
         return None
 
@@ -86,35 +89,50 @@ class NvmeOptimizerOffload:
     swapper over it. The folder is removed by ``close()``, at interpreter exit, or when this
     object is garbage collected, whichever comes first."""
 
-    def __init__(self, settings: NvmeSettings, optimizer, rank: int, planned: list[tuple[int, int]],
-                 swap_master: bool, local_ranks: int = 1, activity: DiskActivity | None = None):
+    def __init__(
+        self,
+        settings: NvmeSettings,
+        optimizer,
+        rank: int,
+        planned: list[tuple[int, int]],
+        swap_master: bool,
+        local_ranks: int = 1,
+        activity: DiskActivity | None = None,
+    ):
         """``planned``: ``(param group, shard elements)`` of every trained unit to come, for the
         disk-space check made before anything is written; ``activity``: the stage's
         ``DiskActivity`` the swap I/O is timed in (None: its own)."""
         if settings.buffer_count < 1:
-            raise OffloadError("zero_optimization.offload_optimizer.buffer_count must be at least 1 "
-                               f"(got {settings.buffer_count}): each buffer holds one chunk in memory")
+            raise OffloadError(
+                "zero_optimization.offload_optimizer.buffer_count must be at least 1 "
+                f"(got {settings.buffer_count}): each buffer holds one chunk in memory"
+            )
         check_folder(settings.path)
         self.folder = _make_run_folder(settings.path, rank)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
         try:
-            self.need_bytes = self._required_bytes(optimizer, planned, settings.chunk_numel,
-                                                   swap_master)
+            self.need_bytes = self._required_bytes(optimizer, planned, settings.chunk_numel, swap_master)
             self._check_space(settings.path, local_ranks)
             direct = direct_io_supported(self.folder)
             if not direct:
-                logger.warning("offload: %s does not accept O_DIRECT; swap files use buffered I/O "
-                               "(through the page cache)", settings.path)
-            if (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                    and not any(g.get("fused") for g in optimizer.param_groups)):
+                logger.warning(
+                    "offload: %s does not accept O_DIRECT; swap files use buffered I/O (through the page cache)",
+                    settings.path,
+                )
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not any(
+                g.get("fused") for g in optimizer.param_groups
+            ):
                 # bench/adam_kernels.py: fused is ~6x the per-tensor loop torch uses on the CPU
-                logger.info("offload: %s steps the swapped chunks with torch's per-tensor kernel; "
-                            "build it with fused=True (or use the config's optimizer section, "
-                            "which does) for the fused CPU kernel", type(optimizer).__name__)
-            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct,
-                                  activity)
-            self.swapper = OptimizerSwapper(self.folder, settings.chunk_numel,
-                                            settings.buffer_count, self.io, settings.pin_memory)
+                logger.info(
+                    "offload: %s steps the swapped chunks with torch's per-tensor kernel; "
+                    "build it with fused=True (or use the config's optimizer section, "
+                    "which does) for the fused CPU kernel",
+                    type(optimizer).__name__,
+                )
+            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct, activity)
+            self.swapper = OptimizerSwapper(
+                self.folder, settings.chunk_numel, settings.buffer_count, self.io, settings.pin_memory
+            )
         except BaseException:
             self.close()
             raise
@@ -126,8 +144,11 @@ class NvmeOptimizerOffload:
         for g, group in enumerate(optimizer.param_groups):
             found = _probe_state(optimizer, group)
             if found is None:
-                logger.warning("offload: could not probe %s's state; assuming Adam's (two fp32 "
-                               "tensors per element) for the disk-space check", type(optimizer).__name__)
+                logger.warning(
+                    "offload: could not probe %s's state; assuming Adam's (two fp32 "
+                    "tensors per element) for the disk-space check",
+                    type(optimizer).__name__,
+                )
                 found = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
             per_group[g] = list(found.values()) + ([torch.float32] if swap_master else [])
         total = 0
@@ -145,7 +166,8 @@ class NvmeOptimizerOffload:
             raise OffloadError(
                 f"zero_optimization.offload_optimizer.nvme_path {path!r} has {free / GiB:.2f} GiB "
                 f"free, but the swapped optimizer state needs {self.need_bytes / GiB:.2f} GiB per "
-                f"rank{ranks} ({need} bytes): free space or choose a larger drive")
+                f"rank{ranks} ({need} bytes): free space or choose a larger drive"
+            )
 
     def close(self) -> None:
         io = getattr(self, "io", None)
@@ -176,17 +198,24 @@ class NvmeParamOffload:
     """This rank's parameter swap folder ``<nvme_path>/zerotrain-params-<host>-<pid>-rank<r>-<id>``
     and the ``ParamSwapper`` over it; removed like the optimizer's (``close()``, exit, GC)."""
 
-    def __init__(self, settings: NvmeParamSettings, rank: int, need_bytes: int,
-                 local_ranks: int = 1, also_on_disk: tuple[str, int] | None = None,
-                 activity: DiskActivity | None = None):
+    def __init__(
+        self,
+        settings: NvmeParamSettings,
+        rank: int,
+        need_bytes: int,
+        local_ranks: int = 1,
+        also_on_disk: tuple[str, int] | None = None,
+        activity: DiskActivity | None = None,
+    ):
         """``need_bytes``: the shards' swap files; ``also_on_disk``: ``(path, bytes)`` of the
         optimizer's swap files, counted too when they share the drive; ``activity``: the
         stage's ``DiskActivity`` (None: its own), shared with the gradient swapper."""
         from zerotrain.offload.params import ParamSwapper
 
         if settings.buffer_count < 1:
-            raise OffloadError("zero_optimization.offload_param.buffer_count must be at least 1 "
-                               f"(got {settings.buffer_count})")
+            raise OffloadError(
+                f"zero_optimization.offload_param.buffer_count must be at least 1 (got {settings.buffer_count})"
+            )
         check_folder(settings.path, "offload_param.nvme_path")
         self.settings = settings
         self.folder = _make_run_folder(settings.path, rank, "params")
@@ -203,13 +232,18 @@ class NvmeParamOffload:
                     f"{free / GiB:.2f} GiB free, but the swapped parameters need "
                     f"{need_bytes / GiB:.2f} GiB per rank (with the optimizer's swap files on the "
                     f"same drive {need / GiB:.2f} GiB, x {local_ranks} ranks on this node): free "
-                    "space or choose a larger drive")
+                    "space or choose a larger drive"
+                )
             direct = direct_io_supported(self.folder)
-            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct,
-                                  activity)
-            self.swapper = ParamSwapper(self.folder, self.io, settings.max_in_cpu,
-                                        settings.buffer_count, settings.buffer_numel,
-                                        settings.pin_memory)
+            self.io = AsyncFileIO(settings.threads, settings.block_size, settings.queue_depth, direct, activity)
+            self.swapper = ParamSwapper(
+                self.folder,
+                self.io,
+                settings.max_in_cpu,
+                settings.buffer_count,
+                settings.buffer_numel,
+                settings.pin_memory,
+            )
         except BaseException:
             self.close()
             raise
@@ -220,8 +254,16 @@ class NvmeParamOffload:
         from zerotrain.offload.params import GradSwapper
 
         s = self.settings
-        return GradSwapper(self.folder, self.io, s.max_in_cpu, s.buffer_count, s.buffer_numel,
-                           s.pin_memory, grads=grads, wait_reduction=wait_reduction)
+        return GradSwapper(
+            self.folder,
+            self.io,
+            s.max_in_cpu,
+            s.buffer_count,
+            s.buffer_numel,
+            s.pin_memory,
+            grads=grads,
+            wait_reduction=wait_reduction,
+        )
 
     def close(self) -> None:
         io = getattr(self, "io", None)

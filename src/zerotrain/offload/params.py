@@ -50,8 +50,7 @@ class ShardSwapper:
 
     kind = "shard"
 
-    def __init__(self, folder: str, io: AsyncFileIO, max_in_cpu: int, buffer_count: int,
-                 buffer_numel: int, pin: bool):
+    def __init__(self, folder: str, io: AsyncFileIO, max_in_cpu: int, buffer_count: int, buffer_numel: int, pin: bool):
         self.folder, self.io = folder, io
         self.max_in_cpu = int(max_in_cpu)
         self.buffer_numel = int(buffer_numel)
@@ -67,8 +66,7 @@ class ShardSwapper:
         self._index: dict = {}
         self.norms: dict = {}  # unit -> fp32 norm of what its file holds (gradients)
         self._freed = 0  # bytes evicted since memory was last returned to the OS
-        self.stats = {"bytes_read": 0, "bytes_written": 0, "io_wait_s": 0.0, "reads_ahead": 0,
-                      "reads_on_demand": 0}
+        self.stats = {"bytes_read": 0, "bytes_written": 0, "io_wait_s": 0.0, "reads_ahead": 0, "reads_on_demand": 0}
 
     def tensor_of(self, unit) -> torch.Tensor:
         raise NotImplementedError
@@ -89,7 +87,8 @@ class ShardSwapper:
             raise ValueError(
                 f"zero_optimization.offload_param.buffer_size ({self.buffer_numel} elements) is "
                 f"smaller than the shard of unit {unit.names[:3]} ({numel} elements on this rank): "
-                f"raise buffer_size to at least {numel}")
+                f"raise buffer_size to at least {numel}"
+            )
         self._index[unit] = len(self._index)
         self.resident[unit] = None
         self.resident_numel += numel
@@ -170,8 +169,7 @@ class ShardSwapper:
     def _issue(self, unit, slot: _Slot) -> None:
         slot.unit = unit
         nbytes = self._nbytes(unit)
-        slot.futures = [self.io.read(self.path(unit), slot.fit(nbytes), nbytes,
-                                     self._generation[unit])]
+        slot.futures = [self.io.read(self.path(unit), slot.fit(nbytes), nbytes, self._generation[unit])]
         self.stats["bytes_read"] += round_up(nbytes) + ALIGN
 
     def _make_room(self, numel: int, keep) -> None:
@@ -218,7 +216,7 @@ class ShardSwapper:
 
     def discard_all(self) -> None:
         """Every tensor back to all zeros (nothing read or written)."""
-        for unit, slot in list(self._reading.items()):
+        for slot in list(self._reading.values()):
             self._wait(slot.futures)
             slot.unit, slot.futures = None, []
         self._reading.clear()
@@ -302,4 +300,3 @@ class GradSwapper(ShardSwapper):
 
     def before_evict(self, unit) -> None:
         self._wait_reduction(unit)
-

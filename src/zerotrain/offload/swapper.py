@@ -74,8 +74,7 @@ class Slot:
 class OptimizerSwapper:
     """The chunks of every trained unit, their files in ``folder``, and the chunked step."""
 
-    def __init__(self, folder: str, chunk_numel: int, buffer_count: int, io: AsyncFileIO,
-                 pin: bool):
+    def __init__(self, folder: str, chunk_numel: int, buffer_count: int, io: AsyncFileIO, pin: bool):
         self.folder = folder
         self.io = io
         self.chunk_numel = chunk_numel
@@ -94,8 +93,7 @@ class OptimizerSwapper:
         for start in range(0, shard_numel, self.chunk_numel):
             numel = min(self.chunk_numel, shard_numel - start)
             placeholder = torch.empty(0, dtype=torch.float32)
-            self.chunks.append(Chunk(len(self.chunks), u, start, numel, nn.Parameter(placeholder),
-                                     master is not None))
+            self.chunks.append(Chunk(len(self.chunks), u, start, numel, nn.Parameter(placeholder), master is not None))
         if master is not None:
             self.write_masters(u, master)
 
@@ -111,29 +109,34 @@ class OptimizerSwapper:
         generation = chunk.generations.get(key, 0) + 1
         chunk.generations[key] = generation
         nbytes = chunk.numel * dtype.itemsize
-        slot.writes.append(self.io.write(self.path(chunk, key), slot.buffer(key, nbytes), nbytes,
-                                         generation))
+        slot.writes.append(self.io.write(self.path(chunk, key), slot.buffer(key, nbytes), nbytes, generation))
 
     def _read(self, chunk: Chunk, slot: Slot) -> list:
-        return [self.io.read(self.path(chunk, key), slot.buffer(key, chunk.numel * dtype.itemsize),
-                             chunk.numel * dtype.itemsize, chunk.generations[key])
-                for key, dtype in chunk.stored().items()]
+        return [
+            self.io.read(
+                self.path(chunk, key),
+                slot.buffer(key, chunk.numel * dtype.itemsize),
+                chunk.numel * dtype.itemsize,
+                chunk.generations[key],
+            )
+            for key, dtype in chunk.stored().items()
+        ]
 
     def write_masters(self, unit_index: int, master: torch.Tensor) -> None:
         """The initial fp32 master of a unit, chunk by chunk (synchronously)."""
         slot = self.slots[0]
         for chunk in self.chunks:
             if chunk.unit_index == unit_index and chunk.swap_master:
-                slot.view("master", torch.float32, chunk.numel).copy_(
-                    master.narrow(0, chunk.start, chunk.numel))
+                slot.view("master", torch.float32, chunk.numel).copy_(master.narrow(0, chunk.start, chunk.numel))
                 self._write(chunk, slot, "master", torch.float32)
                 wait(slot.writes)
                 slot.writes = []
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, optimizer, shard_grads, grad_scale: float, edited=None, param_swapper=None,
-             grad_swapper=None) -> None:
+    def step(
+        self, optimizer, shard_grads, grad_scale: float, edited=None, param_swapper=None, grad_swapper=None
+    ) -> None:
         """One optimizer step over every chunk. ``edited``: the units whose 16-bit weights were
         written outside the step since the last one (adopted into the master); None: all.
         ``param_swapper`` / ``grad_swapper`` (NVMe parameter offload): the shards and gradient
@@ -171,19 +174,22 @@ class OptimizerSwapper:
             for i, chunk in enumerate(self.chunks):
                 if chunk.start == 0:  # a new unit: read shards and gradients ahead
                     if grad_swapper is not None:
-                        grad_swapper.read_ahead(self.units[chunk.unit_index:])
+                        grad_swapper.read_ahead(self.units[chunk.unit_index :])
                     if param_swapper is not None:  # only shards the step reads
                         param_swapper.read_ahead(
-                            [u for u in self.units[chunk.unit_index:]
-                             if self._reads_shard(u, chunk.swap_master, edited)])
+                            [
+                                u
+                                for u in self.units[chunk.unit_index :]
+                                if self._reads_shard(u, chunk.swap_master, edited)
+                            ]
+                        )
                 if upcoming == i:
                     issue(blocking=True)
                 while upcoming < len(self.chunks) and issue(blocking=False):
                     pass  # read ahead into every free slot
                 slot, futures = reads.pop(i)
                 wait(futures, clock)
-                self._update(optimizer, chunk, slot, shard_grads[chunk.unit_index], grad_scale,
-                             edited, grad_swapper)
+                self._update(optimizer, chunk, slot, shard_grads[chunk.unit_index], grad_scale, edited, grad_swapper)
                 for key, dtype in chunk.stored().items():
                     self._write(chunk, slot, key, dtype)
                 busy.append(slot)
@@ -191,7 +197,7 @@ class OptimizerSwapper:
                 wait(slot.writes, clock)
                 slot.writes = []
         except BaseException:
-            for slot, futures in reads.values():  # let nothing write into buffers we drop
+            for _slot, futures in reads.values():  # let nothing write into buffers we drop
                 for f in futures:
                     f.cancel()
             raise
@@ -206,8 +212,9 @@ class OptimizerSwapper:
         """Whether the step needs the shard's values (else it only writes it)."""
         return not swap_master or edited is None or unit in edited
 
-    def _update(self, optimizer, chunk: Chunk, slot: Slot, grad: torch.Tensor,
-                grad_scale: float, edited=None, grad_swapper=None) -> None:
+    def _update(
+        self, optimizer, chunk: Chunk, slot: Slot, grad: torch.Tensor, grad_scale: float, edited=None, grad_swapper=None
+    ) -> None:
         unit = self.units[chunk.unit_index]
         adopt = self._reads_shard(unit, chunk.swap_master, edited)
         shard = unit.resident_shard(dirty=True, fill=adopt).detach().narrow(0, chunk.start, chunk.numel)
@@ -250,7 +257,8 @@ class OptimizerSwapper:
             elif torch.is_tensor(value) and value.dim() > 0:
                 raise ValueError(
                     f"optimizer state {key!r} has shape {tuple(value.shape)}, not the stepped "
-                    f"chunk's ({chunk.numel},): NVMe offload swaps elementwise optimizer state only")
+                    f"chunk's ({chunk.numel},): NVMe offload swaps elementwise optimizer state only"
+                )
             else:
                 scalars[key] = value
         chunk.state_dtypes, chunk.scalars = dtypes, scalars
@@ -269,7 +277,7 @@ class OptimizerSwapper:
         first = chunks[0]
         return first.swap_master, dict(first.state_dtypes), dict(first.scalars)
 
-    def unit_tensor(self, unit, key: str) -> "SwappedTensor":
+    def unit_tensor(self, unit, key: str) -> SwappedTensor:
         """``unit``'s whole-shard tensor ``key`` (``"master"`` or a state key), read chunk by
         chunk when written out (see ``SwappedTensor``)."""
         chunks = self.chunks_of(unit)
@@ -324,8 +332,12 @@ class OptimizerSwapper:
 
     def file_nbytes(self) -> int:
         """Bytes the swap files take on disk (data, padding and trailers)."""
-        return sum(round_up(c.numel * dtype.itemsize) + ALIGN
-                   for c in self.chunks for key, dtype in c.stored().items() if key in c.generations)
+        return sum(
+            round_up(c.numel * dtype.itemsize) + ALIGN
+            for c in self.chunks
+            for key, dtype in c.stored().items()
+            if key in c.generations
+        )
 
 
 class SwappedTensor:
@@ -333,8 +345,7 @@ class SwappedTensor:
     ``numel()`` like a tensor; ``pieces()`` reads it one chunk at a time (what checkpoint
     writing streams, so the state is never all in memory); ``detach()`` reads all of it."""
 
-    def __init__(self, swapper: OptimizerSwapper, chunks: list[Chunk], key: str,
-                 dtype: torch.dtype):
+    def __init__(self, swapper: OptimizerSwapper, chunks: list[Chunk], key: str, dtype: torch.dtype):
         self.swapper, self.chunks, self.key, self.dtype = swapper, chunks, key, dtype
         self.shape = torch.Size([sum(c.numel for c in chunks)])
 

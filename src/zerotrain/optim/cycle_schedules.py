@@ -25,8 +25,15 @@ class LRRangeTest(BatchLRScheduler):
         last_batch_iteration (int): -1 to start fresh, else the iteration to resume after.
     """
 
-    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size=2000,
-                 lr_range_test_step_rate=1.0, lr_range_test_staircase=False, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        lr_range_test_min_lr=1e-3,
+        lr_range_test_step_size=2000,
+        lr_range_test_step_rate=1.0,
+        lr_range_test_staircase=False,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
         self.min_lrs = per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         check_positive_int(lr_range_test_step_size, "lr_range_test_step_size")
@@ -63,13 +70,27 @@ class OneCycle(BatchLRScheduler):
     momentum bounds may be per-group lists.
     """
 
-    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0., cycle_first_step_size=2000,
-                 cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
-                 decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9,
-                 decay_mom_rate=0., last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr,
+        cycle_max_lr,
+        decay_lr_rate=0.0,
+        cycle_first_step_size=2000,
+        cycle_second_step_size=None,
+        cycle_first_stair_count=0,
+        cycle_second_stair_count=None,
+        decay_step_size=0,
+        cycle_momentum=True,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.0,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
-        self._init_cycle(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
-                         cycle_second_stair_count)
+        self._init_cycle(
+            cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count
+        )
         self.min_lrs = per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
         self.max_lrs = per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
         self.decay_step_size = decay_step_size
@@ -99,8 +120,9 @@ class OneCycle(BatchLRScheduler):
     def _has_betas(self):
         if "betas" in self.optimizer.defaults:
             return True
-        logger.warning("OneCycle: cycle_momentum is disabled because optimizer %s has no betas",
-                       type(self.optimizer).__name__)
+        logger.warning(
+            "OneCycle: cycle_momentum is disabled because optimizer %s has no betas", type(self.optimizer).__name__
+        )
         return False
 
     def _scale_factor(self):

@@ -50,7 +50,8 @@ def is_moe_param_group(param_group: dict) -> bool:
 
 
 def split_params_into_different_moe_groups_for_optimizer(
-        param_groups, max_group_size: int | float | None = DEFAULT_MAX_GROUP_SIZE) -> list[dict[str, Any]]:
+    param_groups, max_group_size: int | float | None = DEFAULT_MAX_GROUP_SIZE
+) -> list[dict[str, Any]]:
     """Move expert parameters out of each group into groups of their own, one per (group, expert
     group name), marked ``"moe": True`` and holding at most ``max_group_size`` elements each.
 
@@ -76,8 +77,10 @@ def split_params_into_different_moe_groups_for_optimizer(
         if not by_name:
             continue
         if "name" not in group:
-            raise ValueError("a param group holding expert parameters needs a 'name' key "
-                             "(e.g. {'params': ..., 'name': 'dense-params'})")
+            raise ValueError(
+                "a param group holding expert parameters needs a 'name' key "
+                "(e.g. {'params': ..., 'name': 'dense-params'})"
+            )
         group["params"] = dense
         for name, params in by_name.items():
             template = {**group, "name": name, "moe": True}
@@ -108,8 +111,7 @@ def configure_moe_param_groups(model_parameters: list) -> list[dict[str, Any]]:
         if any("moe" in g for g in model_parameters):
             return model_parameters
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
-    return split_params_into_different_moe_groups_for_optimizer(
-        {"params": model_parameters, "name": "dense-params"})
+    return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters, "name": "dense-params"})
 
 
 def expert_markers(param: torch.Tensor) -> str | None:
@@ -132,24 +134,33 @@ def expert_ep_size(name: str, param: torch.Tensor, data_size: int) -> int:
     does not divide the data-parallel size."""
     group_name = getattr(param, "group_name", None)
     if group_name is None:
-        raise ValueError(f"parameter {name!r} has allreduce=False but no group_name: set "
-                         "param.group_name = 'ep_size_N' (N: the expert-parallel size)")
+        raise ValueError(
+            f"parameter {name!r} has allreduce=False but no group_name: set "
+            "param.group_name = 'ep_size_N' (N: the expert-parallel size)"
+        )
     match = _GROUP_NAME.fullmatch(str(group_name))
     if match is None:
-        raise ValueError(f"parameter {name!r}: group_name={group_name!r} is not of the form 'ep_size_N' "
-                         "(N: the expert-parallel size, as deepspeed.moe names its groups)")
+        raise ValueError(
+            f"parameter {name!r}: group_name={group_name!r} is not of the form 'ep_size_N' "
+            "(N: the expert-parallel size, as deepspeed.moe names its groups)"
+        )
     ep_size = int(match.group(1))
     if data_size % ep_size:
-        raise ValueError(f"parameter {name!r}: group_name={group_name!r} needs ep_size {ep_size} to divide "
-                         f"the data-parallel size {data_size}; pick an ep_size that divides it")
+        raise ValueError(
+            f"parameter {name!r}: group_name={group_name!r} needs ep_size {ep_size} to divide "
+            f"the data-parallel size {data_size}; pick an ep_size that divides it"
+        )
     return ep_size
 
 
 def expert_parameters(model: torch.nn.Module, data_size: int) -> dict[str, int]:
     """``{name: ep_size}`` for every trainable expert parameter of ``model`` (``allreduce`` False;
     a ``group_name`` alone is DeepSpeed's dense parameter), checked by ``expert_ep_size``."""
-    return {name: expert_ep_size(name, p, data_size) for name, p in model.named_parameters()
-            if p.requires_grad and is_moe_param(p)}
+    return {
+        name: expert_ep_size(name, p, data_size)
+        for name, p in model.named_parameters()
+        if p.requires_grad and is_moe_param(p)
+    }
 
 
 def refuse_unsupported_experts(experts: dict[str, int], model: torch.nn.Module, pipeline: bool) -> None:
@@ -159,6 +170,8 @@ def refuse_unsupported_experts(experts: dict[str, int], model: torch.nn.Module, 
         return
     name = next(iter(experts))
     markers = expert_markers(dict(model.named_parameters())[name])
-    raise NotImplementedError(f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): expert "
-                              "parameters in a PipelineModule are not supported yet; train the MoE model "
-                              "without pipelining (any ZeRO stage)")
+    raise NotImplementedError(
+        f"parameter {name!r} carries DeepSpeed's expert markers ({markers}): expert "
+        "parameters in a PipelineModule are not supported yet; train the MoE model "
+        "without pipelining (any ZeRO stage)"
+    )

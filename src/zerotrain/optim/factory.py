@@ -47,13 +47,16 @@ def build_optimizer(opt_type, opt_params, params, named_parameters=None):
     """
     kwargs = dict(opt_params or {})
     if "max_grad_norm" in kwargs:
-        raise ValueError("'max_grad_norm' is not an optimizer parameter; use the top-level "
-                         "'gradient_clipping' config key instead")
+        raise ValueError(
+            "'max_grad_norm' is not an optimizer parameter; use the top-level 'gradient_clipping' config key instead"
+        )
     name = _canonical_optimizer_name(opt_type)
     if name == "Muon":
         if named_parameters is None:
-            raise ValueError("optimizer Muon picks Muon or AdamW for each parameter by its name: build it "
-                             "through zerotrain.initialize (or pass named_parameters=model.named_parameters())")
+            raise ValueError(
+                "optimizer Muon picks Muon or AdamW for each parameter by its name: build it "
+                "through zerotrain.initialize (or pass named_parameters=model.named_parameters())"
+            )
         return build_muon(_normalize_params(params), list(named_parameters), kwargs)
     cls, kwargs = _optimizer_spec(name, kwargs)
     params = _normalize_params(params)
@@ -95,8 +98,9 @@ def check_kwargs(cls, kwargs, what, accepted=None):
     names = list(accepted) if accepted is not None else [p.name for p in params]
     for key in kwargs:
         if key not in names:
-            raise ValueError(f"unknown parameter {key!r} for {what}; accepted: {', '.join(names)}."
-                             f"{suggest(key, names)}")
+            raise ValueError(
+                f"unknown parameter {key!r} for {what}; accepted: {', '.join(names)}.{suggest(key, names)}"
+            )
     for p in params:
         if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in kwargs:
             raise ValueError(f"missing required parameter {p.name!r} for {what}")
@@ -110,8 +114,11 @@ def suggest(name, candidates):
 
 
 def _public_classes(module, base):
-    return {name: obj for name, obj in vars(module).items()
-            if inspect.isclass(obj) and issubclass(obj, base) and obj is not base and not name.startswith("_")}
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and issubclass(obj, base) and obj is not base and not name.startswith("_")
+    }
 
 
 def torch_optimizer_names():
@@ -129,16 +136,17 @@ def _canonical_optimizer_name(opt_type):
     lowered = str(opt_type).lower()
     for name in DEEPSPEED_ONLY_OPTIMIZERS:
         if name.lower() == lowered:
-            raise NotImplementedError(f"optimizer {name!r} is DeepSpeed-only and not available in zerotrain; "
-                                      f"supported: {', '.join(OPTIMIZERS)} or any torch.optim optimizer")
+            raise NotImplementedError(
+                f"optimizer {name!r} is DeepSpeed-only and not available in zerotrain; "
+                f"supported: {', '.join(OPTIMIZERS)} or any torch.optim optimizer"
+            )
     # DeepSpeed's Muon is its own Muon+AdamW hybrid (zerotrain.optim.muon), not torch.optim.Muon.
     shadowed = {n.lower() for n in OPTIMIZERS + DEEPSPEED_ONLY_OPTIMIZERS}
     known = list(OPTIMIZERS) + [n for n in torch_optimizer_names() if n.lower() not in shadowed]
     for name in known:
         if name.lower() == lowered:
             return name
-    raise ValueError(f"unknown optimizer type {opt_type!r}; supported: {', '.join(known)}."
-                     f"{suggest(opt_type, known)}")
+    raise ValueError(f"unknown optimizer type {opt_type!r}; supported: {', '.join(known)}.{suggest(opt_type, known)}")
 
 
 def _scheduler_class(sched_type):
@@ -148,8 +156,9 @@ def _scheduler_class(sched_type):
     for name, cls in known.items():
         if name.lower() == str(sched_type).lower():
             return cls
-    raise ValueError(f"unknown lr scheduler type {sched_type!r}; supported: {', '.join(known)}."
-                     f"{suggest(sched_type, known)}")
+    raise ValueError(
+        f"unknown lr scheduler type {sched_type!r}; supported: {', '.join(known)}.{suggest(sched_type, known)}"
+    )
 
 
 def _optimizer_spec(name, kwargs):
@@ -172,8 +181,10 @@ def _adam_spec(name, kwargs):
     if torch_adam:
         check_kwargs(cls, kwargs, f"optimizer {name} (torch_adam: torch.optim.{cls.__name__})")
         return cls, kwargs
-    what = (f"optimizer {name} (DeepSpeed FusedAdam parameters; set torch_adam: true to pass "
-            f"torch.optim.{cls.__name__} arguments)")
+    what = (
+        f"optimizer {name} (DeepSpeed FusedAdam parameters; set torch_adam: true to pass "
+        f"torch.optim.{cls.__name__} arguments)"
+    )
     return cls, _fused_kwargs(what, kwargs, FUSED_ADAM_DEFAULTS, FUSED_ADAM_KEYS)
 
 
@@ -181,8 +192,9 @@ def _fused_kwargs(what, kwargs, defaults, keys):
     """Check ``kwargs`` against a DeepSpeed kernel's ``keys``; return them over its defaults."""
     check_kwargs(None, kwargs, what, keys)
     if kwargs.pop("bias_correction", True) is not True:
-        raise ValueError(f"{what}: bias_correction=False is not supported "
-                         "(torch's Adam always applies bias correction)")
+        raise ValueError(
+            f"{what}: bias_correction=False is not supported (torch's Adam always applies bias correction)"
+        )
     # zero_grad() already sets grads to None by default, and the engine owns zero_grad anyway.
     kwargs.pop("set_grad_none", None)
     return {**defaults, **kwargs}

@@ -60,9 +60,18 @@ class FusedAdam(torch.optim.Adam):
     ``amsgrad=True`` is supported (DeepSpeed's kernel raises for it).
     """
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
-                 eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0,
-                 amsgrad: bool = False, set_grad_none: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ):
         params = list(params)
         if not params:
             raise ValueError("FusedAdam got an empty parameter list")
@@ -74,8 +83,16 @@ class FusedAdam(torch.optim.Adam):
         self._default_bias_correction = bool(bias_correction)  # read by add_param_group below
         self._kernel = kernel
         self.adam_w_mode = bool(adam_w_mode)
-        super().__init__(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, decoupled_weight_decay=bool(adam_w_mode), **kernel)
+        super().__init__(
+            groups,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=bool(adam_w_mode),
+            **kernel,
+        )
         self.defaults["bias_correction"] = bool(bias_correction)
         self.set_grad_none = bool(set_grad_none)
 
@@ -103,35 +120,50 @@ class FusedAdam(torch.optim.Adam):
                 loss = closure()
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs,
-                                           max_exp_avg_sqs, steps)
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            kwargs = dict(amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
-                          maximize=group["maximize"], foreach=group["foreach"],
-                          capturable=group["capturable"], differentiable=group["differentiable"],
-                          fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
-                          found_inf=getattr(self, "found_inf", None),
-                          decoupled_weight_decay=group["decoupled_weight_decay"])
+            kwargs = dict(
+                amsgrad=group["amsgrad"],
+                has_complex=has_complex,
+                beta1=beta1,
+                beta2=beta2,
+                maximize=group["maximize"],
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
             lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             if group["bias_correction"]:
-                adam_functional(*lists, lr=group["lr"], weight_decay=group["weight_decay"],
-                                eps=group["eps"], **kwargs)
+                adam_functional(*lists, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], **kwargs)
                 continue
             # Parameters that missed steps (no gradient) are at other step counts: one call each.
             counts = torch.stack([s.detach().reshape(()).float().cpu() for s in steps]).tolist()
             for count in sorted(set(counts)):
                 chosen = [i for i, c in enumerate(counts) if c == count]
-                lr, eps, wd = _uncorrected(float(group["lr"]), group["eps"], group["weight_decay"],
-                                           group["decoupled_weight_decay"], beta1, beta2, count + 1)
-                adam_functional(*([x[i] for i in chosen] if x else x for x in lists),
-                                lr=lr, eps=eps, weight_decay=wd, **kwargs)
+                lr, eps, wd = _uncorrected(
+                    float(group["lr"]),
+                    group["eps"],
+                    group["weight_decay"],
+                    group["decoupled_weight_decay"],
+                    beta1,
+                    beta2,
+                    count + 1,
+                )
+                adam_functional(
+                    *([x[i] for i in chosen] if x else x for x in lists), lr=lr, eps=eps, weight_decay=wd, **kwargs
+                )
         return loss
 
 
-def _uncorrected(lr: float, eps: float, weight_decay: float, decoupled: bool, beta1: float,
-                 beta2: float, step: float) -> tuple[float, float, float]:
+def _uncorrected(
+    lr: float, eps: float, weight_decay: float, decoupled: bool, beta1: float, beta2: float, step: float
+) -> tuple[float, float, float]:
     """lr, eps and weight decay that make torch's bias-corrected step at ``step`` equal the
     uncorrected one (module docstring)."""
     bc1, sqrt_bc2 = 1 - beta1**step, math.sqrt(1 - beta2**step)
@@ -154,21 +186,42 @@ class DeepSpeedCPUAdam(FusedAdam):
     step, as DeepSpeed's engine does.
     """
 
-    def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, adamw_mode: bool = True,
-                 fp32_optimizer_states: bool = True):
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ):
         model_params = list(model_params)
         for p in _params_of(model_params):
             if p.device.type != "cpu":
-                raise ValueError(f"DeepSpeedCPUAdam: a parameter is on {p.device}, but this optimizer "
-                                 "steps on the CPU; use FusedAdam for accelerator parameters, or "
-                                 "zero_optimization.offload_optimizer to keep the states on the CPU")
+                raise ValueError(
+                    f"DeepSpeedCPUAdam: a parameter is on {p.device}, but this optimizer "
+                    "steps on the CPU; use FusedAdam for accelerator parameters, or "
+                    "zero_optimization.offload_optimizer to keep the states on the CPU"
+                )
         if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam: fp32_optimizer_states=False (16-bit moments) is not "
-                             "supported; leave it True (moments in fp32, the default)")
-        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         adam_w_mode=adamw_mode, weight_decay=weight_decay, amsgrad=amsgrad,
-                         set_grad_none=True)
+            raise ValueError(
+                "DeepSpeedCPUAdam: fp32_optimizer_states=False (16-bit moments) is not "
+                "supported; leave it True (moments in fp32, the default)"
+            )
+        super().__init__(
+            model_params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adamw_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            set_grad_none=True,
+        )
         self.fp32_optimizer_states = True
 
     @torch.no_grad()
@@ -181,5 +234,6 @@ class DeepSpeedCPUAdam(FusedAdam):
                         f"DeepSpeedCPUAdam: a parameter is {p.dtype}; it keeps fp32 moments "
                         "(fp32_optimizer_states) only for fp32 parameters here. Let "
                         "zerotrain.initialize take the optimizer (its engine steps fp32 master "
-                        "weights for fp16/bf16 training), or use FusedAdam for 16-bit parameters")
+                        "weights for fp16/bf16 training), or use FusedAdam for 16-bit parameters"
+                    )
         return super().step(closure)

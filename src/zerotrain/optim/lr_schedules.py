@@ -138,8 +138,15 @@ class WarmupLR(BatchLRScheduler):
         last_batch_iteration (int): -1 to start fresh, else the iteration to resume after.
     """
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
-                 warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps=1000,
+        warmup_type=WARMUP_LOG_RATE,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps = effective_warmup_steps(warmup_num_steps)
         self.warmup_type = check_warmup_type(warmup_type)
@@ -169,14 +176,20 @@ class WarmupDecayLR(WarmupLR):
     Unlike :class:`WarmupLR`, ``warmup_max_lr`` defaults to 0.001, as in DeepSpeed.
     """
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps=1000, warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=1000,
+        warmup_type=WARMUP_LOG_RATE,
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if total_num_steps < self.warmup_num_steps:
-            logger.warning("total_num_steps %s is less than warmup_num_steps %s", total_num_steps,
-                           warmup_num_steps)
+            logger.warning("total_num_steps %s is less than warmup_num_steps %s", total_num_steps, warmup_num_steps)
 
     def _get_gamma(self):
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -195,8 +208,16 @@ class WarmupCosineLR(BatchLRScheduler):
     is 0, so a fresh schedule sets every group's lr to 0.0 at construction.
     """
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
-                 cos_min_ratio=0.0001, warmup_type=WARMUP_LOG_RATE, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_ratio=0.0,
+        warmup_num_steps=1000,
+        cos_min_ratio=0.0001,
+        warmup_type=WARMUP_LOG_RATE,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
@@ -204,8 +225,7 @@ class WarmupCosineLR(BatchLRScheduler):
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = check_warmup_type(warmup_type)
         if total_num_steps < self.warmup_num_steps:
-            logger.warning("total_num_steps %s is less than warmup_num_steps %s", total_num_steps,
-                           warmup_num_steps)
+            logger.warning("total_num_steps %s is less than warmup_num_steps %s", total_num_steps, warmup_num_steps)
         self.org_lrs = group_lrs(self.optimizer)
         self._init_lr()
 

@@ -15,7 +15,7 @@ place. Both paths run the same arithmetic, so a sharded run equals an unsharded 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -98,12 +98,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict]):
         for group in param_groups:
             if "use_muon" not in group:
-                raise ValueError("MuonWithAuxAdam: every param group needs \"use_muon\": True or False")
+                raise ValueError('MuonWithAuxAdam: every param group needs "use_muon": True or False')
             for key, value in (MUON_DEFAULTS if group["use_muon"] else ADAM_DEFAULTS).items():
                 group.setdefault(key, value)
             if group["use_muon"] and group["ns_method"] not in NS_METHODS:
-                raise ValueError(f"optimizer Muon: ns_method {group['ns_method']!r}; use one of "
-                                 f"{', '.join(NS_METHODS)}")
+                raise ValueError(
+                    f"optimizer Muon: ns_method {group['ns_method']!r}; use one of {', '.join(NS_METHODS)}"
+                )
             if not group["use_muon"]:
                 group["betas"] = tuple(group["betas"])
         super().__init__(param_groups, {})
@@ -159,8 +160,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 update, scale = orthogonalize(update, group["ns_method"])
                 pieces = [(0, p.numel(), scale)]
             else:
-                raise RuntimeError("Muon got a 1-D tensor with no full-matrix function: a flat shard "
-                                   "ZeRO did not register (attach_full_matrix)")
+                raise RuntimeError(
+                    "Muon got a 1-D tensor with no full-matrix function: a flat shard "
+                    "ZeRO did not register (attach_full_matrix)"
+                )
             p.mul_(1 - lr * group["weight_decay"])
             flat_p, flat_u = p.view(-1), update.reshape(-1)
             for start, numel, scale in pieces:
@@ -176,8 +179,10 @@ def build_muon(params, named_parameters, opt_params: dict) -> MuonWithAuxAdam:
     if unknown:
         raise ValueError(f"optimizer Muon: unknown parameter(s) {unknown}; known: {sorted(CONFIG_KEYS)}")
     if kwargs.get("per_head_muon"):
-        raise NotImplementedError("optimizer.params.per_head_muon: per-head orthogonalization of attention "
-                                  "projections is not implemented; remove it (each matrix is orthogonalized whole)")
+        raise NotImplementedError(
+            "optimizer.params.per_head_muon: per-head orthogonalization of attention "
+            "projections is not implemented; remove it (each matrix is orthogonalized whole)"
+        )
     names = {id(p): n for n, p in named_parameters}
     items = list(params)
     groups = [dict(g) for g in items if isinstance(g, dict)]
@@ -190,8 +195,10 @@ def build_muon(params, named_parameters, opt_params: dict) -> MuonWithAuxAdam:
         trainable = [p for p in group["params"] if p.requires_grad]
         for p in trainable:
             if id(p) not in names:
-                raise ValueError("optimizer Muon: a parameter in model_parameters is not one of the model's; "
-                                 "Muon picks each parameter's half by its name in the model")
+                raise ValueError(
+                    "optimizer Muon: a parameter in model_parameters is not one of the model's; "
+                    "Muon picks each parameter's half by its name in the model"
+                )
             p.use_muon = uses_muon(names[id(p)], p)
         for use_muon, label, keys, lr_key in halves:
             half = [p for p in trainable if p.use_muon is use_muon]

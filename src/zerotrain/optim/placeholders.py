@@ -18,7 +18,7 @@ docstring and docs/hf.md.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 from zerotrain.config.errors import ConfigError
 
@@ -32,11 +32,12 @@ class DummyOptim:
     Defaults as in accelerate: ``lr=0.001``, ``weight_decay=0``.
     """
 
-    def __init__(self, params, lr: Optional[float] = None, weight_decay: Optional[float] = None, **kwargs):
+    def __init__(self, params, lr: float | None = None, weight_decay: float | None = None, **kwargs):
         self.params = list(params)  # a generator (model.parameters()) can be read only once
         # What the caller wrote, as opposed to a default: only these can contradict the config.
-        self.explicit = set(kwargs) | {name for name, value in (("lr", lr), ("weight_decay", weight_decay))
-                                       if value is not None}
+        self.explicit = set(kwargs) | {
+            name for name, value in (("lr", lr), ("weight_decay", weight_decay)) if value is not None
+        }
         self.lr = 0.001 if lr is None else lr
         self.weight_decay = 0.0 if weight_decay is None else weight_decay
         self.kwargs = kwargs
@@ -55,8 +56,14 @@ class DummyScheduler:
     ``scheduler`` section.
     """
 
-    def __init__(self, optimizer, total_num_steps: Optional[int] = None, warmup_num_steps: Optional[int] = None,
-                 lr_scheduler_callable=None, **kwargs):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int | None = None,
+        warmup_num_steps: int | None = None,
+        lr_scheduler_callable=None,
+        **kwargs,
+    ):
         self.optimizer = optimizer
         self.total_num_steps = total_num_steps
         self.warmup_num_steps = warmup_num_steps  # None: not given (fills "auto" with 1)
@@ -64,8 +71,10 @@ class DummyScheduler:
         self.kwargs = kwargs
 
     def __repr__(self) -> str:
-        return (f"DummyScheduler(total_num_steps={self.total_num_steps}, "
-                f"warmup_num_steps={self.warmup_num_steps}, {self.kwargs})")
+        return (
+            f"DummyScheduler(total_num_steps={self.total_num_steps}, "
+            f"warmup_num_steps={self.warmup_num_steps}, {self.kwargs})"
+        )
 
 
 def is_placeholder(obj) -> bool:
@@ -105,34 +114,43 @@ def resolve_placeholders(config: dict[str, Any], optimizer, lr_scheduler, model_
     if isinstance(optimizer, DummyOptim):
         optimizer_out = None
         if model_parameters is not None:
-            problems.append("pass the parameters once: to DummyOptim(params, ...) or as "
-                            "initialize(model_parameters=...), not both")
+            problems.append(
+                "pass the parameters once: to DummyOptim(params, ...) or as initialize(model_parameters=...), not both"
+            )
         params = optimizer.params
         section = config.get("optimizer")
         if not isinstance(section, dict):
-            problems.append("optimizer=DummyOptim(...) needs an 'optimizer' section in the config "
-                            "(its type and params are what gets built); add one, or pass a real "
-                            "torch optimizer")
+            problems.append(
+                "optimizer=DummyOptim(...) needs an 'optimizer' section in the config "
+                "(its type and params are what gets built); add one, or pass a real "
+                "torch optimizer"
+            )
         else:
             values = {"lr": optimizer.lr, "weight_decay": optimizer.weight_decay, **optimizer.kwargs}
-            problems += _fill_section(section, "optimizer", values, optimizer.explicit, accepts=None,
-                                      source="DummyOptim")
+            problems += _fill_section(
+                section, "optimizer", values, optimizer.explicit, accepts=None, source="DummyOptim"
+            )
 
     if isinstance(lr_scheduler, DummyScheduler):
         scheduler_out = None
         section = config.get("scheduler")
         callable_ = lr_scheduler.lr_scheduler_callable
         if lr_scheduler.optimizer is not optimizer:
-            problems.append("DummyScheduler(optimizer, ...) must be given the optimizer passed to "
-                            "initialize(optimizer=...)")
+            problems.append(
+                "DummyScheduler(optimizer, ...) must be given the optimizer passed to initialize(optimizer=...)"
+            )
         if callable_ is not None and section is not None:
-            problems.append("DummyScheduler(lr_scheduler_callable=...) and a 'scheduler' config section "
-                            "both say how to build the scheduler; remove one")
+            problems.append(
+                "DummyScheduler(lr_scheduler_callable=...) and a 'scheduler' config section "
+                "both say how to build the scheduler; remove one"
+            )
         elif callable_ is not None:
             scheduler_out = callable_
         elif not isinstance(section, dict):
-            problems.append("lr_scheduler=DummyScheduler(...) needs a 'scheduler' section in the config "
-                            "or DummyScheduler(lr_scheduler_callable=fn); add one")
+            problems.append(
+                "lr_scheduler=DummyScheduler(...) needs a 'scheduler' section in the config "
+                "or DummyScheduler(lr_scheduler_callable=fn); add one"
+            )
         else:
             try:
                 cls = _scheduler_class(section.get("type"))
@@ -141,8 +159,11 @@ def resolve_placeholders(config: dict[str, Any], optimizer, lr_scheduler, model_
                 problems.append(str(error))
                 accepts = set()
             given = dict(lr_scheduler.kwargs)
-            problems += [f"DummyScheduler({key}=...): scheduler {section.get('type')} has no parameter {key!r}"
-                         for key in given if accepts and key not in accepts]
+            problems += [
+                f"DummyScheduler({key}=...): scheduler {section.get('type')} has no parameter {key!r}"
+                for key in given
+                if accepts and key not in accepts
+            ]
             for key in ("total_num_steps", "warmup_num_steps"):
                 if getattr(lr_scheduler, key) is not None:
                     given[key] = getattr(lr_scheduler, key)
@@ -153,17 +174,25 @@ def resolve_placeholders(config: dict[str, Any], optimizer, lr_scheduler, model_
             explicit = set(given)
             if isinstance(optimizer, DummyOptim) and "lr" in optimizer.explicit:
                 explicit.add("warmup_max_lr")  # the peak lr was given (transformers checks it too)
-            problems += _fill_section(section, "scheduler", {**defaults, **given}, explicit,
-                                      accepts=accepts, source="DummyScheduler",
-                                      labels={"warmup_max_lr": "DummyOptim(lr={value})"})
+            problems += _fill_section(
+                section,
+                "scheduler",
+                {**defaults, **given},
+                explicit,
+                accepts=accepts,
+                source="DummyScheduler",
+                labels={"warmup_max_lr": "DummyOptim(lr={value})"},
+            )
     if problems:
-        raise ConfigError("DummyOptim/DummyScheduler and the config disagree:\n"
-                          + "\n".join(f"- {p}" for p in problems), problems)
+        raise ConfigError(
+            "DummyOptim/DummyScheduler and the config disagree:\n" + "\n".join(f"- {p}" for p in problems), problems
+        )
     return config, optimizer_out, scheduler_out, params
 
 
-def _fill_section(section: dict, name: str, values: dict, explicit: set, accepts, source: str,
-                  labels: Optional[dict] = None) -> list[str]:
+def _fill_section(
+    section: dict, name: str, values: dict, explicit: set, accepts, source: str, labels: dict | None = None
+) -> list[str]:
     """Fill ``section['params']`` from ``values`` (``explicit``: the keys the caller gave, which
     are also added when absent and ``accepts`` allows); return mismatch lines."""
     from zerotrain.config.auto import AUTO, _same, _show
@@ -182,12 +211,14 @@ def _fill_section(section: dict, name: str, values: dict, explicit: set, accepts
             params[key] = value
         elif key in explicit and not _same(current, value):
             given = (labels or {}).get(key, f"{source}({key}={{value}})").format(value=_show(value))
-            problems.append(f"config {name}.params.{key}={_show(current)} vs {given}; "
-                            f'set the config value to "auto" to take it from {source}, or make both agree')
+            problems.append(
+                f"config {name}.params.{key}={_show(current)} vs {given}; "
+                f'set the config value to "auto" to take it from {source}, or make both agree'
+            )
     return problems
 
 
-def _optimizer_lr(config: dict, optimizer) -> Optional[float]:
+def _optimizer_lr(config: dict, optimizer) -> float | None:
     """The lr the built optimizer will start from: the filled config's, else the object's."""
     if isinstance(optimizer, DummyOptim) and "lr" in optimizer.explicit:
         return optimizer.lr

@@ -14,5 +14,13 @@ from zerotrain.pipeline.module import PipelineModule
 from zerotrain.pipeline.partition import partition_balanced, partition_uniform
 from zerotrain.pipeline.specs import LayerSpec, PipelineError, TiedLayerSpec
 
-__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineError", "partition_uniform",
-           "partition_balanced"]
+__all__ = [
+    "PipelineModule",
+    "LayerSpec",
+    "TiedLayerSpec",
+    "PipelineError",
+    "partition_uniform",
+    "partition_balanced",
+    "from_hf_causal_lm",
+    "hf_state_dict",
+]

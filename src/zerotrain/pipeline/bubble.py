@@ -15,17 +15,16 @@ _LOOPED_FEW = "1-V*M/(V*P+M-1)"  # M < P: every loop waits for the micro-batches
 # torch's orders and the measured step times differ, so no number is claimed (the measured idle share is).
 NO_CLOSED_FORM = {
     "zero_bubble": "n/a: torch's interleaved ZB1P over V chunks has no closed form (Qi et al. 2023 give "
-                   "(P-1)/(3(M+P-1)) for one chunk, only if T_F=T_B=T_W)",
+    "(P-1)/(3(M+P-1)) for one chunk, only if T_F=T_B=T_W)",
     "zbv": "n/a: ZB-V is bubble-free only if T_F=T_B=T_W (Qi et al. 2023, sec. 6); no closed form otherwise",
     "dualpipev": "n/a: DualPipeV's bubble depends on T_F, T_B, T_W and overlapped F&B pairs "
-                 "(DeepSeek-AI 2024); no closed form for torch's order",
+    "(DeepSeek-AI 2024); no closed form for torch's order",
 }
 LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
 ONE_CHUNK_SCHEDULES = ("1f1b", "gpipe")
 
 
-def ideal_bubble(num_stages: int, micro_batches: int, schedule: str = "1f1b",
-                 virtual_stages: int = 1) -> float | None:
+def ideal_bubble(num_stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float | None:
     """The idle share of every rank with equal stages and free communication, for ``schedule``
     (``bubble_formula`` names it); None where no closed form holds (``NO_CLOSED_FORM``).
 
@@ -41,8 +40,7 @@ def ideal_bubble(num_stages: int, micro_batches: int, schedule: str = "1f1b",
     return None
 
 
-def bubble_formula(num_stages: int, micro_batches: int, schedule: str = "1f1b",
-                   virtual_stages: int = 1) -> str:
+def bubble_formula(num_stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> str:
     """The formula ``ideal_bubble`` uses, or why it gives none (an ``n/a: ...`` line)."""
     if schedule in ONE_CHUNK_SCHEDULES and virtual_stages == 1:
         return _ONE_CHUNK

@@ -110,12 +110,19 @@ class DecoderBlockPipe(HFPipeLayer):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = _positions(hidden)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
         if self.model_type == "gpt2":
             return self.inner(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
-        return self.inner(hidden, attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
-                          position_embeddings=self.rotary(hidden, position_ids=position_ids))
+        return self.inner(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=None,
+            use_cache=False,
+            position_embeddings=self.rotary(hidden, position_ids=position_ids),
+        )
 
 
 class FinalNormPipe(HFPipeLayer):
@@ -155,12 +162,16 @@ def _as_model(model_or_config):
     except ImportError as error:  # pragma: no cover - transformers is in the hf/dev extras
         raise ImportError("from_hf_causal_lm needs transformers: pip install 'zerotrain[hf]'") from error
     if not isinstance(model_or_config, (PreTrainedModel, PretrainedConfig)):
-        raise TypeError(f"from_hf_causal_lm: model_or_config must be a transformers PreTrainedModel or "
-                        f"PretrainedConfig, got {type(model_or_config).__name__}")
+        raise TypeError(
+            f"from_hf_causal_lm: model_or_config must be a transformers PreTrainedModel or "
+            f"PretrainedConfig, got {type(model_or_config).__name__}"
+        )
     config = model_or_config.config if isinstance(model_or_config, PreTrainedModel) else model_or_config
     if config.model_type not in _BUILDERS:
-        raise ValueError(f"from_hf_causal_lm: model_type {config.model_type!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"from_hf_causal_lm: model_type {config.model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if isinstance(model_or_config, PreTrainedModel):
         return model_or_config, None
     with torch.device("meta"):
@@ -171,15 +182,23 @@ def _as_model(model_or_config):
 def _gpt2_layers(model, init_fn) -> tuple[list, bool]:
     body, config = model.transformer, model.config
     if getattr(config, "add_cross_attention", False):
-        raise ValueError("from_hf_causal_lm: GPT-2 with add_cross_attention=True is not supported; "
-                         "set config.add_cross_attention=False")
+        raise ValueError(
+            "from_hf_causal_lm: GPT-2 with add_cross_attention=True is not supported; "
+            "set config.add_cross_attention=False"
+        )
     tied = model.lm_head.weight is body.wte.weight
-    first = [_embedding_spec(body.wte, "transformer.wte.", tied, init_fn),
-             LayerSpec(GPT2PositionsPipe, body.wpe, "transformer.wpe.", config.embd_pdrop, init_fn=init_fn)]
-    blocks = [LayerSpec(DecoderBlockPipe, block, f"transformer.h.{i}.", config, "gpt2", init_fn=init_fn)
-              for i, block in enumerate(body.h)]
-    last = [LayerSpec(FinalNormPipe, body.ln_f, "transformer.ln_f.", init_fn=init_fn),
-            _head_spec(model.lm_head, body.wte, "transformer.wte.", tied, init_fn)]
+    first = [
+        _embedding_spec(body.wte, "transformer.wte.", tied, init_fn),
+        LayerSpec(GPT2PositionsPipe, body.wpe, "transformer.wpe.", config.embd_pdrop, init_fn=init_fn),
+    ]
+    blocks = [
+        LayerSpec(DecoderBlockPipe, block, f"transformer.h.{i}.", config, "gpt2", init_fn=init_fn)
+        for i, block in enumerate(body.h)
+    ]
+    last = [
+        LayerSpec(FinalNormPipe, body.ln_f, "transformer.ln_f.", init_fn=init_fn),
+        _head_spec(model.lm_head, body.wte, "transformer.wte.", tied, init_fn),
+    ]
     return first + blocks + last, tied
 
 
@@ -190,34 +209,50 @@ def _llama_layers(model, init_fn) -> tuple[list, bool]:
     if init_fn is not None:  # the meta model's rotary buffers are empty: one real copy, same config
         rotary = type(rotary)(config=config)
     first = [_embedding_spec(body.embed_tokens, "model.embed_tokens.", tied, init_fn)]
-    blocks = [LayerSpec(DecoderBlockPipe, layer, f"model.layers.{i}.", config, "llama", rotary=rotary,
-                        init_fn=init_fn)
-              for i, layer in enumerate(body.layers[:config.num_hidden_layers])]
-    last = [LayerSpec(FinalNormPipe, body.norm, "model.norm.", init_fn=init_fn),
-            _head_spec(model.lm_head, body.embed_tokens, "model.embed_tokens.", tied, init_fn)]
+    blocks = [
+        LayerSpec(DecoderBlockPipe, layer, f"model.layers.{i}.", config, "llama", rotary=rotary, init_fn=init_fn)
+        for i, layer in enumerate(body.layers[: config.num_hidden_layers])
+    ]
+    last = [
+        LayerSpec(FinalNormPipe, body.norm, "model.norm.", init_fn=init_fn),
+        _head_spec(model.lm_head, body.embed_tokens, "model.embed_tokens.", tied, init_fn),
+    ]
     return first + blocks + last, tied
 
 
 def _embedding_spec(embedding, prefix, tied, init_fn):
     if tied:
-        return TiedLayerSpec(_TIED_KEY, TokenEmbeddingPipe, embedding, prefix, init_fn=init_fn,
-                             tied_weight_attr="inner.weight")
+        return TiedLayerSpec(
+            _TIED_KEY, TokenEmbeddingPipe, embedding, prefix, init_fn=init_fn, tied_weight_attr="inner.weight"
+        )
     return LayerSpec(TokenEmbeddingPipe, embedding, prefix, init_fn=init_fn)
 
 
 def _head_spec(head, embedding, embedding_prefix, tied, init_fn):
     if tied:
-        return TiedLayerSpec(_TIED_KEY, TokenEmbeddingPipe, embedding, embedding_prefix, init_fn=init_fn,
-                             forward_fn=tied_lm_head, tied_weight_attr="inner.weight")
+        return TiedLayerSpec(
+            _TIED_KEY,
+            TokenEmbeddingPipe,
+            embedding,
+            embedding_prefix,
+            init_fn=init_fn,
+            forward_fn=tied_lm_head,
+            tied_weight_attr="inner.weight",
+        )
     return LayerSpec(LMHeadPipe, head, "lm_head.", init_fn=init_fn)
 
 
 _BUILDERS = {"gpt2": _gpt2_layers, "llama": _llama_layers}
 
 
-def from_hf_causal_lm(model_or_config, num_stages=None, topology=None,
-                      partition_method: str = "type:DecoderBlockPipe", loss_fn=None,
-                      **pipeline_kwargs) -> PipelineModule:
+def from_hf_causal_lm(
+    model_or_config,
+    num_stages=None,
+    topology=None,
+    partition_method: str = "type:DecoderBlockPipe",
+    loss_fn=None,
+    **pipeline_kwargs,
+) -> PipelineModule:
     """A ``PipelineModule`` running a transformers GPT-2 or Llama causal LM.
 
     ``model_or_config``: a ``GPT2LMHeadModel``/``LlamaForCausalLM`` (its modules are used in place;
@@ -229,9 +264,14 @@ def from_hf_causal_lm(model_or_config, num_stages=None, topology=None,
     ``(input_ids, labels)``."""
     model, init_fn = _as_model(model_or_config)
     layers, _ = _BUILDERS[model.config.model_type](model, init_fn)
-    pipe = PipelineModule(layers, num_stages=num_stages, topology=topology,
-                          loss_fn=loss_fn if loss_fn is not None else CausalLMLoss(model.config.vocab_size),
-                          partition_method=partition_method, **pipeline_kwargs)
+    pipe = PipelineModule(
+        layers,
+        num_stages=num_stages,
+        topology=topology,
+        loss_fn=loss_fn if loss_fn is not None else CausalLMLoss(model.config.vocab_size),
+        partition_method=partition_method,
+        **pipeline_kwargs,
+    )
     pipe.hf_config = model.config
     return pipe
 

@@ -47,8 +47,9 @@ class LayerFiles:
         axis is left out: replicas hold the same weights)."""
         topo = self._grid._topo
         coord = topo.get_coord(rank=self.global_rank)
-        name = "module" + "".join(f"-{axis}_{getattr(coord, axis):02d}"
-                                  for axis in topo.get_axis_names() if axis != "data")
+        name = "module" + "".join(
+            f"-{axis}_{getattr(coord, axis):02d}" for axis in topo.get_axis_names() if axis != "data"
+        )
         return os.path.join(checkpoints_path, str(tag), name)
 
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx: int) -> str:
@@ -108,8 +109,10 @@ class LayerFiles:
         elif len(files) == slices:
             path = files[self._grid.get_slice_parallel_rank()]
         else:
-            raise RuntimeError(f"{len(files)} files for one layer ({files[0]} ...) but the model axis has "
-                               f"{slices} slices; load with the model-parallel size it was saved with")
+            raise RuntimeError(
+                f"{len(files)} files for one layer ({files[0]} ...) but the model axis has "
+                f"{slices} slices; load with the model-parallel size it was saved with"
+            )
         if checkpoint_engine is not None:
             return path, checkpoint_engine.load(path, map_location="cpu")
         return path, torch.load(path, map_location="cpu", weights_only=True)
@@ -126,7 +129,8 @@ class LayerFiles:
             if not files:
                 raise FileNotFoundError(
                     f"load_state_dir: no file layer_{self.local_to_global(idx):02d}-*model_states.pt in "
-                    f"{load_dir}; pass the checkpoint's tag folder, as save_state_dict wrote it")
+                    f"{load_dir}; pass the checkpoint's tag folder, as save_state_dict wrote it"
+                )
             _, state = self._read_layer_file(files, checkpoint_engine)
             layer.load_state_dict(state, strict=strict)
             spec = local_specs[idx]

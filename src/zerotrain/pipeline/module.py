@@ -19,13 +19,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from zerotrain.recompute import checkpoint as _default_checkpoint
-from zerotrain.recompute import non_reentrant_checkpoint
 from zerotrain.pipeline.layer_files import LayerFiles
-from zerotrain.pipeline.partition import (VIRTUAL_LAYOUTS, partition_balanced, partition_uniform,
-                                          rank_virtual_stages)
+from zerotrain.pipeline.partition import VIRTUAL_LAYOUTS, partition_balanced, partition_uniform, rank_virtual_stages
 from zerotrain.pipeline.specs import LayerSpec, TiedLayerSpec
 from zerotrain.pipeline.tied import TiedLayers
+from zerotrain.recompute import checkpoint as _default_checkpoint
+from zerotrain.recompute import non_reentrant_checkpoint
 from zerotrain.seeding import set_random_seed
 from zerotrain.topology import PipeDataParallelTopology, PipelineParallelGrid
 from zerotrain.topology.process_rank import process_world_size
@@ -79,24 +78,38 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
       V-shaped schedules need (``"pipeline": {"schedule": "zbv" | "dualpipev"}``).
     """
 
-    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
-                 seed_fn=None, base_seed=1234, partition_method="parameters",
-                 activation_checkpoint_interval=0, activation_checkpoint_func=_default_checkpoint,
-                 checkpointable_layers=None, dynamic_shape=False, virtual_stages=1,
-                 virtual_layout="looped"):
+    def __init__(
+        self,
+        layers,
+        num_stages=None,
+        topology=None,
+        loss_fn=None,
+        seed_layers=False,
+        seed_fn=None,
+        base_seed=1234,
+        partition_method="parameters",
+        activation_checkpoint_interval=0,
+        activation_checkpoint_func=_default_checkpoint,
+        checkpointable_layers=None,
+        dynamic_shape=False,
+        virtual_stages=1,
+        virtual_layout="looped",
+    ):
         super().__init__()
         self._layer_specs = list(layers)
-        self._validate(num_stages, topology, partition_method, activation_checkpoint_interval,
-                       checkpointable_layers)
+        self._validate(num_stages, topology, partition_method, activation_checkpoint_interval, checkpointable_layers)
         if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
-            raise ValueError(f"PipelineModule: virtual_stages must be a positive int (model chunks per "
-                             f"pipeline rank), got {virtual_stages!r}")
+            raise ValueError(
+                f"PipelineModule: virtual_stages must be a positive int (model chunks per "
+                f"pipeline rank), got {virtual_stages!r}"
+            )
         if virtual_layout not in VIRTUAL_LAYOUTS:
-            raise ValueError(f"PipelineModule: virtual_layout={virtual_layout!r} is not one of "
-                             f"{list(VIRTUAL_LAYOUTS)}")
+            raise ValueError(f"PipelineModule: virtual_layout={virtual_layout!r} is not one of {list(VIRTUAL_LAYOUTS)}")
         if virtual_layout == "v" and virtual_stages != 2:
-            raise ValueError(f"PipelineModule: virtual_layout='v' places 2 virtual stages per rank (r and "
-                             f"2P-1-r); set virtual_stages=2 (got {virtual_stages})")
+            raise ValueError(
+                f"PipelineModule: virtual_layout='v' places 2 virtual stages per rank (r and "
+                f"2P-1-r); set virtual_stages=2 (got {virtual_stages})"
+            )
         self.virtual_stages = virtual_stages
         self.virtual_layout = virtual_layout
         self.micro_offset = 0
@@ -114,8 +127,10 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         if topology is None:
             world = process_world_size()
             if world % num_stages:
-                raise RuntimeError(f"PipelineModule: num_stages={num_stages} does not divide the world size "
-                                   f"{world}; choose num_stages among the divisors of {world}")
+                raise RuntimeError(
+                    f"PipelineModule: num_stages={num_stages} does not divide the world size "
+                    f"{world}; choose num_stages among the divisors of {world}"
+                )
             topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
         self._topo = topology
         self.num_stages = topology.get_dim("pipe")
@@ -126,8 +141,10 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         from zerotrain.comm import get_local_rank
 
         self.local_rank = get_local_rank()
-        self._log(f"SEED_LAYERS={self.seed_layers} BASE_SEED={self.base_seed} "
-                  f"SEED_FN={getattr(self.seed_fn, '__name__', None)}")
+        self._log(
+            f"SEED_LAYERS={self.seed_layers} BASE_SEED={self.base_seed} "
+            f"SEED_FN={getattr(self.seed_fn, '__name__', None)}"
+        )
 
         self._num_layers = len(self._layer_specs)
         self._local_start = 0
@@ -149,41 +166,58 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
     # -- checks (before any process group exists, so every rank fails alike) ------------------
     def _validate(self, num_stages, topology, method, interval, checkpointable_layers) -> None:
         if num_stages is None and topology is None:
-            raise RuntimeError("PipelineModule: must provide num_stages or topology, e.g. "
-                               "PipelineModule(layers, num_stages=2)")
+            raise RuntimeError(
+                "PipelineModule: must provide num_stages or topology, e.g. PipelineModule(layers, num_stages=2)"
+            )
         if topology is not None:
             if "pipe" not in topology.get_axis_names():
-                raise ValueError(f"PipelineModule: the topology's axes {topology.get_axis_names()} have no "
-                                 "'pipe' axis; use PipeDataParallelTopology(num_pp, num_dp)")
+                raise ValueError(
+                    f"PipelineModule: the topology's axes {topology.get_axis_names()} have no "
+                    "'pipe' axis; use PipeDataParallelTopology(num_pp, num_dp)"
+                )
             if topology.world_size() != process_world_size():
-                raise ValueError(f"PipelineModule: the topology has {topology.world_size()} ranks but the world "
-                                 f"has {process_world_size()}; make the product of its dims the world size (call "
-                                 "zerotrain.init_distributed() first on every rank)")
+                raise ValueError(
+                    f"PipelineModule: the topology has {topology.world_size()} ranks but the world "
+                    f"has {process_world_size()}; make the product of its dims the world size (call "
+                    "zerotrain.init_distributed() first on every rank)"
+                )
             if num_stages is not None and num_stages != topology.get_dim("pipe"):
-                raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology has "
-                                 f"{topology.get_dim('pipe')} pipe stages; pass one of the two")
+                raise ValueError(
+                    f"PipelineModule: num_stages={num_stages} but the topology has "
+                    f"{topology.get_dim('pipe')} pipe stages; pass one of the two"
+                )
         elif not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
             raise ValueError(f"PipelineModule: num_stages must be a positive int, got {num_stages!r}")
         for idx, layer in enumerate(self._layer_specs):
             if isinstance(layer, PipelineModule):
                 raise NotImplementedError(
                     f"PipelineModule: layer {idx} is a PipelineModule; nesting them is not supported "
-                    "(RECURSIVE BUILD NOT YET IMPLEMENTED): pass its layers in the outer list instead")
+                    "(RECURSIVE BUILD NOT YET IMPLEMENTED): pass its layers in the outer list instead"
+                )
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
-                raise TypeError(f"PipelineModule: layer {idx} ({layer!r}) is not an nn.Module, a LayerSpec "
-                                "or a callable; wrap it in one of these")
+                raise TypeError(
+                    f"PipelineModule: layer {idx} ({layer!r}) is not an nn.Module, a LayerSpec "
+                    "or a callable; wrap it in one of these"
+                )
         if not isinstance(method, str) or not (
-                method.lower() in ("parameters", "uniform", "profile") or method.lower().startswith("type:")):
-            raise NotImplementedError(f"PipelineModule: partition_method={method!r} is not implemented; "
-                                      f"use one of {', '.join(PARTITION_METHODS)}")
+            method.lower() in ("parameters", "uniform", "profile") or method.lower().startswith("type:")
+        ):
+            raise NotImplementedError(
+                f"PipelineModule: partition_method={method!r} is not implemented; "
+                f"use one of {', '.join(PARTITION_METHODS)}"
+            )
         if method.lower() == "profile":
-            raise NotImplementedError("PipelineModule: partition_method='profile' is not implemented (as in "
-                                      "DeepSpeed); use 'parameters', 'uniform' or 'type:<regex>'")
+            raise NotImplementedError(
+                "PipelineModule: partition_method='profile' is not implemented (as in "
+                "DeepSpeed); use 'parameters', 'uniform' or 'type:<regex>'"
+            )
         if not isinstance(interval, int) or interval < 0:
             raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0, got {interval!r}")
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
-            raise TypeError("PipelineModule: checkpointable_layers must be a list of class names, got "
-                            f"{type(checkpointable_layers).__name__}")
+            raise TypeError(
+                "PipelineModule: checkpointable_layers must be a list of class names, got "
+                f"{type(checkpointable_layers).__name__}"
+            )
 
     def _log(self, message: str) -> None:
         # Once per job: the topology's first rank (every coordinate 0).
@@ -206,13 +240,18 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
 
     def _find_layer_type(self, pattern: str) -> list[int]:
         regex = re.compile(pattern, re.IGNORECASE)
-        found = [idx for idx, layer in enumerate(self._layer_specs)
-                 if (isinstance(layer, (LayerSpec, nn.Module)) or hasattr(layer, "__name__"))
-                 and regex.search(layer_name(layer))]
+        found = [
+            idx
+            for idx, layer in enumerate(self._layer_specs)
+            if (isinstance(layer, (LayerSpec, nn.Module)) or hasattr(layer, "__name__"))
+            and regex.search(layer_name(layer))
+        ]
         if not found:
             names = sorted({layer_name(layer) for layer in self._layer_specs})
-            raise RuntimeError(f"PipelineModule: partition_method 'type:{pattern}' matches no layer class "
-                               f"(classes: {', '.join(names)}); change the regex")
+            raise RuntimeError(
+                f"PipelineModule: partition_method 'type:{pattern}' matches no layer class "
+                f"(classes: {', '.join(names)}); change the regex"
+            )
         return found
 
     def _partition_layers(self, method: str = "uniform") -> None:
@@ -339,9 +378,11 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         if self.activation_checkpoint_func is not non_reentrant_checkpoint and self.__class__.__name__ in _GPT_PIPES:
             # Megatron's GPT pipes: the transformer layers (not the embedding, whose input needs
             # no grad, which only the non-reentrant checkpoint handles).
-            return all("ParallelTransformerLayerPipe" in f.__class__.__name__
-                       or (self.checkpointable_layers is not None
-                           and f.__class__.__name__ in self.checkpointable_layers) for f in funcs)
+            return all(
+                "ParallelTransformerLayerPipe" in f.__class__.__name__
+                or (self.checkpointable_layers is not None and f.__class__.__name__ in self.checkpointable_layers)
+                for f in funcs
+            )
         if self.checkpointable_layers is not None:
             return all(f.__class__.__name__ in self.checkpointable_layers for f in funcs)
         return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
@@ -352,8 +393,9 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         hi = len(self.forward_funcs) if hi is None else hi
         key = (interval, lo, hi)
         if self._checkpointable_cache[0] != key:
-            blocks = [self._is_checkpointable(self.forward_funcs[s:min(s + interval, hi)])
-                      for s in range(lo, hi, interval)]
+            blocks = [
+                self._is_checkpointable(self.forward_funcs[s : min(s + interval, hi)]) for s in range(lo, hi, interval)
+            ]
             self._checkpointable_cache = (key, blocks)
         return self._checkpointable_cache[1]
 
@@ -376,8 +418,10 @@ class PipelineModule(TiedLayers, LayerFiles, nn.Module):
         """Run the local layers (with virtual stages: chunk ``chunk``'s, see ``chunk()``)."""
         if chunk is None:
             if self.virtual_stages > 1:
-                raise ValueError(f"PipelineModule(virtual_stages={self.virtual_stages}).forward: this rank holds "
-                                 f"{self.virtual_stages} chunks; run one with forward(x, chunk=c) or chunk(c)(x)")
+                raise ValueError(
+                    f"PipelineModule(virtual_stages={self.virtual_stages}).forward: this rank holds "
+                    f"{self.virtual_stages} chunks; run one with forward(x, chunk=c) or chunk(c)(x)"
+                )
             chunk = 0
         lo, n = self._chunk_ranges[chunk]
         # The micro-batch's seed offset, captured now so a checkpoint's recomputation reseeds alike;

@@ -38,7 +38,8 @@ last stage, the module's ``loss_fn`` and the gradient scale.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,13 +60,24 @@ DEFAULT_SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is synchronous 1F1B
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
+    )
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
-            "looped_bfs": ScheduleLoopedBFS, "zero_bubble": ScheduleInterleavedZeroBubble,
-            "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[name]
+    return {
+        "1f1b": Schedule1F1B,
+        "gpipe": ScheduleGPipe,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "looped_bfs": ScheduleLoopedBFS,
+        "zero_bubble": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }[name]
 
 
 def check_schedule(schedule: str, virtual_stages: int, layout: str = "looped") -> None:
@@ -74,37 +86,47 @@ def check_schedule(schedule: str, virtual_stages: int, layout: str = "looped") -
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline.schedule={schedule!r} is not offered; use one of {list(SCHEDULES)}")
     if schedule in V_SCHEDULES and (virtual_stages != 2 or layout != "v"):
-        raise ValueError(f"pipeline.schedule={schedule!r} runs 2 model chunks per rank placed in a V (rank r "
-                         "holds virtual stages r and 2P-1-r): build the PipelineModule with virtual_stages=2, "
-                         f"virtual_layout=\"v\" (it has virtual_stages={virtual_stages}, "
-                         f"virtual_layout={layout!r})")
+        raise ValueError(
+            f"pipeline.schedule={schedule!r} runs 2 model chunks per rank placed in a V (rank r "
+            "holds virtual stages r and 2P-1-r): build the PipelineModule with virtual_stages=2, "
+            f'virtual_layout="v" (it has virtual_stages={virtual_stages}, '
+            f"virtual_layout={layout!r})"
+        )
     if layout == "v" and schedule not in V_SCHEDULES:
-        raise ValueError(f"pipeline.schedule={schedule!r} needs the looped placement of virtual stages but the "
-                         "PipelineModule was built with virtual_layout=\"v\": use \"zbv\" or \"dualpipev\", "
-                         "or build it with virtual_layout=\"looped\"")
+        raise ValueError(
+            f"pipeline.schedule={schedule!r} needs the looped placement of virtual stages but the "
+            'PipelineModule was built with virtual_layout="v": use "zbv" or "dualpipev", '
+            'or build it with virtual_layout="looped"'
+        )
     if schedule in MULTI_STAGE_SCHEDULES and virtual_stages < 2:
-        raise ValueError(f"pipeline.schedule={schedule!r} runs several model chunks per rank: build the "
-                         "PipelineModule with virtual_stages=2 or more (and set pipeline.virtual_stages), "
-                         "or use \"1f1b\"/\"gpipe\"")
+        raise ValueError(
+            f"pipeline.schedule={schedule!r} runs several model chunks per rank: build the "
+            "PipelineModule with virtual_stages=2 or more (and set pipeline.virtual_stages), "
+            'or use "1f1b"/"gpipe"'
+        )
     if schedule not in MULTI_STAGE_SCHEDULES and virtual_stages > 1:
-        raise ValueError(f"pipeline.schedule={schedule!r} runs one stage per rank but the PipelineModule has "
-                         f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\", \"looped_bfs\" or "
-                         "\"zero_bubble\", or "
-                         "build the PipelineModule with virtual_stages=1")
+        raise ValueError(
+            f"pipeline.schedule={schedule!r} runs one stage per rank but the PipelineModule has "
+            f'virtual_stages={virtual_stages}: use "interleaved_1f1b", "looped_bfs" or '
+            '"zero_bubble", or '
+            "build the PipelineModule with virtual_stages=1"
+        )
 
 
 def check_torch_supports_pipelining() -> None:
     """torch.distributed.pipelining with working gloo point-to-point needs torch >= 2.8."""
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if version < (2, 8):
-        raise RuntimeError(f"pipeline parallelism needs torch >= 2.8 (torch.distributed.pipelining on "
-                           f"gloo); this is torch {torch.__version__}: upgrade torch")
+        raise RuntimeError(
+            f"pipeline parallelism needs torch >= 2.8 (torch.distributed.pipelining on "
+            f"gloo); this is torch {torch.__version__}: upgrade torch"
+        )
 
 
 class _StageModule(nn.Module):
     """What torch's ``PipelineStage`` runs: the stage's layers, called DeepSpeed's way."""
 
-    def __init__(self, module: nn.Module, runner: "StageRunner", first: bool):
+    def __init__(self, module: nn.Module, runner: StageRunner, first: bool):
         super().__init__()
         self.module = module
         self._runner = runner  # not an nn.Module: a plain attribute
@@ -133,10 +155,20 @@ class StageRunner:
 
     clock: StageClock | None  # set by a pipeline engine with a timeline; read with getattr (unset: none)
 
-    def __init__(self, module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
-                 group, schedule: str = DEFAULT_SCHEDULE,
-                 cast_inputs: Callable[[Any], Any] | None = None, first_rank: int = 0,
-                 dynamic_shape: bool = False, virtual_stages: int = 1, virtual_layout: str = "looped"):
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_id: int,
+        num_stages: int,
+        device: torch.device,
+        group,
+        schedule: str = DEFAULT_SCHEDULE,
+        cast_inputs: Callable[[Any], Any] | None = None,
+        first_rank: int = 0,
+        dynamic_shape: bool = False,
+        virtual_stages: int = 1,
+        virtual_layout: str = "looped",
+    ):
         check_torch_supports_pipelining()
         check_schedule(schedule, virtual_stages, virtual_layout)
         self.virtual_stages = virtual_stages
@@ -157,8 +189,9 @@ class StageRunner:
         if virtual_stages == 1:
             self._wrappers = [_StageModule(module, self, first=self.is_first)]
         else:
-            self._wrappers = [_StageModule(module.chunk(c), self, first=index == 0)
-                              for c, index in enumerate(self.stage_indices)]
+            self._wrappers = [
+                _StageModule(module.chunk(c), self, first=index == 0) for c, index in enumerate(self.stage_indices)
+            ]
         self._group = group
         self._schedules: dict[int, Any] = {}
         self._build_stage()
@@ -176,16 +209,17 @@ class StageRunner:
         from torch.distributed.pipelining import PipelineStage
 
         total = self.num_stages * self.virtual_stages
-        self.stages = [PipelineStage(wrapper, index, total, self.device, group=self._group)
-                       for index, wrapper in zip(self.stage_indices, self._wrappers)]
+        self.stages = [
+            PipelineStage(wrapper, index, total, self.device, group=self._group)
+            for index, wrapper in zip(self.stage_indices, self._wrappers)
+        ]
         self.stage = next((s for s in self.stages if s.stage_index == total - 1), self.stages[-1])
         if self.schedule_name in V_SCHEDULES:
             for stage in self.stages:
                 _skip_local_grad_handoff_in_eval(stage)
         if self.assigns_grads:
             for stage, wrapper in zip(self.stages, self._wrappers):
-                stage.backward_weight_one_chunk = self._after_weight_step(stage.backward_weight_one_chunk,
-                                                                          wrapper)
+                stage.backward_weight_one_chunk = self._after_weight_step(stage.backward_weight_one_chunk, wrapper)
         self._schedules = {}
 
     def _after_weight_step(self, weight_step, wrapper: nn.Module):
@@ -214,9 +248,11 @@ class StageRunner:
         loss_fn = getattr(self.module, "loss_fn", None)
         loss = loss_fn(output, self._labels[i]) if loss_fn is not None else output
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise ValueError("the pipeline's loss must be a scalar tensor: loss_fn(outputs, labels) "
-                             "(or, with loss_fn=None, the last stage's output) returned "
-                             f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
+            raise ValueError(
+                "the pipeline's loss must be a scalar tensor: loss_fn(outputs, labels) "
+                "(or, with loss_fn=None, the last stage's output) returned "
+                f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}"
+            )
         # Metadata inference calls this once before the micro-batches: by index, the real call wins.
         self._losses[i] = loss.detach()
         clock = getattr(self, "clock", None)  # the engine's timeline (StageClock): the loss is forward work
@@ -231,29 +267,41 @@ class StageRunner:
             cls = _schedule_class(self.schedule_name)
             multi = self.schedule_name in MULTI_STAGE_SCHEDULES
             try:
-                self._schedules[n] = cls(self.stages if multi else self.stage, n, loss_fn=self._loss,
-                                         scale_grads=False)
+                self._schedules[n] = cls(self.stages if multi else self.stage, n, loss_fn=self._loss, scale_grads=False)
             except ValueError as error:
                 if self.schedule_name == "dualpipev":  # at least one micro-batch per virtual stage
                     total = self.num_stages * self.virtual_stages
-                    raise ValueError(f"pipeline schedule 'dualpipev' with {n} micro-batches on {self.num_stages} "
-                                     f"ranks x 2 virtual stages: {error} Set gradient_accumulation_steps (the "
-                                     f"number of micro-batches) to {total} or more") from None
+                    raise ValueError(
+                        f"pipeline schedule 'dualpipev' with {n} micro-batches on {self.num_stages} "
+                        f"ranks x 2 virtual stages: {error} Set gradient_accumulation_steps (the "
+                        f"number of micro-batches) to {total} or more"
+                    ) from None
                 if multi:  # interleaved: n a multiple of max(1, n // P)
-                    raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
-                                     f"{self.num_stages} ranks x {self.virtual_stages} virtual stages: "
-                                     f"{error} Set gradient_accumulation_steps (the number of micro-batches) "
-                                     f"to a multiple of {self.num_stages} (the pipeline ranks)") from None
+                    raise ValueError(
+                        f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
+                        f"{self.num_stages} ranks x {self.virtual_stages} virtual stages: "
+                        f"{error} Set gradient_accumulation_steps (the number of micro-batches) "
+                        f"to a multiple of {self.num_stages} (the pipeline ranks)"
+                    ) from None
                 # 1F1B: fewer micro-batches than stages
-                raise ValueError(f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
-                                 f"{self.num_stages} stages: {error} Raise gradient_accumulation_steps "
-                                 "(the number of micro-batches) or use \"pipeline\": {\"schedule\": "
-                                 "\"gpipe\"}") from None
+                raise ValueError(
+                    f"pipeline schedule {self.schedule_name!r} with {n} micro-batches on "
+                    f"{self.num_stages} stages: {error} Raise gradient_accumulation_steps "
+                    '(the number of micro-batches) or use "pipeline": {"schedule": '
+                    '"gpipe"}'
+                ) from None
         return self._schedules[n]
 
     # -- running a batch ------------------------------------------------------------------
-    def run(self, inputs: Sequence[Any], labels: Sequence[Any], n: int, train: bool,
-            factor: float = 1.0, compute_loss: bool = True) -> tuple[list[torch.Tensor], list[Any]]:
+    def run(
+        self,
+        inputs: Sequence[Any],
+        labels: Sequence[Any],
+        n: int,
+        train: bool,
+        factor: float = 1.0,
+        compute_loss: bool = True,
+    ) -> tuple[list[torch.Tensor], list[Any]]:
         """Run ``n`` micro-batches (``inputs`` on the first stage, ``labels`` on the last; other
         stages pass empty lists). ``train``: forward and backward (gradients accumulate into
         ``.grad``), else forward only. Returns the last stage's unscaled losses per micro-batch
@@ -310,8 +358,9 @@ def _skip_local_grad_handoff_in_eval(stage) -> None:
 def _shape_signature(inputs: Any) -> tuple:
     """The shapes and dtypes of one micro-batch's tensors (types of the rest), in tree order."""
     leaves, spec = tree_flatten(inputs)
-    return (str(spec),) + tuple((tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else type(x).__name__
-                                for x in leaves)
+    return (str(spec),) + tuple(
+        (tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else type(x).__name__ for x in leaves
+    )
 
 
 class ShapeAgreement:
@@ -321,8 +370,9 @@ class ShapeAgreement:
     ``dynamic_shape``: rebuild when the shapes change (else raise naming it). One small
     broadcast per batch (none with one stage)."""
 
-    def __init__(self, is_first: bool, num_stages: int, group, first_rank: int,
-                 device: torch.device, dynamic_shape: bool):
+    def __init__(
+        self, is_first: bool, num_stages: int, group, first_rank: int, device: torch.device, dynamic_shape: bool
+    ):
         self.is_first, self.num_stages = is_first, num_stages
         self.group, self.first_rank, self.device = group, first_rank, device
         self.dynamic_shape = dynamic_shape
@@ -355,10 +405,12 @@ class ShapeAgreement:
             collectives.broadcast(agreed, src=self.first_rank, group=self.group)
             key, mixed = int(agreed[0]), int(agreed[1])
         if mixed:
-            raise ValueError(f"pipeline micro-batch {mixed} has other input shapes than micro-batch 0{what}: "
-                             "the micro-batches of one train_batch/eval_batch must share their "
-                             "shapes (torch's pipeline stages receive one shape per batch); pad them to one "
-                             "length, or vary the shape between batches with PipelineModule(dynamic_shape=True)")
+            raise ValueError(
+                f"pipeline micro-batch {mixed} has other input shapes than micro-batch 0{what}: "
+                "the micro-batches of one train_batch/eval_batch must share their "
+                "shapes (torch's pipeline stages receive one shape per batch); pad them to one "
+                "length, or vary the shape between batches with PipelineModule(dynamic_shape=True)"
+            )
         if self.key is None:
             self.key, self.described, self._reset = key, described, False
             return False
@@ -366,10 +418,12 @@ class ShapeAgreement:
             return False
         if key != self.key and not (self.dynamic_shape or self._reset):
             was = f" (were {self.described}, now {described})" if self.is_first else ""
-            raise ValueError(f"the pipeline's input shapes changed between batches{was}: the stages infer "
-                             "the activation shapes once; build the PipelineModule with dynamic_shape=True "
-                             "to infer them again when they change, or call engine.reset_activation_shape() "
-                             "on every stage before such a batch")
+            raise ValueError(
+                f"the pipeline's input shapes changed between batches{was}: the stages infer "
+                "the activation shapes once; build the PipelineModule with dynamic_shape=True "
+                "to infer them again when they change, or call engine.reset_activation_shape() "
+                "on every stage before such a batch"
+            )
         self.key, self.described, self._reset = key, described, False
         self.rebuilds += 1
         return True
@@ -377,6 +431,5 @@ class ShapeAgreement:
 
 def _describe(signature: tuple) -> str:
     """``[2, 5, 8] float32`` for each tensor of a ``_shape_signature``."""
-    tensors = [f"{list(item[0])} {item[1].replace('torch.', '')}" for item in signature[1:]
-               if isinstance(item, tuple)]
+    tensors = [f"{list(item[0])} {item[1].replace('torch.', '')}" for item in signature[1:] if isinstance(item, tuple)]
     return ", ".join(tensors) or "no tensors"

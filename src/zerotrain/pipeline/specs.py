@@ -50,8 +50,7 @@ class TiedLayerSpec(LayerSpec):
     is an attribute name, a list of them, or dotted paths (``"lm.weight"``): the tensors kept
     equal across stages."""
 
-    def __init__(self, key, typename, *module_args, forward_fn=None, tied_weight_attr=("weight",),
-                 **module_kwargs):
+    def __init__(self, key, typename, *module_args, forward_fn=None, tied_weight_attr=("weight",), **module_kwargs):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn

@@ -48,8 +48,9 @@ class TiedLayers:
         keys = sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}, key=str)
         grid = self._grid
         for key in keys:
-            stages = sorted({self.stage_owner(idx) for idx, s in enumerate(specs)
-                             if isinstance(s, TiedLayerSpec) and s.key == key})
+            stages = sorted(
+                {self.stage_owner(idx) for idx, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key}
+            )
             for dp in range(grid.get_data_parallel_world_size()):
                 for mp in range(grid.get_slice_parallel_world_size()):
                     ranks = [grid.stage_to_global(stage_id=s, data=dp, model=mp) for s in stages]
@@ -57,11 +58,15 @@ class TiedLayers:
                     if self.global_rank not in ranks:
                         continue
                     if key not in self.tied_modules:
-                        raise RuntimeError(f"tied layer {key!r}: rank {self.global_rank} is in its group "
-                                           "but did not build it")
-                    tied_comms[key] = {"ranks": ranks, "group": group,
-                                       "weight_attr": self.tied_weight_attrs[key],
-                                       "module": self.tied_modules[key]}
+                        raise RuntimeError(
+                            f"tied layer {key!r}: rank {self.global_rank} is in its group but did not build it"
+                        )
+                    tied_comms[key] = {
+                        "ranks": ranks,
+                        "group": group,
+                        "weight_attr": self.tied_weight_attrs[key],
+                        "module": self.tied_modules[key],
+                    }
                     replica = self.global_rank != min(ranks)
                     for p in self.tied_modules[key].parameters():
                         p.ds_pipe_replicated = replica
@@ -102,5 +107,8 @@ class TiedLayers:
 
     def get_tied_weights_and_groups(self) -> list:
         """``[(weight, group), ...]`` for every tied weight this rank holds."""
-        return [(weight, comm["group"]) for key, comm in self.tied_comms.items()
-                for _, weight in self._tied_weights(key, comm)]
+        return [
+            (weight, comm["group"])
+            for key, comm in self.tied_comms.items()
+            for _, weight in self._tied_weights(key, comm)
+        ]

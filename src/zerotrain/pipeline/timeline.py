@@ -39,10 +39,16 @@ import argparse
 import json
 import sys
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from zerotrain.pipeline.bubble import (LOOPED_SCHEDULES, NO_CLOSED_FORM, ONE_CHUNK_SCHEDULES,  # noqa: F401
-                                       bubble_formula, ideal_bubble)
+from zerotrain.pipeline.bubble import (  # noqa: F401
+    LOOPED_SCHEDULES,
+    NO_CLOSED_FORM,
+    ONE_CHUNK_SCHEDULES,
+    bubble_formula,
+    ideal_bubble,
+)
 
 # "weight": the separate weight-gradient step of zero-bubble schedules (backward_weight_one_chunk);
 # "comm": the transfer part of a wait on torch's point-to-point sends/receives (split_waits).
@@ -50,8 +56,7 @@ COMPUTE = ("forward", "backward", "weight")
 KINDS = COMPUTE + ("comm",)
 _WAIT = "wait"  # a raw wait as one stage recorded it, before split_waits
 _GATHERED = KINDS + (_WAIT,)
-COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#55a868", "comm": "#c44e52",
-           "idle": "#d9d9d9"}
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#55a868", "comm": "#c44e52", "idle": "#d9d9d9"}
 
 
 class PipelineEvent(NamedTuple):
@@ -153,7 +158,7 @@ class StageClock:
         """Time every torch stage of a ``StageRunner`` not timed yet (they are rebuilt when the
         input shapes change: call it before every batch)."""
         for stage in getattr(runner, "stages", None) or [runner.stage]:
-            if not getattr(stage, "_zerotrain_clock", None) is self:
+            if getattr(stage, "_zerotrain_clock", None) is not self:
                 self.wrap(stage)
                 stage._zerotrain_clock = self
 
@@ -163,8 +168,11 @@ class StageClock:
         when inactive."""
         install_wait_hook()
         _HOOK_USERS.add(id(self))
-        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
-                           ("backward_weight_one_chunk", "weight")):
+        for name, kind in (
+            ("forward_one_chunk", "forward"),
+            ("backward_one_chunk", "backward"),
+            ("backward_weight_one_chunk", "weight"),
+        ):
             if hasattr(stage, name):
                 setattr(stage, name, self._timed(getattr(stage, name), kind))
 
@@ -181,8 +189,9 @@ class StageClock:
         return timed
 
 
-def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int, num_stages: int,
-                    group, device) -> tuple[list[PipelineEvent], list[float]]:
+def gather_timeline(
+    events: Sequence[PipelineEvent], span: float, stage_id: int, num_stages: int, group, device
+) -> tuple[list[PipelineEvent], list[float]]:
     """Every stage's events and spans on every stage of the pipe ``group`` (its rank i is stage i),
     the waits split into idle and comm events (``split_waits``). Collective over the group."""
     if num_stages == 1:
@@ -198,8 +207,9 @@ def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int,
     shard = torch.full((width,), -1.0, dtype=torch.float64)
     shard[0] = span
     for i, event in enumerate(events):
-        shard[1 + 3 * i:4 + 3 * i] = torch.tensor([_GATHERED.index(event.kind), event.start, event.end],
-                                                 dtype=torch.float64)
+        shard[1 + 3 * i : 4 + 3 * i] = torch.tensor(
+            [_GATHERED.index(event.kind), event.start, event.end], dtype=torch.float64
+        )
     out = torch.empty(width * num_stages, dtype=torch.float64, device=device)
     collectives.all_gather_into(out, shard.to(device), group=group)
     table = out.cpu().view(num_stages, width)
@@ -207,7 +217,7 @@ def gather_timeline(events: Sequence[PipelineEvent], span: float, stage_id: int,
     for stage in range(num_stages):
         spans.append(float(table[stage, 0]))
         for i in range(rows):
-            kind, start, end = table[stage, 1 + 3 * i:4 + 3 * i].tolist()
+            kind, start, end = table[stage, 1 + 3 * i : 4 + 3 * i].tolist()
             if kind >= 0:
                 gathered.append(PipelineEvent(stage, _GATHERED[int(kind)], start, end))
     return split_waits(gathered, num_stages), spans
@@ -236,8 +246,14 @@ def split_waits(events: Sequence[PipelineEvent], num_stages: int) -> list[Pipeli
     return out
 
 
-def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
-              duration: float, schedule: str = "1f1b", virtual_stages: int = 1) -> dict:
+def summarize(
+    events: Sequence[PipelineEvent],
+    num_stages: int,
+    micro_batches: int,
+    duration: float,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+) -> dict:
     """Busy (forward + backward + weight steps), comm (the transfer part of the p2p waits) and
     idle seconds per stage over ``duration`` (idle = duration - busy - comm), their shares, the
     mean idle share over the stages, and the schedule's ideal bubble (``ideal_bubble``; None where
@@ -252,13 +268,30 @@ def summarize(events: Sequence[PipelineEvent], num_stages: int, micro_batches: i
         busy = forward + backward + weight
         idle = max(duration - busy - comm, 0.0)
         share = (lambda t: t / duration) if duration > 0 else (lambda t: 0.0)
-        stages.append({"stage": s, "forward": forward, "backward": backward, "weight": weight, "busy": busy,
-                       "comm": comm, "idle": idle, "idle_share": share(idle), "comm_share": share(comm)})
-    return {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
-            "ideal_bubble": ideal_bubble(num_stages, micro_batches, schedule, virtual_stages),
-            "schedule": schedule, "virtual_stages": virtual_stages,
-            "ideal_bubble_formula": bubble_formula(num_stages, micro_batches, schedule, virtual_stages),
-            "idle_share": sum(s["idle_share"] for s in stages) / max(len(stages), 1), "stages": stages}
+        stages.append(
+            {
+                "stage": s,
+                "forward": forward,
+                "backward": backward,
+                "weight": weight,
+                "busy": busy,
+                "comm": comm,
+                "idle": idle,
+                "idle_share": share(idle),
+                "comm_share": share(comm),
+            }
+        )
+    return {
+        "num_stages": num_stages,
+        "micro_batches": micro_batches,
+        "duration": duration,
+        "ideal_bubble": ideal_bubble(num_stages, micro_batches, schedule, virtual_stages),
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
+        "ideal_bubble_formula": bubble_formula(num_stages, micro_batches, schedule, virtual_stages),
+        "idle_share": sum(s["idle_share"] for s in stages) / max(len(stages), 1),
+        "stages": stages,
+    }
 
 
 def _percent(value: float | None, digits: int = 1) -> str:
@@ -268,39 +301,62 @@ def _percent(value: float | None, digits: int = 1) -> str:
 def describe(summary: dict) -> str:
     """The step log's zerotrain line: busy/comm/idle per stage beside the schedule's ideal bubble
     (n/a where no closed form holds) and the measured mean idle share."""
-    parts = [f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} comm {s['comm'] * 1e3:.1f} "
-             f"idle {s['idle'] * 1e3:.1f} ({s['idle_share']:.1%})" for s in summary["stages"]]
+    parts = [
+        f"stage {s['stage']}: busy {s['busy'] * 1e3:.1f} comm {s['comm'] * 1e3:.1f} "
+        f"idle {s['idle'] * 1e3:.1f} ({s['idle_share']:.1%})"
+        for s in summary["stages"]
+    ]
     schedule = summary.get("schedule", "1f1b")
     v = summary.get("virtual_stages", 1)
     chunks = f" V={v}" if v > 1 else (" V=?" if v < 1 else "")  # V < 1: an older file did not record it
     formula = summary.get("ideal_bubble_formula") or bubble_formula(summary["num_stages"], summary["micro_batches"])
     mean = summary.get("idle_share", sum(s["idle_share"] for s in summary["stages"]) / max(len(parts), 1))
-    return (f"pipeline batch {summary['duration'] * 1e3:.1f} ms (P={summary['num_stages']}, "
-            f"M={summary['micro_batches']}, ideal bubble {_percent(summary['ideal_bubble'])}) "
-            f"[{schedule}{chunks}: {formula}; mean idle {mean:.1%}] | " + " | ".join(parts))
+    return (
+        f"pipeline batch {summary['duration'] * 1e3:.1f} ms (P={summary['num_stages']}, "
+        f"M={summary['micro_batches']}, ideal bubble {_percent(summary['ideal_bubble'])}) "
+        f"[{schedule}{chunks}: {formula}; mean idle {mean:.1%}] | " + " | ".join(parts)
+    )
 
 
 def monitor_events(summary: dict, step: int) -> list[tuple[str, float, int]]:
     """The monitors' events; ``ideal_bubble`` only where the schedule has a closed form (no
     number rather than a wrong one), ``idle_share`` (the stages' mean) always."""
-    events = [("Train/Pipeline/ideal_bubble", summary["ideal_bubble"], step)] \
-        if summary["ideal_bubble"] is not None else []
-    events += [("Train/Pipeline/batch_ms", summary["duration"] * 1e3, step),
-               ("Train/Pipeline/idle_share", summary["idle_share"], step)]
+    events = (
+        [("Train/Pipeline/ideal_bubble", summary["ideal_bubble"], step)] if summary["ideal_bubble"] is not None else []
+    )
+    events += [
+        ("Train/Pipeline/batch_ms", summary["duration"] * 1e3, step),
+        ("Train/Pipeline/idle_share", summary["idle_share"], step),
+    ]
     for s in summary["stages"]:
         i = s["stage"]
-        events += [(f"Train/Pipeline/stage{i}_busy_ms", s["busy"] * 1e3, step),
-                   (f"Train/Pipeline/stage{i}_comm_ms", s["comm"] * 1e3, step),
-                   (f"Train/Pipeline/stage{i}_idle_ms", s["idle"] * 1e3, step),
-                   (f"Train/Pipeline/stage{i}_idle_share", s["idle_share"], step)]
+        events += [
+            (f"Train/Pipeline/stage{i}_busy_ms", s["busy"] * 1e3, step),
+            (f"Train/Pipeline/stage{i}_comm_ms", s["comm"] * 1e3, step),
+            (f"Train/Pipeline/stage{i}_idle_ms", s["idle"] * 1e3, step),
+            (f"Train/Pipeline/stage{i}_idle_share", s["idle_share"], step),
+        ]
     return events
 
 
 # -- files and pictures ---------------------------------------------------------------------
-def save_timeline(path, events: Sequence[PipelineEvent], num_stages: int, micro_batches: int,
-                  duration: float, schedule: str = "", virtual_stages: int = 1) -> None:
-    doc = {"num_stages": num_stages, "micro_batches": micro_batches, "duration": duration,
-           "schedule": schedule, "virtual_stages": virtual_stages, "events": [list(e) for e in events]}
+def save_timeline(
+    path,
+    events: Sequence[PipelineEvent],
+    num_stages: int,
+    micro_batches: int,
+    duration: float,
+    schedule: str = "",
+    virtual_stages: int = 1,
+) -> None:
+    doc = {
+        "num_stages": num_stages,
+        "micro_batches": micro_batches,
+        "duration": duration,
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
+        "events": [list(e) for e in events],
+    }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
@@ -318,8 +374,10 @@ def load_timeline(path) -> dict:
         # files from before virtual_stages was recorded: 0 (unknown) for the multi-chunk schedules
         doc["virtual_stages"] = int(doc.get("virtual_stages", 0 if doc["schedule"] in LOOPED_SCHEDULES else 1))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: not a pipeline timeline written by engine.save_pipeline_timeline "
-                         f"({type(error).__name__}: {error})") from None
+        raise ValueError(
+            f"{path}: not a pipeline timeline written by engine.save_pipeline_timeline "
+            f"({type(error).__name__}: {error})"
+        ) from None
     bad = [e for e in events if e.kind not in KINDS or not 0 <= e.stage < doc["num_stages"]]
     if bad:
         raise ValueError(f"{path}: event {list(bad[0])} has an unknown kind or stage")
@@ -329,16 +387,24 @@ def load_timeline(path) -> dict:
 
 def _summarize_doc(doc: dict) -> dict:
     """``summarize`` of a loaded file; a file without a schedule name is taken as 1F1B/GPipe."""
-    return summarize(doc["events"], doc["num_stages"], doc["micro_batches"], doc["duration"],
-                     doc.get("schedule") or "1f1b", doc.get("virtual_stages", 1))
+    return summarize(
+        doc["events"],
+        doc["num_stages"],
+        doc["micro_batches"],
+        doc["duration"],
+        doc.get("schedule") or "1f1b",
+        doc.get("virtual_stages", 1),
+    )
 
 
 def _title(doc: dict) -> str:
     summary = _summarize_doc(doc)
     shares = ", ".join(f"{s['idle_share']:.0%}" for s in summary["stages"])
     name = f"{doc.get('schedule') or 'pipeline'}: "
-    return (f"{name}P={doc['num_stages']} M={doc['micro_batches']}, idle per stage {shares} "
-            f"(ideal {_percent(summary['ideal_bubble'], 0)})")
+    return (
+        f"{name}P={doc['num_stages']} M={doc['micro_batches']}, idle per stage {shares} "
+        f"(ideal {_percent(summary['ideal_bubble'], 0)})"
+    )
 
 
 def _labels(events: Sequence[PipelineEvent]) -> list[str]:
@@ -363,22 +429,27 @@ def write_svg(doc: dict, path, width: int = 960, row: int = 40) -> None:
     plot = width - left - 20
     height = top + p * row + 50
     x = lambda t: left + plot * min(max(t, 0.0), duration) / duration  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<text x="{left}" y="20">{escape(_title(doc))}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="20">{escape(_title(doc))}</text>',
+    ]
     for s in range(p):
         y = top + s * row
         out.append(f'<text x="10" y="{y + row * 0.6:.1f}">stage {s}</text>')
-        out.append(f'<rect x="{left}" y="{y + 4}" width="{plot}" height="{row - 8}" '
-                   f'fill="{COLOURS["idle"]}"/>')
+        out.append(f'<rect x="{left}" y="{y + 4}" width="{plot}" height="{row - 8}" fill="{COLOURS["idle"]}"/>')
     for e, label in zip(doc["events"], _labels(doc["events"])):
         y = top + e.stage * row
         x0, x1 = x(e.start), x(e.end)
-        out.append(f'<rect x="{x0:.2f}" y="{y + 4}" width="{max(x1 - x0, 0.5):.2f}" height="{row - 8}" '
-                   f'fill="{COLOURS[e.kind]}" stroke="white" stroke-width="0.5"/>')
+        out.append(
+            f'<rect x="{x0:.2f}" y="{y + 4}" width="{max(x1 - x0, 0.5):.2f}" height="{row - 8}" '
+            f'fill="{COLOURS[e.kind]}" stroke="white" stroke-width="0.5"/>'
+        )
         if x1 - x0 > 18:
-            out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row * 0.6:.1f}" text-anchor="middle" '
-                       f'fill="white">{label}</text>')
+            out.append(
+                f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row * 0.6:.1f}" text-anchor="middle" '
+                f'fill="white">{label}</text>'
+            )
     axis = top + p * row + 15
     out.append(f'<text x="{left}" y="{axis}">0 ms</text>')
     out.append(f'<text x="{left + plot}" y="{axis}" text-anchor="end">{duration * 1e3:.1f} ms</text>')
@@ -400,8 +471,9 @@ def write_png(doc: dict, path, dpi: int = 100) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise ImportError("the PNG timeline needs matplotlib: pip install matplotlib "
-                          "(or write an .svg, which needs nothing)") from None
+        raise ImportError(
+            "the PNG timeline needs matplotlib: pip install matplotlib (or write an .svg, which needs nothing)"
+        ) from None
     p, duration = doc["num_stages"], doc["duration"] * 1e3
     fig, ax = plt.subplots(figsize=(10, 0.7 * p + 1.4), dpi=dpi)
     try:
@@ -409,18 +481,21 @@ def write_png(doc: dict, path, dpi: int = 100) -> None:
             ax.barh(s, duration, left=0, height=0.8, color=COLOURS["idle"])
         for e, label in zip(doc["events"], _labels(doc["events"])):
             w = (e.end - e.start) * 1e3
-            ax.barh(e.stage, w, left=e.start * 1e3, height=0.8, color=COLOURS[e.kind],
-                    edgecolor="white", linewidth=0.5)
+            ax.barh(e.stage, w, left=e.start * 1e3, height=0.8, color=COLOURS[e.kind], edgecolor="white", linewidth=0.5)
             if w > duration / 40:
-                ax.text(e.start * 1e3 + w / 2, e.stage, label, ha="center", va="center",
-                        color="white", fontsize=8)
+                ax.text(e.start * 1e3 + w / 2, e.stage, label, ha="center", va="center", color="white", fontsize=8)
         ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
         ax.invert_yaxis()
         ax.set_xlim(0, duration)
         ax.set_xlabel("time in the batch (ms)")
         ax.set_title(_title(doc), fontsize=10)
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
-                  bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2), ncol=5, frameon=False)
+        ax.legend(
+            handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.35 if p < 3 else -0.2),
+            ncol=5,
+            frameon=False,
+        )
         fig.tight_layout()
         fig.savefig(path)
     finally:
@@ -439,10 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m zerotrain.pipeline.timeline",
         description="Draw a pipeline timeline (stages x time, forward/backward/comm/idle) from the JSON "
-                    "file engine.save_pipeline_timeline() wrote.")
+        "file engine.save_pipeline_timeline() wrote.",
+    )
     parser.add_argument("timeline", help="the timeline JSON file")
-    parser.add_argument("--out", default="timeline.png",
-                        help="picture to write: .svg (no dependency) or .png/.pdf (needs matplotlib)")
+    parser.add_argument(
+        "--out", default="timeline.png", help="picture to write: .svg (no dependency) or .png/.pdf (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
     try:
         doc = load_timeline(args.timeline)

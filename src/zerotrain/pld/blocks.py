@@ -15,7 +15,7 @@ and tells stage 3's parameter coordinator which blocks sit the pass out.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -46,8 +46,8 @@ class SwitchableBlocks(nn.ModuleList):
         self.seed = int(seed)
         self.index = 0
         self.training_passes = 0  # the shared value when no engine bound a step source
-        self.last_kept: Optional[list[bool]] = None  # the decisions of the last training pass
-        self._step_source: Optional[Callable[[], int]] = None
+        self.last_kept: list[bool] | None = None  # the decisions of the last training pass
+        self._step_source: Callable[[], int] | None = None
 
     def bind(self, step_source: Callable[[], int], index: int = 0) -> None:
         """Draw from ``step_source()``: a value every rank shares (the engine's micro-step, which

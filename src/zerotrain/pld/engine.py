@@ -39,6 +39,7 @@ class EnginePLD:
     micro_steps: int
 
     if TYPE_CHECKING:
+
         @property
         def zero_stage_object(self) -> StageInterface: ...
 
@@ -67,8 +68,15 @@ class EnginePLD:
             # drops (the stacks will draw the same, from the same micro-step), before the first
             # gather, so that none of them is gathered ahead of a use that never comes.
             theta = float(pld.get_theta()) if pld is not None and training else 1.0
-            coordinator.skip_prefetch([block for stack in self._pld_stacks if theta < 1.0
-                                       for block, keep in zip(stack, stack.draw(theta)) if not keep])
+            coordinator.skip_prefetch(
+                [
+                    block
+                    for stack in self._pld_stacks
+                    if theta < 1.0
+                    for block, keep in zip(stack, stack.draw(theta))
+                    if not keep
+                ]
+            )
         return pld.get_state() if pld is not None and training else {}
 
     def _pld_at_boundary(self) -> None:

@@ -55,9 +55,12 @@ def theta_at(step: int, theta_bar: float, gamma: float) -> np.float64:
 def check_theta_gamma(theta, gamma) -> None:
     """One-line errors for values the schedule cannot use (the config's own check says the same)."""
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < theta <= 1.0:
-        raise ValueError(f"progressive_layer_drop.theta must be > 0 and <= 1 (the keep ratio theta "
-                         f"decays to; the paper uses 0.5), got {theta!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
-            math.isfinite(gamma) and gamma >= 0.0):
-        raise ValueError(f"progressive_layer_drop.gamma must be a finite number >= 0 (the decay rate; "
-                         f"the paper uses 0.001), got {gamma!r}")
+        raise ValueError(
+            f"progressive_layer_drop.theta must be > 0 and <= 1 (the keep ratio theta "
+            f"decays to; the paper uses 0.5), got {theta!r}"
+        )
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (math.isfinite(gamma) and gamma >= 0.0):
+        raise ValueError(
+            f"progressive_layer_drop.gamma must be a finite number >= 0 (the decay rate; "
+            f"the paper uses 0.001), got {gamma!r}"
+        )

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 # DeepSpeed's default list, under the names its accessor reports.
-DEFAULT_SAFE_MODULES = tuple(f"{cls.__module__}.{cls.__name__}"
-                             for cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+DEFAULT_SAFE_MODULES = tuple(f"{cls.__module__}.{cls.__name__}" for cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,8 +45,10 @@ def resolve_safe_modules(names: list[str]) -> list[type]:
         except (ImportError, AttributeError):
             cls = None
         if not isinstance(cls, type):
-            raise ValueError(f"torch_autocast.lower_precision_safe_modules: {name!r} does not import as a "
-                             "class; give its full path, e.g. \"torch.nn.Linear\"")
+            raise ValueError(
+                f"torch_autocast.lower_precision_safe_modules: {name!r} does not import as a "
+                'class; give its full path, e.g. "torch.nn.Linear"'
+            )
         classes.append(cls)
     return classes
 
@@ -58,8 +59,10 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
     with torch.autocast(device.type, dtype=dtype):
         out = layer(torch.ones(2, 4, device=device))
     if out.dtype != dtype:
-        raise ValueError(f"torch_autocast.dtype: torch.autocast on {device.type} does not compute in {dtype}; "
-                         "use the other 16-bit dtype")
+        raise ValueError(
+            f"torch_autocast.dtype: torch.autocast on {device.type} does not compute in {dtype}; "
+            "use the other 16-bit dtype"
+        )
 
 
 def forward_context(dtype: torch.dtype | None, device: torch.device):

@@ -15,7 +15,7 @@ logger = logging.getLogger("zerotrain")
 
 MIN_SCALE_MESSAGE = (
     "fp16 gradients keep overflowing at the minimum loss scale {scale}: steps are being skipped. "
-    "Remedies: train in bf16 (\"bf16\": {{\"enabled\": true}}), lower the learning rate, or lower "
+    'Remedies: train in bf16 ("bf16": {{"enabled": true}}), lower the learning rate, or lower '
     "fp16.min_loss_scale; set fp16.raise_error_at_min_scale to stop the run instead."
 )
 
@@ -47,9 +47,16 @@ class DynamicLossScaler(LossScaler):
 
     dynamic = True
 
-    def __init__(self, init_scale: float = 2.0**16, scale_factor: float = 2.0,
-                 scale_window: int = 1000, min_scale: float = 1.0, hysteresis: int = 2,
-                 consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = False):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        raise_error_at_min_scale: bool = False,
+    ):
         super().__init__(init_scale)
         self.scale_factor = scale_factor
         self.scale_window = scale_window
@@ -88,8 +95,12 @@ class DynamicLossScaler(LossScaler):
             self.cur_scale *= self.scale_factor
 
     def state_dict(self) -> dict:
-        return {"cur_scale": self.cur_scale, "cur_hysteresis": self.cur_hysteresis,
-                "cur_iter": self.cur_iter, "last_overflow_iter": self.last_overflow_iter}
+        return {
+            "cur_scale": self.cur_scale,
+            "cur_hysteresis": self.cur_hysteresis,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.cur_scale = float(state["cur_scale"])

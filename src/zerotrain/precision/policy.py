@@ -19,8 +19,14 @@ import torch
 from zerotrain.precision.autocast import autocast_dtype
 from zerotrain.precision.loss_scaler import DynamicLossScaler, LossScaler
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def _dtype(name: str | None, default: torch.dtype) -> torch.dtype:
@@ -53,7 +59,7 @@ class PrecisionPolicy:
         return self.param_dtype != torch.float32 and not self.low_precision_masters
 
     @classmethod
-    def from_config(cls, cfg, device: torch.device | None = None) -> "PrecisionPolicy":
+    def from_config(cls, cfg, device: torch.device | None = None) -> PrecisionPolicy:
         if cfg.fp16.enabled:
             param = torch.float16
         elif cfg.bf16.enabled:
@@ -67,8 +73,9 @@ class PrecisionPolicy:
             grad_accum_dtype=_dtype(data_types.get("grad_accum_dtype"), param),
             comm_dtype=_dtype(cfg.communication_data_type, param),
             auto_cast=bool(cfg.fp16.enabled and cfg.fp16.auto_cast),
-            check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
-                                or autocast == torch.float16),
+            check_overflow=bool(
+                cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow) or autocast == torch.float16
+            ),
             autocast_dtype=autocast,
             low_precision_masters=bool(cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads),
         )
@@ -86,7 +93,10 @@ def build_loss_scaler(cfg, precision: PrecisionPolicy | None = None) -> LossScal
     if fp16.loss_scale > 0:
         return LossScaler(fp16.loss_scale)
     return DynamicLossScaler(
-        init_scale=2.0 ** fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-        min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        min_scale=fp16.min_loss_scale,
+        hysteresis=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
-        raise_error_at_min_scale=fp16.raise_error_at_min_scale)
+        raise_error_at_min_scale=fp16.raise_error_at_min_scale,
+    )

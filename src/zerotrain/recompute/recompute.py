@@ -35,8 +35,13 @@ from zerotrain.log import log_rank0
 from zerotrain.recompute import settings as _settings
 from zerotrain.recompute.rng import get_cuda_rng_tracker
 
-_totals = {"forward_calls": 0, "forward_seconds": 0.0, "recompute_calls": 0, "recompute_seconds": 0.0,
-           "inputs_to_host_bytes": 0}
+_totals = {
+    "forward_calls": 0,
+    "forward_seconds": 0.0,
+    "recompute_calls": 0,
+    "recompute_seconds": 0.0,
+    "inputs_to_host_bytes": 0,
+}
 
 
 def profile_totals() -> dict[str, float]:
@@ -83,8 +88,7 @@ def _run(function, args: tuple, kwargs: dict, reentrant: bool):
 
         args, kwargs = args + tuple(kwargs.values()), {}
     with _InputsOnHost() if options.checkpoint_in_cpu else contextlib.nullcontext():
-        return torch_checkpoint.checkpoint(region, *args, use_reentrant=reentrant, preserve_rng_state=True,
-                                           **kwargs)
+        return torch_checkpoint.checkpoint(region, *args, use_reentrant=reentrant, preserve_rng_state=True, **kwargs)
 
 
 class _Region:
@@ -127,8 +131,12 @@ class _Region:
             if options.profile:
                 seconds = time.perf_counter() - start
                 _totals[f"{phase}_seconds"] += seconds
-                log_rank0("zerotrain.checkpointing: %s of %s took %.3f ms", phase,
-                          getattr(self.function, "__qualname__", type(self.function).__name__), seconds * 1e3)
+                log_rank0(
+                    "zerotrain.checkpointing: %s of %s took %.3f ms",
+                    phase,
+                    getattr(self.function, "__qualname__", type(self.function).__name__),
+                    seconds * 1e3,
+                )
 
 
 class _InputsOnHost(torch.autograd.graph.saved_tensors_hooks):

@@ -69,8 +69,10 @@ class CudaRNGStatesTracker:
         """Run the block on state ``name``; afterwards the previous state is back and ``name``
         continues from where the block left it."""
         if name not in self.states_:
-            raise KeyError(f"RNG tracker: no state named {name!r}; add it first "
-                           "(model_parallel_cuda_manual_seed(seed) adds the model-parallel one)")
+            raise KeyError(
+                f"RNG tracker: no state named {name!r}; add it first "
+                "(model_parallel_cuda_manual_seed(seed) adds the model-parallel one)"
+            )
         accelerator = get_accelerator()
         outside = accelerator.get_rng_state()
         accelerator.set_rng_state(self.states_[name])

@@ -27,8 +27,8 @@ class Settings:
     synchronize: bool = False
     profile: bool = False
     mpu: Any = None
-    configured: bool = False   # set by configure() (or by initialize from a config section)
-    by_user: bool = False      # set by an explicit configure() call
+    configured: bool = False  # set by configure() (or by initialize from a config section)
+    by_user: bool = False  # set by an explicit configure() call
 
 
 _current = Settings()
@@ -45,8 +45,16 @@ def is_configured() -> bool:
     return _current.configured
 
 
-def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
+def configure(
+    mpu_=None,
+    deepspeed_config=None,
+    partition_activations=None,
+    contiguous_checkpointing=None,
+    num_checkpoints=None,
+    checkpoint_in_cpu=None,
+    synchronize=None,
+    profile=None,
+) -> None:
     """Configure ``zerotrain.checkpointing.checkpoint`` (DeepSpeed's ``deepspeed.checkpointing.configure``).
 
     - ``mpu_``: a model-parallel unit. zerotrain is data-parallel only: an mpu whose
@@ -73,9 +81,14 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
     values: dict[str, Any] = {}
     if deepspeed_config is not None:
         values.update(section_values(deepspeed_config))
-    given = {"partition_activations": partition_activations, "contiguous_checkpointing": contiguous_checkpointing,
-             "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu,
-             "synchronize": synchronize, "profile": profile}
+    given = {
+        "partition_activations": partition_activations,
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_in_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
     values.update({k: v for k, v in given.items() if v is not None})
     settings = _checked(Settings(mpu=_checked_mpu(mpu_), configured=True, by_user=True, **values))
     _current = settings
@@ -93,8 +106,10 @@ def configure_from_engine_config(cfg) -> None:
     if _current.by_user:
         mine = dataclasses.replace(_current, mpu=None, configured=True, by_user=False)
         if mine != settings:
-            log_rank0("zerotrain.checkpointing: keeping the options of the earlier configure() call; "
-                      "the config's activation_checkpointing section differs and is not applied")
+            log_rank0(
+                "zerotrain.checkpointing: keeping the options of the earlier configure() call; "
+                "the config's activation_checkpointing section differs and is not applied"
+            )
         return
     _current = settings
     _log(settings)
@@ -141,12 +156,14 @@ def section_values(config) -> dict[str, Any]:
         except ValidationError as exc:
             problems = from_validation_error(exc, ActivationCheckpointingConfig).problems
             raise config_error([f"activation_checkpointing.{line}" for line in problems]) from None
-    return {"partition_activations": section.partition_activations,
-            "contiguous_checkpointing": section.contiguous_memory_optimization,
-            "num_checkpoints": section.number_checkpoints or None,
-            "checkpoint_in_cpu": section.cpu_checkpointing,
-            "synchronize": section.synchronize_checkpoint_boundary,
-            "profile": section.profile}
+    return {
+        "partition_activations": section.partition_activations,
+        "contiguous_checkpointing": section.contiguous_memory_optimization,
+        "num_checkpoints": section.number_checkpoints or None,
+        "checkpoint_in_cpu": section.cpu_checkpointing,
+        "synchronize": section.synchronize_checkpoint_boundary,
+        "profile": section.profile,
+    }
 
 
 def _checked_mpu(mpu):
@@ -158,7 +175,8 @@ def _checked_mpu(mpu):
             raise NotImplementedError(
                 f"zerotrain.checkpointing.configure(mpu_=...): {name}() is {size()}; activation "
                 "partitioning across model-parallel ranks needs tensor/model parallelism, which "
-                "zerotrain does not have (it is data-parallel only). Pass mpu_=None.")
+                "zerotrain does not have (it is data-parallel only). Pass mpu_=None."
+            )
     return mpu
 
 
@@ -167,22 +185,33 @@ def _checked(settings: Settings) -> Settings:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"zerotrain.checkpointing: num_checkpoints must be a positive integer, got {n!r}")
     if settings.contiguous_checkpointing and not settings.partition_activations:
-        raise ValueError("zerotrain.checkpointing: contiguous_checkpointing "
-                         "(activation_checkpointing.contiguous_memory_optimization) needs "
-                         "partition_activations=True, as in DeepSpeed")
+        raise ValueError(
+            "zerotrain.checkpointing: contiguous_checkpointing "
+            "(activation_checkpointing.contiguous_memory_optimization) needs "
+            "partition_activations=True, as in DeepSpeed"
+        )
     if settings.contiguous_checkpointing and n is None:
-        raise ValueError("zerotrain.checkpointing: contiguous_checkpointing needs num_checkpoints "
-                         "(activation_checkpointing.number_checkpoints), as in DeepSpeed")
+        raise ValueError(
+            "zerotrain.checkpointing: contiguous_checkpointing needs num_checkpoints "
+            "(activation_checkpointing.number_checkpoints), as in DeepSpeed"
+        )
     return settings
 
 
 def _log(settings: Settings) -> None:
     notes = []
     if settings.partition_activations:
-        notes.append("partition_activations has no effect without model parallelism (each rank "
-                     "keeps its whole checkpoint inputs, as DeepSpeed does with model-parallel size 1)")
+        notes.append(
+            "partition_activations has no effect without model parallelism (each rank "
+            "keeps its whole checkpoint inputs, as DeepSpeed does with model-parallel size 1)"
+        )
     if settings.contiguous_checkpointing:
         notes.append("contiguous_checkpointing has no effect without partitioned activations to arrange")
-    log_rank0("zerotrain.checkpointing: checkpoint_in_cpu=%s synchronize=%s profile=%s num_checkpoints=%s%s",
-              settings.checkpoint_in_cpu, settings.synchronize, settings.profile, settings.num_checkpoints,
-              "".join(f"; {note}" for note in notes))
+    log_rank0(
+        "zerotrain.checkpointing: checkpoint_in_cpu=%s synchronize=%s profile=%s num_checkpoints=%s%s",
+        settings.checkpoint_in_cpu,
+        settings.synchronize,
+        settings.profile,
+        settings.num_checkpoints,
+        "".join(f"; {note}" for note in notes),
+    )

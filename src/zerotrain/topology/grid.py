@@ -30,8 +30,9 @@ class ProcessTopology:
         self.axes = axes
         self.dims = dims
         self.ProcessCoord = namedtuple("ProcessCoord", axes)
-        self.mapping = {self.ProcessCoord(*coord): rank
-                        for rank, coord in enumerate(itertools.product(*(range(d) for d in dims)))}
+        self.mapping = {
+            self.ProcessCoord(*coord): rank for rank, coord in enumerate(itertools.product(*(range(d) for d in dims)))
+        }
 
     def get_rank(self, **coord_kwargs) -> int:
         """The rank at a full coordinate, e.g. ``get_rank(pipe=1, data=0)``."""
@@ -48,8 +49,9 @@ class ProcessTopology:
     def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
         """``"model_01"``-style name of ``rank``'s coordinate on the axes not omitted (checkpoint names)."""
         coord = self.get_coord(rank)
-        return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}"
-                              for axis in self.axes if axis not in omit_axes)
+        return outer_sep.join(
+            f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes if axis not in omit_axes
+        )
 
     def get_dim(self, axis: str) -> int:
         """The size of ``axis``; 0 when the topology has no such axis (DeepSpeed's answer)."""
@@ -74,8 +76,11 @@ class ProcessTopology:
 
     def filter_match(self, **filter_kwargs) -> list[int]:
         """The ranks whose coordinate matches every ``axis=value`` given, in rank order."""
-        return [rank for coord, rank in sorted(self.mapping.items(), key=lambda item: item[1])
-                if all(getattr(coord, axis) == value for axis, value in filter_kwargs.items())]
+        return [
+            rank
+            for coord, rank in sorted(self.mapping.items(), key=lambda item: item[1])
+            if all(getattr(coord, axis) == value for axis, value in filter_kwargs.items())
+        ]
 
     def get_axis_list(self, axis: str, idx: int) -> list[int]:
         """The ranks whose coordinate on ``axis`` is ``idx``."""

@@ -37,8 +37,10 @@ class GroupRef:
             return None
         group = self._ref()
         if group is None:
-            raise RuntimeError("the topology's process group was destroyed (destroy_process_group()); "
-                               "build a new engine after initializing torch.distributed again")
+            raise RuntimeError(
+                "the topology's process group was destroyed (destroy_process_group()); "
+                "build a new engine after initializing torch.distributed again"
+            )
         return group
 
 
@@ -80,8 +82,7 @@ def new_group(ranks=None, backend=None, op: str = "new_group", within=None):
     def create():
         if within is None:
             return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout())
-        return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout(),
-                              use_local_synchronization=True)
+        return dist.new_group(ranks=ranks, backend=backend, timeout=watch.timeout(), use_local_synchronization=True)
 
     return watch.run(op, within, create)
 
@@ -128,5 +129,15 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str):
     return mesh.get_group(name)
 
 
-__all__ = ["GroupRef", "CreationWatch", "watch_group_creation", "new_group", "own_rank_group", "weak_mesh",
-           "mesh_over_world", "mesh_from_groups", "split_axis", "flatten_axes"]
+__all__ = [
+    "GroupRef",
+    "CreationWatch",
+    "watch_group_creation",
+    "new_group",
+    "own_rank_group",
+    "weak_mesh",
+    "mesh_over_world",
+    "mesh_from_groups",
+    "split_axis",
+    "flatten_axes",
+]

@@ -3,7 +3,6 @@ from a ``Topology``. Pass it as ``initialize(mpu=grid)``; the engine then uses t
 
 from __future__ import annotations
 
-
 from zerotrain.topology.grid import PipeDataParallelTopology, ProcessTopology
 from zerotrain.topology.process_rank import process_world_size
 from zerotrain.topology.topology import Topology
@@ -32,8 +31,9 @@ class PipelineParallelGrid:
 
     def __init__(self, topology: ProcessTopology | None = None, process_group=None):
         if process_group is not None:
-            raise NotImplementedError("PipelineParallelGrid(process_group=...) is not supported; "
-                                      "the grid spans the world")
+            raise NotImplementedError(
+                "PipelineParallelGrid(process_group=...) is not supported; the grid spans the world"
+            )
         if topology is None:
             topology = PipeDataParallelTopology(*_split_world(process_world_size()))
         self._topo = topology
@@ -50,7 +50,7 @@ class PipelineParallelGrid:
         self.p2p_groups = self._p2p_pairs()
 
     @classmethod
-    def from_topology(cls, topology: Topology) -> "PipelineParallelGrid":
+    def from_topology(cls, topology: Topology) -> PipelineParallelGrid:
         """A grid answering from an existing ``Topology`` (no new process groups)."""
         grid = cls.__new__(cls)
         grid._topo = topology.grid

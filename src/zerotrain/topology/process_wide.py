@@ -94,8 +94,10 @@ def _expert(group_name: str) -> ExpertGroups:
         if groups.name == group_name:
             return groups
     known = ", ".join(topology.expert_groups(s).name for s in topology.expert_group_sizes()) or "none yet"
-    raise KeyError(f"no expert group named {group_name!r} (built: {known}); "
-                   "_create_expert_and_data_parallel(ep_size) builds ep_size_N")
+    raise KeyError(
+        f"no expert group named {group_name!r} (built: {known}); "
+        "_create_expert_and_data_parallel(ep_size) builds ep_size_N"
+    )
 
 
 def _get_expert_parallel_group(group_name: str):
@@ -104,8 +106,9 @@ def _get_expert_parallel_group(group_name: str):
 
 def _get_expert_parallel_group_dict() -> dict:
     topology = current()
-    return {topology.expert_groups(s).name: topology.expert_groups(s).expert_group
-            for s in topology.expert_group_sizes()}
+    return {
+        topology.expert_groups(s).name: topology.expert_groups(s).expert_group for s in topology.expert_group_sizes()
+    }
 
 
 def _get_expert_data_parallel_group(group_name: str):
@@ -114,8 +117,10 @@ def _get_expert_data_parallel_group(group_name: str):
 
 def _get_expert_data_parallel_group_dict() -> dict:
     topology = current()
-    return {topology.expert_groups(s).name: topology.expert_groups(s).expert_data_group
-            for s in topology.expert_group_sizes()}
+    return {
+        topology.expert_groups(s).name: topology.expert_groups(s).expert_data_group
+        for s in topology.expert_group_sizes()
+    }
 
 
 def _get_expert_parallel_world_size(group_name: str) -> int:
@@ -155,8 +160,10 @@ def _get_max_expert_parallel_group():
 
 
 def initialize(ep_size: int = 1, mpu=None):
-    raise RuntimeError("deepspeed.utils.groups.initialize() is deprecated (as in DeepSpeed): expert groups "
-                       "are built by the MoE layers, or call _create_expert_and_data_parallel(ep_size)")
+    raise RuntimeError(
+        "deepspeed.utils.groups.initialize() is deprecated (as in DeepSpeed): expert groups "
+        "are built by the MoE layers, or call _create_expert_and_data_parallel(ep_size)"
+    )
 
 
 DEEPSPEED_NAMES = [name for name in dir() if name.startswith("_get_") or name.startswith("_create_")] + ["initialize"]

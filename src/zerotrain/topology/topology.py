@@ -35,8 +35,15 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.topology.grid import ProcessTopology
-from zerotrain.topology.groups import (GroupRef, flatten_axes, mesh_from_groups, mesh_over_world, new_group,
-                                       own_rank_group, split_axis)
+from zerotrain.topology.groups import (
+    GroupRef,
+    flatten_axes,
+    mesh_from_groups,
+    mesh_over_world,
+    new_group,
+    own_rank_group,
+    split_axis,
+)
 
 #: DeepSpeed's axes (``ProcessTopology``, ``PipelineParallelGrid``), row-major, model fastest.
 AXES = ("pipe", "data", "model")
@@ -84,9 +91,8 @@ def _device_type() -> str:
 class Topology:
     """The ranks and groups of one engine. Build with ``build``, ``from_group`` or ``from_grid``."""
 
-    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None, mesh=None,
-                 distinct_group=None):
-        self.grid = grid              # DeepSpeed's ProcessTopology over positions 0..n-1 of ``members``
+    def __init__(self, grid: ProcessTopology, members: list[int], groups: dict | None, mesh=None, distinct_group=None):
+        self.grid = grid  # DeepSpeed's ProcessTopology over positions 0..n-1 of ``members``
         self.members = list(members)  # global ranks, in grid order
         self.distributed = groups is not None  # False: a single process without torch.distributed
         self._mesh = mesh
@@ -107,22 +113,26 @@ class Topology:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def single(cls) -> "Topology":
+    def single(cls) -> Topology:
         """One process and no process group (torch.distributed not initialized): no mesh."""
         return cls(ProcessTopology(list(AXES), [1, 1, 1]), [0], None)
 
     @classmethod
-    def build(cls, pipe: int = 1, model: int = 1, data: int | None = None) -> "Topology":
+    def build(cls, pipe: int = 1, model: int = 1, data: int | None = None) -> Topology:
         """The world as ``pipe x data x model``; ``data`` defaults to what the others leave."""
         if not dist.is_initialized():
             if pipe * model * (data or 1) != 1:
-                raise ValueError("Topology.build: a pipe/model/data size above 1 needs torch.distributed "
-                                 "initialized (zerotrain.init_distributed())")
+                raise ValueError(
+                    "Topology.build: a pipe/model/data size above 1 needs torch.distributed "
+                    "initialized (zerotrain.init_distributed())"
+                )
             return cls.single()
         world = dist.get_world_size()
         if world % (pipe * model):
-            raise ValueError(f"Topology: the world's {world} ranks do not divide into pipe={pipe} x model={model}; "
-                             "choose sizes whose product divides the world size")
+            raise ValueError(
+                f"Topology: the world's {world} ranks do not divide into pipe={pipe} x model={model}; "
+                "choose sizes whose product divides the world size"
+            )
         data = world // (pipe * model) if data is None else data
         if pipe * data * model != world:
             raise ValueError(f"Topology: pipe={pipe} x data={data} x model={model} is not the world size {world}")
@@ -131,7 +141,7 @@ class Topology:
         return cls.from_grid(ProcessTopology(list(AXES), [pipe, data, model]))
 
     @classmethod
-    def from_grid(cls, grid: ProcessTopology) -> "Topology":
+    def from_grid(cls, grid: ProcessTopology) -> Topology:
         """DeepSpeed's layout over the whole world (every rank must call this)."""
         unknown = [axis for axis in grid.get_axis_names() if axis not in AXES]
         if unknown:
@@ -144,11 +154,14 @@ class Topology:
             return cls.single()
         world = dist.get_world_size()
         if full.world_size() != world:
-            raise ValueError(f"the topology has {full.world_size()} ranks ({dict(zip(AXES, dims))}) but the "
-                             f"world has {world}; make the product of its dims the world size")
+            raise ValueError(
+                f"the topology has {full.world_size()} ranks ({dict(zip(AXES, dims))}) but the "
+                f"world has {world}; make the product of its dims the world size"
+            )
         # The grid's rank at each (pipe, data, model) position, in DeepSpeed's own axis order.
-        order = [grid.get_rank(**{a: c for a, c in zip(AXES, coord) if a in grid.get_axis_names()})
-                 for coord in full.mapping]
+        order = [
+            grid.get_rank(**{a: c for a, c in zip(AXES, coord) if a in grid.get_axis_names()}) for coord in full.mapping
+        ]
         if dims[0] == dims[2] == 1 and order == list(range(world)):
             return cls.from_group(dist.group.WORLD)  # data parallelism alone: no new group
         # The mesh creates one group per axis through each rank (sequence: this rank alone).
@@ -160,7 +173,7 @@ class Topology:
         return cls(full, order, {axis: mesh.get_group(axis) for axis in MESH_AXES}, mesh, distinct)
 
     @classmethod
-    def from_group(cls, group) -> "Topology":
+    def from_group(cls, group) -> Topology:
         """The ranks of ``group`` as the data axis (the other axes of size 1); None is the world.
         Creates no group: its mesh is built over ``group`` and a group of this rank alone (created
         by this rank only) when first asked for. Only the group's ranks call this."""
@@ -170,8 +183,10 @@ class Topology:
             group = dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
         if dist.get_rank() not in ranks:
-            raise ValueError("initialize(data_parallel_group=...): this rank is not a member of the group; "
-                             "build the engine only on the group's ranks")
+            raise ValueError(
+                "initialize(data_parallel_group=...): this rank is not a member of the group; "
+                "build the engine only on the group's ranks"
+            )
         return cls(ProcessTopology(list(AXES), [1, len(ranks), 1]), ranks, {"data": group})
 
     # -- the axes -------------------------------------------------------------------------
@@ -300,15 +315,24 @@ class Topology:
         if self.size("model") != 1:
             raise NotImplementedError("expert groups with a model (tensor) parallel axis are not supported")
         if not self.is_world:
-            raise NotImplementedError("expert groups need a topology over the whole world, not "
-                                      "initialize(data_parallel_group=...)")
+            raise NotImplementedError(
+                "expert groups need a topology over the whole world, not initialize(data_parallel_group=...)"
+            )
         if data_before_expert:
             mesh = split_axis(self.mesh, "data", (ep_size, dp // ep_size), ("expert", "expert_data"))
         else:
             mesh = split_axis(self.mesh, "data", (dp // ep_size, ep_size), ("expert_data", "expert"))
         ep_group, edp_group = mesh.get_group("expert"), mesh.get_group("expert_data")
-        groups = ExpertGroups(f"ep_size_{ep_size}", GroupRef(ep_group), GroupRef(edp_group),
-                              ep_group.rank(), ep_group.size(), edp_group.rank(), edp_group.size(), mesh)
+        groups = ExpertGroups(
+            f"ep_size_{ep_size}",
+            GroupRef(ep_group),
+            GroupRef(edp_group),
+            ep_group.rank(),
+            ep_group.size(),
+            edp_group.rank(),
+            edp_group.size(),
+            mesh,
+        )
         self._expert[ep_size] = groups
         return groups
 
@@ -326,6 +350,5 @@ class Topology:
 def _axis(axis: str) -> str:
     axis = ALIASES.get(axis, axis)
     if axis not in MESH_AXES:
-        raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(MESH_AXES)} ({', '.join(ALIASES)} "
-                         "is model)")
+        raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(MESH_AXES)} ({', '.join(ALIASES)} is model)")
     return axis

@@ -12,7 +12,7 @@ rank was at. It costs one small collective per unit collective, so it is a debug
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,11 @@ class CollectiveAgreement:
         self.device = device
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         # Global rank of each group position (None is the world: positions are global ranks).
-        self.ranks = (dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None
-                      else list(range(self.world)))
+        self.ranks = (
+            dist.get_process_group_ranks(group)
+            if dist.is_initialized() and group is not None
+            else list(range(self.world))
+        )
 
     def check(self, kind: str, index: int) -> None:
         if self.world == 1:
@@ -52,10 +55,12 @@ class CollectiveAgreement:
         if len(set(seen)) > 1:
             ranks = ", ".join(f"rank {self.ranks[r]} {self._what(k, i)}" for r, (k, i) in enumerate(seen))
             raise RuntimeError(
-                "ZeRO ranks diverged: they are about to run different collectives (" + ranks +
-                "). The model's control flow differs between ranks; run the same modules on "
+                "ZeRO ranks diverged: they are about to run different collectives ("
+                + ranks
+                + "). The model's control flow differs between ranks; run the same modules on "
                 "every rank (e.g. with zero inputs), or keep the branch's parameters whole below "
-                "stage3_param_persistence_threshold")
+                "stage3_param_persistence_threshold"
+            )
 
     def _what(self, kind: int, index: int) -> str:
         name = _KINDS[kind]

@@ -85,9 +85,10 @@ def expert_reductions(module, topology):
     experts = expert_parameters(module, topology.data_size)
     if not experts:
         return None
-    specs = {size: UnitReduction.over(topology.expert_groups(size).expert_data_group,
-                                      divide_factor=topology.data_size)
-             for size in sorted(set(experts.values()))}
+    specs = {
+        size: UnitReduction.over(topology.expert_groups(size).expert_data_group, divide_factor=topology.data_size)
+        for size in sorted(set(experts.values()))
+    }
     named = dict(module.named_parameters())
     by_param = {id(named[name]): specs[size] for name, size in experts.items()}
     return lambda param: by_param.get(id(param))
@@ -117,8 +118,7 @@ def _first_of(*choosers):
     return lambda param: next((spec for spec in (c(param) for c in choosers) if spec is not None), None)
 
 
-def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None,
-                     norm_group=None, topology=None):
+def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, group=None, norm_group=None, topology=None):
     """The stage object for ``config.zero_optimization.stage`` over ``module``'s parameters,
     sharded over the data-parallel ``group`` (None: the world). ``norm_group``: the ranks
     holding distinct parameters beside this replica (``Topology.distinct_group``), which the
@@ -144,19 +144,22 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
         # optimizer works, shape-dependent ones included). Without an optimizer there is no
         # state to partition (an engine for inference, a frozen reference model).
         module.to(precision.param_dtype)
-        return ReplicatedGradients(params, numel, overlap=overlap, group=group, norm_group=norm_group,
-                                   reduce_group_of=reduce_group_of)
+        return ReplicatedGradients(
+            params, numel, overlap=overlap, group=group, norm_group=norm_group, reduce_group_of=reduce_group_of
+        )
     # Without an explicit stage3_prefetch_bucket_size, prefetch one bucket ahead: DeepSpeed's
     # 5e7-element default gathers half of a 110M model ahead of use.
-    prefetch = (int(zero.prefetch_bucket_size) if "prefetch_bucket_size" in zero.model_fields_set
-                else numel)
-    options = StageOptions(unit_numel=strategy.unit_numel(numel), overlap=overlap,
-                           use_reduce_scatter=zero.reduce_scatter,
-                           ignore_unused_parameters=zero.ignore_unused_parameters,
-                           param_persistence_threshold=int(zero.param_persistence_threshold),
-                           prefetch_numel=prefetch, max_live_numel=int(zero.max_live_parameters),
-                           leaf_modules=(tuple(leaf_modules(module, zero))
-                                         if strategy.partitions_parameters else ()))
+    prefetch = int(zero.prefetch_bucket_size) if "prefetch_bucket_size" in zero.model_fields_set else numel
+    options = StageOptions(
+        unit_numel=strategy.unit_numel(numel),
+        overlap=overlap,
+        use_reduce_scatter=zero.reduce_scatter,
+        ignore_unused_parameters=zero.ignore_unused_parameters,
+        param_persistence_threshold=int(zero.param_persistence_threshold),
+        prefetch_numel=prefetch,
+        max_live_numel=int(zero.max_live_parameters),
+        leaf_modules=(tuple(leaf_modules(module, zero)) if strategy.partitions_parameters else ()),
+    )
     if optimizer is not None:  # which optimizers may step flat shards (config's rule)
         check_zero_optimizer(config, optimizer)
     from zerotrain.offload import build_placement  # offload settings -> where state lives
@@ -164,9 +167,18 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     # Expert parameters keep their expert-data reduction; other lower-precision-safe ones travel
     # in the autocast dtype (DeepSpeed does this at stages 1-3; stage 0 reduces in fp32).
     reduce_group_of = _first_of(reduce_group_of, autocast_reductions(module, config, precision, group))
-    stage = build_sharded_stage(strategy, module, optimizer, options, precision, group=group,
-                                placement=build_placement(config), memory_release=release,
-                                norm_group=norm_group, reduce_group_of=reduce_group_of)
+    stage = build_sharded_stage(
+        strategy,
+        module,
+        optimizer,
+        options,
+        precision,
+        group=group,
+        placement=build_placement(config),
+        memory_release=release,
+        norm_group=norm_group,
+        reduce_group_of=reduce_group_of,
+    )
     for p in module.parameters():  # parameters outside every unit stay whole
         if is_partitioned(p):
             materialize(p, group)
@@ -177,10 +189,18 @@ def build_zero_stage(config, module, optimizer, precision: PrecisionPolicy, grou
     return stage
 
 
-def build_sharded_stage(strategy: ShardingStrategy, module, optimizer, options: StageOptions,
-                        precision: PrecisionPolicy = PrecisionPolicy(), group=None,
-                        placement: Placement = Placement(), memory_release: ReleasePolicy | None = None,
-                        norm_group=None, reduce_group_of=None) -> ZeroStage:
+def build_sharded_stage(
+    strategy: ShardingStrategy,
+    module,
+    optimizer,
+    options: StageOptions,
+    precision: PrecisionPolicy = PrecisionPolicy(),
+    group=None,
+    placement: Placement = Placement(),
+    memory_release: ReleasePolicy | None = None,
+    norm_group=None,
+    reduce_group_of=None,
+) -> ZeroStage:
     """The ``ZeroStage`` of ``strategy`` over ``module``'s parameters, sharded over ``group``.
 
     ``optimizer`` may be None at stage 3 (an engine used for inference): every parameter is then
@@ -200,21 +220,22 @@ def build_sharded_stage(strategy: ShardingStrategy, module, optimizer, options: 
     # DDP's (so they neither grow every step nor differ between ranks).
     outside = outside_optimizer(param_groups, module) if optimizer is not None else []
     leaves = leaf_of(module, options.leaf_modules)
-    plan = _plan(strategy, module, param_groups, optimizer is not None, options, leaves,
-                 reduce_group_of, group)
+    plan = _plan(strategy, module, param_groups, optimizer is not None, options, leaves, reduce_group_of, group)
 
     activity = DiskActivity()  # wall time of this stage's swap I/O (every swapper)
     offload = param_offload = None
     if placement.nvme is not None and optimizer is not None:
-        offload = nvme.optimizer_offload(placement, plan.params, optimizer, shard_world, rank,
-                                         precision, activity, plan.specs)
+        offload = nvme.optimizer_offload(
+            placement, plan.params, optimizer, shard_world, rank, precision, activity, plan.specs
+        )
     try:
         if placement.param_nvme is not None and strategy.partitions_parameters:
-            param_offload = nvme.param_offload(placement, plan.params, shard_world, rank, precision,
-                                               offload, activity, plan.specs)
+            param_offload = nvme.param_offload(
+                placement, plan.params, shard_world, rank, precision, offload, activity, plan.specs
+            )
         units, specs, counted, unit_groups = _build_units(
-            strategy, plan, module, group, precision, placement, shard_world, shard_rank, offload,
-            param_offload)
+            strategy, plan, module, group, precision, placement, shard_world, shard_rank, offload, param_offload
+        )
     except BaseException:
         for opened in (offload, param_offload):
             if opened is not None:
@@ -224,49 +245,81 @@ def build_sharded_stage(strategy: ShardingStrategy, module, optimizer, options: 
     # Each trained unit's reduction group and divide factor (zero/reduce_groups.py): the data
     # group, averaged. A copy per unit: units sharing one ``reduce_group_of`` answer still take
     # their own divide factor (``set_gradient_divide_factor(units=...)``).
-    reductions = {id(u): (dataclasses.replace(specs[id(u)]) if specs[id(u)] else
-                          UnitReduction(group, world_size, rank, float(world_size)))
-                  for u in trained}
+    reductions = {
+        id(u): (
+            dataclasses.replace(specs[id(u)])
+            if specs[id(u)]
+            else UnitReduction(group, world_size, rank, float(world_size))
+        )
+        for u in trained
+    }
     trim = release.trim_every(strategy.trim_numel(options.unit_numel, units))
-    masters = _hand_masters_to_optimizer(optimizer, param_groups, trained, offload, placement,
-                                         reductions)
+    masters = _hand_masters_to_optimizer(optimizer, param_groups, trained, offload, placement, reductions)
     for p in outside:
         p.data = p.data.to(precision.param_dtype)
-    outside_grads = (ReplicatedGradients(outside, options.unit_numel, options.overlap, group, norm_group)
-                     if outside else None)
+    outside_grads = (
+        ReplicatedGradients(outside, options.unit_numel, options.overlap, group, norm_group) if outside else None
+    )
 
     gathered = [u for u in units if u.resharded]
     checks = _collective_checks(strategy, units, gathered, trained, group)
     coordinator = None
     if strategy.partitions_parameters:
         coordinator = ParameterCoordinator(
-            module, gathered, group, prefetch_numel=options.prefetch_numel,
-            max_live_numel=options.max_live_numel, leaf_of=leaves, memory_release=release,
+            module,
+            gathered,
+            group,
+            prefetch_numel=options.prefetch_numel,
+            max_live_numel=options.max_live_numel,
+            leaf_of=leaves,
+            memory_release=release,
             unit_groups=unit_groups,
             param_swapper=param_offload.swapper if param_offload is not None else None,
-            checks=checks)
+            checks=checks,
+        )
     grad_offload = param_offload if param_offload is not None and offload is not None else None
     reduction = strategy.reduction(
-        trained, precision, [reductions[id(u)] for u in trained], trim, options.overlap,
-        options.unit_numel, options.use_reduce_scatter, checks,
+        trained,
+        precision,
+        [reductions[id(u)] for u in trained],
+        trim,
+        options.overlap,
+        options.unit_numel,
+        options.use_reduce_scatter,
+        checks,
         reduced=coordinator.release_reduced if coordinator is not None else None,
-        grad_offload=grad_offload)
-    swap_statistics = (nvme.SwapStatistics(offload, param_offload, reduction.grad_swapper, activity)
-                       if offload is not None else None)
+        grad_offload=grad_offload,
+    )
+    swap_statistics = (
+        nvme.SwapStatistics(offload, param_offload, reduction.grad_swapper, activity) if offload is not None else None
+    )
 
-    registry.register(units, group, deepspeed_attributes=strategy.partitions_parameters,
-                      unit_groups=unit_groups)
+    registry.register(units, group, deepspeed_attributes=strategy.partitions_parameters, unit_groups=unit_groups)
     if coordinator is not None:  # DeepSpeed's hook handles, which RL trainers reach
         parameter_offload.attach(optimizer, coordinator, module)
     return ZeroStage(
-        strategy=strategy, precision=precision, memory_release=release, group=group, world_size=world_size,
-        norm_group=norm_group, shard_rank=shard_rank, units=units, masters=masters,
-        reductions=reductions, counted=[counted[id(u)] for u in trained], reduction=reduction,
-        coordinator=coordinator, outside=outside_grads, optimizer=optimizer,
+        strategy=strategy,
+        precision=precision,
+        memory_release=release,
+        group=group,
+        world_size=world_size,
+        norm_group=norm_group,
+        shard_rank=shard_rank,
+        units=units,
+        masters=masters,
+        reductions=reductions,
+        counted=[counted[id(u)] for u in trained],
+        reduction=reduction,
+        coordinator=coordinator,
+        outside=outside_grads,
+        optimizer=optimizer,
         require_all_gradients=strategy.shards_optimizer and not options.ignore_unused_parameters,
         step_chunks=plan_step_chunks([u.layout.shard_numel for u in trained]),
-        offload=offload, param_offload=param_offload, disk_activity=activity,
-        swap_statistics=swap_statistics)
+        offload=offload,
+        param_offload=param_offload,
+        disk_activity=activity,
+        swap_statistics=swap_statistics,
+    )
 
 
 @dataclass(frozen=True)
@@ -281,20 +334,20 @@ class _Plan:
     persistent: list
 
 
-def _plan(strategy, module, param_groups, has_optimizer, options, leaves, reduce_group_of,
-          group) -> _Plan:
+def _plan(strategy, module, param_groups, has_optimizer, options, leaves, reduce_group_of, group) -> _Plan:
     plan = strategy.plan(param_groups, module, options.unit_numel, has_optimizer, leaf_of=leaves)
     plan, specs, counted = split_by_reduction(plan, reduce_group_of, group)
     persistent = [False] * len(plan)  # stage 3: small units stay whole, merged (zero/persistent.py)
     if strategy.partitions_parameters:
         plan, specs, counted, persistent = merge_persistent(
-            plan, specs, counted, options.param_persistence_threshold, options.unit_numel,
-            full_numel)
+            plan, specs, counted, options.param_persistence_threshold, options.unit_numel, full_numel
+        )
     return _Plan(plan, specs, counted, persistent)
 
 
-def _build_units(strategy, plan: _Plan, module, group, precision, placement, shard_world, shard_rank,
-                 offload, param_offload):
+def _build_units(
+    strategy, plan: _Plan, module, group, precision, placement, shard_world, shard_rank, offload, param_offload
+):
     """The units, one at a time (with zero.Init only one is ever whole): flattened, their fp32
     master placed or written to the swap files, resharded and cast; with each unit's
     ``UnitReduction`` and counted flag (by ``id``) and the group a unit is gathered over where
@@ -304,16 +357,16 @@ def _build_units(strategy, plan: _Plan, module, group, precision, placement, sha
         name_of.setdefault(id(p), name)
     units: list[FlatParamUnit] = []
     specs, counted, unit_groups = {}, {}, {}
-    for (g, params), spec, is_counted, whole in zip(plan.params, plan.specs, plan.counted,
-                                                     plan.persistent):
+    for (g, params), spec, is_counted, whole in zip(plan.params, plan.specs, plan.counted, plan.persistent):
         for p in params:
             if is_partitioned(p):
                 materialize(p, group)
         world, rank = shard_world, shard_rank  # sharded over its own group
         if spec is not None:
             world, rank = (spec.size, spec.rank) if strategy.shards_optimizer else (1, 0)
-        unit = FlatParamUnit(params, world, rank, precision.param_dtype,
-                             names=[name_of[id(p)] for p in params], group=g)
+        unit = FlatParamUnit(
+            params, world, rank, precision.param_dtype, names=[name_of[id(p)] for p in params], group=g
+        )
         if spec is not None:  # stage 3 gathers it over that group too (experts: expert-data)
             unit_groups[unit] = spec.group
         specs[id(unit)], counted[id(unit)] = spec, is_counted
@@ -349,8 +402,14 @@ def _hand_masters_to_optimizer(optimizer, param_groups, trained, offload, placem
         for g, group_dict in enumerate(param_groups):
             group_dict["params"] = [m for u, m in zip(trained, masters) if u.group == g]
     if optimizer is not None and hasattr(optimizer, "attach_full_matrix"):  # Muon: whole matrices
-        attach_muon(optimizer, trained, masters, param_groups, reductions,
-                    offloaded=offload is not None or placement.master_device is not None)
+        attach_muon(
+            optimizer,
+            trained,
+            masters,
+            param_groups,
+            reductions,
+            offloaded=offload is not None or placement.master_device is not None,
+        )
     if optimizer is not None:  # its groups now hold shards: a new group would not be one
         optimizer.add_param_group = refuse_add_param_group
     return masters
@@ -360,8 +419,11 @@ def _collective_checks(strategy, units, gathered, trained, group) -> CollectiveC
     """Stage 3: rank-dependent control flow raises on every rank, naming the units (below it,
     reductions launch in a fixed order and nothing is gathered in between); with
     ``ZEROTRAIN_CHECK_COLLECTIVES=1`` an agreement check before every unit collective too."""
-    identities = (UnitIdentities(gathered, trained, strategy.stage)
-                  if strategy.partitions_parameters and identity_checks_enabled() else None)
+    identities = (
+        UnitIdentities(gathered, trained, strategy.stage)
+        if strategy.partitions_parameters and identity_checks_enabled()
+        else None
+    )
     agreement = None
     if checking_enabled():
         # The collectives' device: where the units' full buffers are, not their shards (in host
@@ -378,4 +440,5 @@ def _describer(gathered, trained):
             return f"unit {index}"
         names = units[index].names
         return f"unit {index} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
     return describe

@@ -19,8 +19,9 @@ identities are not carried: NCCL and gloo's ``all_reduce`` form).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from zerotrain.comm.collectives import CollectiveMismatch, Identity
 from zerotrain.zero.partition import FlatParamUnit
@@ -34,8 +35,7 @@ _VERBS = {GATHER: "gathered", REDUCE: "reduced the gradients of"}
 
 def identity_checks_enabled() -> bool:
     """On unless ``ZEROTRAIN_CHECK_COLLECTIVES`` is 0 / false / off."""
-    return os.environ.get("ZEROTRAIN_CHECK_COLLECTIVES", "").strip().lower() not in (
-        "0", "false", "off", "no")
+    return os.environ.get("ZEROTRAIN_CHECK_COLLECTIVES", "").strip().lower() not in ("0", "false", "off", "no")
 
 
 def module_name(unit: FlatParamUnit) -> str:
@@ -56,12 +56,10 @@ class UnitIdentities:
     ``gathered``: the units the coordinator gathers (by position); ``reduced``: the trained
     units whose gradients are reduce-scattered (by bucket index)."""
 
-    def __init__(self, gathered: Sequence[FlatParamUnit], reduced: Sequence[FlatParamUnit],
-                 stage: int = 3):
+    def __init__(self, gathered: Sequence[FlatParamUnit], reduced: Sequence[FlatParamUnit], stage: int = 3):
         self.stage = stage
         self._units = {GATHER: list(gathered), REDUCE: list(reduced)}
-        self._gather = [Identity((GATHER, i, 0, u.layout.shard_numel), self._explain)
-                        for i, u in enumerate(gathered)]
+        self._gather = [Identity((GATHER, i, 0, u.layout.shard_numel), self._explain) for i, u in enumerate(gathered)]
         self._reduce: dict[tuple[int, int, int], Identity] = {}
 
     def gather(self, index: int) -> Identity:
@@ -106,7 +104,8 @@ class UnitIdentities:
             "it on every rank (with a dummy input where its result is not needed, and multiply "
             "an unwanted result by 0 rather than leaving it out of the loss), or keep its "
             "parameters whole with zero_optimization.stage3_param_persistence_threshold above "
-            "their size. The engine cannot continue after this error.")
+            "their size. The engine cannot continue after this error."
+        )
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,14 @@ class Lookups:
 def _plain_table(module: nn.Module, unit) -> bool:
     """An ``nn.Embedding`` with its own forward (no other forward installed on it), no
     ``max_norm`` renormalising the table in place, dense gradients, alone in its unit."""
-    return (reads_no_weights(module) and "forward" not in vars(module) and module.max_norm is None
-            and not module.sparse and len(unit.params) == 1
-            and unit.params[0] is module._parameters.get("weight"))
+    return (
+        reads_no_weights(module)
+        and "forward" not in vars(module)
+        and module.max_norm is None
+        and not module.sparse
+        and len(unit.params) == 1
+        and unit.params[0] is module._parameters.get("weight")
+    )
 
 
 def eligible(unit) -> bool:
@@ -91,8 +96,7 @@ def eligible(unit) -> bool:
 def token_counts(ids: torch.Tensor, unit, group, identity=None) -> list[int]:
     """Every rank's number of token ids (ranks may differ: the last batch, other lengths)."""
     counts = torch.zeros(unit.layout.world_size, dtype=torch.long, device=ids.device)
-    collectives.all_gather_into(counts, torch.tensor([ids.numel()], device=ids.device), group=group,
-                                identity=identity)
+    collectives.all_gather_into(counts, torch.tensor([ids.numel()], device=ids.device), group=group, identity=identity)
     return counts.tolist()
 
 
@@ -107,14 +111,22 @@ def lookup(module: nn.Module, ids: torch.Tensor, unit, counts: list[int], group)
     """``module(ids)`` from the shards (its weight already has its shape, unfilled). The weight
     is taken from the unit: reading ``module.weight`` in a forward would gather it."""
     shard = unit.master if unit.derived else unit.shard
-    return _ShardedEmbedding.apply(ids, unit.params[0], shard.detach(), unit.shard_rank,
-                                   unit.layout.shard_numel, counts, group,
-                                   -1 if module.padding_idx is None else module.padding_idx,
-                                   module.scale_grad_by_freq)
+    return _ShardedEmbedding.apply(
+        ids,
+        unit.params[0],
+        shard.detach(),
+        unit.shard_rank,
+        unit.layout.shard_numel,
+        counts,
+        group,
+        -1 if module.padding_idx is None else module.padding_idx,
+        module.scale_grad_by_freq,
+    )
 
 
-def owned_rows(shard: torch.Tensor, start: int, rows: int, width: int, ids: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+def owned_rows(
+    shard: torch.Tensor, start: int, rows: int, width: int, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """``[len(ids), width]``: each id's row where it lies in ``shard`` (the table's flat elements
     ``[start, start + len(shard))``), zeros elsewhere. Only the first and last row can be cut by
     the shard's edges; the rows in between are one view."""
@@ -132,18 +144,17 @@ def owned_rows(shard: torch.Tensor, start: int, rows: int, width: int, ids: torc
             continue
         lo, hi = max(start, row * width), min(end, (row + 1) * width)
         at = (ids == row).nonzero().squeeze(1)
-        out[at, lo - row * width:hi - row * width] = shard[lo - start:hi - start].to(dtype)
+        out[at, lo - row * width : hi - row * width] = shard[lo - start : hi - start].to(dtype)
     return out
 
 
 class _ShardedEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, shard, rank, shard_numel, counts, group, padding_idx,
-                scale_grad_by_freq):
+    def forward(ctx, ids, weight, shard, rank, shard_numel, counts, group, padding_idx, scale_grad_by_freq):
         rows, width = weight.shape
         world, most = len(counts), max(counts)
         mine = torch.full((most,), -1, dtype=torch.long, device=ids.device)
-        mine[:ids.numel()] = ids.reshape(-1)
+        mine[: ids.numel()] = ids.reshape(-1)
         everyone = torch.empty(world * most, dtype=torch.long, device=ids.device)
         collectives.all_gather_into(everyone, mine, group=group)
         partial = owned_rows(shard, rank * shard_numel, rows, width, everyone, weight.dtype)
@@ -151,11 +162,12 @@ class _ShardedEmbedding(torch.autograd.Function):
         collectives.reduce_scatter_into(out, partial.view(-1), group=group)
         ctx.save_for_backward(ids)
         ctx.rows, ctx.padding_idx, ctx.scale_grad_by_freq = rows, padding_idx, scale_grad_by_freq
-        return out.view(most, width)[:counts[rank]].view(*ids.shape, width)
+        return out.view(most, width)[: counts[rank]].view(*ids.shape, width)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         weight_grad = torch.ops.aten.embedding_dense_backward(
-            grad, ids, ctx.rows, ctx.padding_idx, ctx.scale_grad_by_freq)
+            grad, ids, ctx.rows, ctx.padding_idx, ctx.scale_grad_by_freq
+        )
         return None, weight_grad, None, None, None, None, None, None, None

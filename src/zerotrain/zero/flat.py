@@ -8,8 +8,9 @@ parameter lives in a flat buffer and pads the buffer so its length divides by th
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -56,7 +57,7 @@ class FlatLayout:
         self.padded_numel = -(-offset // unit) * unit
         self.shard_numel = self.padded_numel // world_size
 
-    def with_dtype(self, dtype: torch.dtype) -> "FlatLayout":
+    def with_dtype(self, dtype: torch.dtype) -> FlatLayout:
         """The same offsets for a buffer of another dtype."""
         other = object.__new__(FlatLayout)
         other.__dict__.update(self.__dict__, dtype=dtype)

@@ -9,7 +9,8 @@ flight while the caller consumes this one, and releases each as soon as the call
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from zerotrain.comm import collectives
-from zerotrain.zero import registry
 from zerotrain.memory_release import release_freed_memory
+from zerotrain.zero import registry
 from zerotrain.zero.init import _keep_shard, is_partitioned, materialize, partitioning_of
 
 
@@ -32,14 +32,13 @@ class GatheredParameters(contextlib.ContextDecorator):
     read by a module it does not belong to is gathered on access during forward anyway.
     """
 
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
-                 enabled: bool = True):
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
         if isinstance(params, torch.Tensor):
             params = [params]
         # None entries and repeats are skipped, as in DeepSpeed: transformers'
         # resize_token_embeddings passes [weight, bias-or-None, weight, bias-or-None].
         self.params: list[torch.Tensor] = []
-        for p in (params if enabled and params is not None else ()):
+        for p in params if enabled and params is not None else ():
             if p is not None and all(p is not q for q in self.params):
                 self.params.append(p)
         if modifier_rank is not None and dist.is_initialized():
@@ -47,9 +46,11 @@ class GatheredParameters(contextlib.ContextDecorator):
                 size = dist.get_world_size(group)
                 if not 0 <= modifier_rank < size:
                     where = "the world" if group is None else "the parameters' data-parallel group"
-                    raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): "
-                                     f"modifier_rank is a rank within {where}, which has ranks "
-                                     f"0..{size - 1}")
+                    raise ValueError(
+                        f"GatheredParameters(modifier_rank={modifier_rank}): "
+                        f"modifier_rank is a rank within {where}, which has ranks "
+                        f"0..{size - 1}"
+                    )
         self.modifier_rank = modifier_rank
         self._units: list = []
         self._init_params: list = []

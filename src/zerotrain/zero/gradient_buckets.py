@@ -14,7 +14,8 @@ same sequence even when autograd finishes parameters in a different order.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from zerotrain.zero.flat import FlatLayout
 # that leaves a backward unfinished stops counting once it is closed (``destroy()``), so it cannot
 # make another engine accept gradients from a backward no engine began; held weakly, the set
 # keeps no engine alive.
-_in_backward: "weakref.WeakSet[BucketedGradients]" = weakref.WeakSet()
+_in_backward: weakref.WeakSet[BucketedGradients] = weakref.WeakSet()
 
 
 class Pending(Protocol):
@@ -40,8 +41,13 @@ class Pending(Protocol):
 class GradientBucket:
     """Parameters whose gradients are reduced together."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], layout: FlatLayout | None = None,
-                 persistent: bool = True, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        layout: FlatLayout | None = None,
+        persistent: bool = True,
+        dtype: torch.dtype | None = None,
+    ):
         self.params = list(params)
         self.layout = layout or FlatLayout(self.params)
         flat = self.layout.empty(dtype=dtype) if persistent else None
@@ -122,18 +128,24 @@ class BucketedGradients:
     """Gradients of ``buckets`` (lists of parameters), reduced by ``launch(bucket)``.
 
     ``layouts`` (default: unpadded) lets the buckets share the layout of partitioned
-    parameter units, so a bucket's shard lines up with the unit's shard. ``launch`` starts a collective on a complete bucket and returns an object with ``wait()``
+    parameter units, so a bucket's shard lines up with the unit's shard. ``launch`` starts a
+    collective on a complete bucket and returns an object with ``wait()``
     (or None when nothing is pending). Reduction happens only in backward passes started with
     ``sync=True``; other passes just accumulate locally.
     """
 
-    def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]],
-                 launch: Callable[[GradientBucket], Pending | None], overlap: bool = True,
-                 layouts: Sequence[FlatLayout | None] | None = None, persistent: bool = True,
-                 dtype: torch.dtype | None = None, ordered: bool = True):
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[torch.nn.Parameter]],
+        launch: Callable[[GradientBucket], Pending | None],
+        overlap: bool = True,
+        layouts: Sequence[FlatLayout | None] | None = None,
+        persistent: bool = True,
+        dtype: torch.dtype | None = None,
+        ordered: bool = True,
+    ):
         layouts = layouts or [None] * len(buckets)
-        self.buckets = [GradientBucket(b, layout, persistent, dtype)
-                        for b, layout in zip(buckets, layouts)]
+        self.buckets = [GradientBucket(b, layout, persistent, dtype) for b, layout in zip(buckets, layouts)]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launch = launch
         self._overlap = overlap
@@ -145,8 +157,9 @@ class BucketedGradients:
         self._next = 0
         self._in_backward = False
         self._sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for b in self.buckets for p in b.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+        ]
 
     # -- backward ------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -166,7 +179,8 @@ class BucketedGradients:
                 "a gradient reached the engine's parameters outside engine.backward() and not "
                 "through the engine's outputs (a forward through engine.module?): run the forward "
                 "as engine(...), then loss.backward() or engine.backward(loss), so gradients are "
-                "reduced across ranks")
+                "reduced across ranks"
+            )
         if bucket.launched:
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} received a second gradient after its "
@@ -200,7 +214,7 @@ class BucketedGradients:
         """Launch what is left (e.g. unused parameters' buckets) and wait for all of it."""
         try:
             if self._sync:
-                for bucket in self.buckets[self._next:]:
+                for bucket in self.buckets[self._next :]:
                     if not bucket.launched:
                         self._launch_bucket(bucket)
         finally:

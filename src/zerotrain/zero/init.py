@@ -39,7 +39,7 @@ import contextlib
 import functools
 import sys
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,9 @@ from torch.overrides import TorchFunctionMode
 from zerotrain.accelerator import get_accelerator
 from zerotrain.comm import collectives
 from zerotrain.comm.distributed import init_distributed
+from zerotrain.memory_release import configure_allocator, release_freed_memory
 from zerotrain.zero.flat import FlatLayout
 from zerotrain.zero.init_config import dtype_from_config
-from zerotrain.memory_release import configure_allocator, release_freed_memory
 from zerotrain.zero.partition import shard_alignment
 
 if TYPE_CHECKING:
@@ -59,9 +59,9 @@ if TYPE_CHECKING:
 
     from torch.distributed import ProcessGroup
 
-_SHARD = "_zerotrain_shard"      # this rank's slice of an Init-partitioned parameter
-_LAYOUT = "_zerotrain_layout"    # its FlatLayout (shape, padding)
-_OWNER = "_zerotrain_owner"      # id of the module it was first partitioned in (eviction groups)
+_SHARD = "_zerotrain_shard"  # this rank's slice of an Init-partitioned parameter
+_LAYOUT = "_zerotrain_layout"  # its FlatLayout (shape, padding)
+_OWNER = "_zerotrain_owner"  # id of the module it was first partitioned in (eviction groups)
 _DEPTH = "_zerotrain_init_depth"  # a module's nesting of Init-wrapped __init__ calls
 _WRAPPER = "__zerotrain_init_wrapper__"  # marks the __init__ wrappers Init installs
 _PARTITIONING = "_zerotrain_partitioning"  # how it was partitioned (kept while it is whole)
@@ -102,8 +102,9 @@ def group_ranks(group) -> list[int]:
 def check_member(group, what: str) -> None:
     """Raise naming ``what`` when this process is not a member of ``group``."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise ValueError(f"{what}: this process is not in the group (ranks "
-                         f"{group_ranks(group)}); call it on the group's ranks only")
+        raise ValueError(
+            f"{what}: this process is not in the group (ranks {group_ranks(group)}); call it on the group's ranks only"
+        )
 
 
 # -- zerotrain's own code handles placeholders directly (the mode passes it through) ---------
@@ -161,7 +162,8 @@ def materialize(param: nn.Parameter, group=_OWN_GROUP) -> None:
                 raise ValueError(
                     f"a parameter of shape {tuple(layout.slots[0].shape)} was partitioned by "
                     f"zero.Init over ranks {mine}, but the engine's data-parallel group is ranks "
-                    f"{theirs}: pass the engine's group to zero.Init(data_parallel_group=...)")
+                    f"{theirs}: pass the engine's group to zero.Init(data_parallel_group=...)"
+                )
         shard = getattr(param, _SHARD).to(param.device)  # the model may have moved since Init
         flat = layout.empty(dtype=shard.dtype, device=shard.device, zero=False)
         collectives.all_gather_into(flat, shard, group=own)
@@ -173,22 +175,46 @@ def materialize(param: nn.Parameter, group=_OWN_GROUP) -> None:
 
 
 # -- the torch-function mode -------------------------------------------------------------------
-_T = torch.Tensor
-# Answers that are the same for a placeholder and the whole parameter: no gather. (The
-# ignores: torch's stubs declare Tensor's C getset descriptors as plain attributes, so mypy
-# sees no __get__/__set__ on them; at runtime they are descriptors, as the mode receives them.)
+# Typed Any: torch's stubs declare Tensor's C getset descriptors as plain attributes, so mypy
+# sees no __get__/__set__ on them; at runtime they are descriptors, as the mode receives them.
+_T: Any = torch.Tensor
+# Answers that are the same for a placeholder and the whole parameter: no gather.
 _VALUE_FREE = {
-    _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.requires_grad.__get__,  # type: ignore[attr-defined]
-    _T.requires_grad.__set__, _T.requires_grad_, _T.grad_fn.__get__, _T.is_leaf.__get__,  # type: ignore[attr-defined, union-attr]
-    _T.grad.__get__, _T.retains_grad.__get__, _T.is_cuda.__get__, _T.is_cpu.__get__,  # type: ignore[attr-defined, union-attr]
-    _T.is_meta.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__, _T.is_floating_point,  # type: ignore[attr-defined]
-    _T.is_complex, _T.element_size, _T.get_device, _T._is_view, _T.register_hook,
-    _T.register_post_accumulate_grad_hook, _T.__repr__,
+    _T.dtype.__get__,
+    _T.device.__get__,
+    _T.layout.__get__,
+    _T.requires_grad.__get__,
+    _T.requires_grad.__set__,
+    _T.requires_grad_,
+    _T.grad_fn.__get__,
+    _T.is_leaf.__get__,
+    _T.grad.__get__,
+    _T.retains_grad.__get__,
+    _T.is_cuda.__get__,
+    _T.is_cpu.__get__,
+    _T.is_meta.__get__,
+    _T.is_sparse.__get__,
+    _T.is_quantized.__get__,
+    _T.is_floating_point,
+    _T.is_complex,
+    _T.element_size,
+    _T.get_device,
+    _T._is_view,
+    _T.register_hook,
+    _T.register_post_accumulate_grad_hook,
+    _T.__repr__,
 }
 # Shape queries: answered from the placeholder's recorded shape, no gather.
 _SHAPE_QUERIES = {
-    _T.shape.__get__, _T.size, _T.dim, _T.ndimension, _T.ndim.__get__, _T.numel, _T.nelement,  # type: ignore[attr-defined]
-    _T.__len__, torch.numel,
+    _T.shape.__get__,
+    _T.size,
+    _T.dim,
+    _T.ndimension,
+    _T.ndim.__get__,
+    _T.numel,
+    _T.nelement,
+    _T.__len__,
+    torch.numel,
 }
 
 
@@ -230,8 +256,15 @@ def _answer_shape_query(func, args, kwargs):
 
 # zerotrain's runtime packages: they handle placeholders themselves and build no user model.
 # (Packages that build models for the user, such as zerotrain.models, count as user code.)
-_RUNTIME_PACKAGES = ("zerotrain.engine", "zerotrain.zero", "zerotrain.comm", "zerotrain.checkpoint",
-                     "zerotrain.runtime", "zerotrain.precision", "zerotrain.optim")
+_RUNTIME_PACKAGES = (
+    "zerotrain.engine",
+    "zerotrain.zero",
+    "zerotrain.comm",
+    "zerotrain.checkpoint",
+    "zerotrain.runtime",
+    "zerotrain.precision",
+    "zerotrain.optim",
+)
 
 
 def _called_from_zerotrain(depth: int = 2) -> bool:
@@ -249,7 +282,7 @@ def _called_from_zerotrain(depth: int = 2) -> bool:
 class _PlaceholderMode(TorchFunctionMode):
     """Gathers a placeholder whole before any torch function uses its values (see module doc)."""
 
-    def __init__(self, context: "Init"):
+    def __init__(self, context: Init):
         super().__init__()
         self.context = context
 
@@ -269,12 +302,12 @@ class _PlaceholderMode(TorchFunctionMode):
 
 # -- Init --------------------------------------------------------------------------------------
 # Process-wide because the constructors it patches are (see the module docstring).
-_active: "Init | None" = None  # the outermost entered (and not shut down) Init context
-_suspended: "Init | None" = None  # a context shut down by shutdown_init_context()
-_nested: "list[Init]" = []  # contexts entered inside the outermost one, innermost last
+_active: Init | None = None  # the outermost entered (and not shut down) Init context
+_suspended: Init | None = None  # a context shut down by shutdown_init_context()
+_nested: list[Init] = []  # contexts entered inside the outermost one, innermost last
 
 
-def _innermost() -> "Init | None":
+def _innermost() -> Init | None:
     """The context whose settings partition the modules constructed now."""
     return _nested[-1] if _nested else _active
 
@@ -312,24 +345,35 @@ class Init:
       hpZ, ``param_swapper``) raise NotImplementedError.
     """
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
-                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
-                 enabled=True, dtype=None, mpu=None, **unsupported):
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled=True,
+        dtype=None,
+        mpu=None,
+        **unsupported,
+    ):
         if unsupported:
             raise NotImplementedError(f"zero.Init arguments not supported: {sorted(unsupported)}")
         if mpu is not None:
             raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
         if config is not None:
             if config_dict_or_path is not None:
-                raise ValueError("zero.Init: pass the ds_config as config_dict_or_path only "
-                                 "(config= is its deprecated alias), not both")
+                raise ValueError(
+                    "zero.Init: pass the ds_config as config_dict_or_path only "
+                    "(config= is its deprecated alias), not both"
+                )
             config_dict_or_path = config
         if remote_device not in (None, "none", "cpu", "nvme"):
-            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, \"none\", "
-                             "\"cpu\" or \"nvme\"")
+            raise ValueError(f'zero.Init(remote_device={remote_device!r}): use None, "none", "cpu" or "nvme"')
         if dtype is not None and dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"zero.Init(dtype={dtype}): use torch.float16, torch.bfloat16 or "
-                             "torch.float32")
+            raise ValueError(f"zero.Init(dtype={dtype}): use torch.float16, torch.bfloat16 or torch.float32")
         self.enabled = enabled
         self.group = data_parallel_group
         check_member(data_parallel_group, "zero.Init(data_parallel_group=...)")
@@ -366,8 +410,10 @@ class Init:
         if not self.enabled:
             return self
         if _suspended is not None:
-            raise RuntimeError("zero.Init entered while another Init context is shut down "
-                               "(shutdown_init_context); call restore_init_context() first")
+            raise RuntimeError(
+                "zero.Init entered while another Init context is shut down "
+                "(shutdown_init_context); call restore_init_context() first"
+            )
         if _active is not None:  # nested: the outer context's patches and mode serve it too
             if self in _nested or self is _active:
                 raise RuntimeError("this zero.Init context is already active; create a new one")
@@ -389,7 +435,7 @@ class Init:
             outer, self._outer = self._outer, None
             try:
                 if exc_type is None and self in _nested:  # partition what was added after
-                    for root in list(self._roots):        # construction, with its settings
+                    for root in list(self._roots):  # construction, with its settings
                         outer._partition_tree(root, settings=self)
                     if _active is outer:
                         outer._flush()
@@ -462,7 +508,7 @@ class Init:
     def partitioning(self) -> Partitioning:
         return Partitioning(self.group, self.host, self.pin_memory)
 
-    def _partition_tree(self, module: nn.Module, settings: "Init | None" = None) -> None:
+    def _partition_tree(self, module: nn.Module, settings: Init | None = None) -> None:
         """Partition every parameter of ``module``'s tree that is not partitioned yet: new ones
         with ``settings``' group, dtype and placement (default this context's), ones gathered
         whole by the mode again as they were."""

@@ -36,11 +36,14 @@ def dtype_from_config(config_dict_or_path, group=None) -> tuple[torch.dtype, Off
     offload = zero.offload_param if zero.offload_param_device != "none" else None
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if getattr(zero, key):
-            raise NotImplementedError(f"zero.Init: the config's zero_optimization.{key} "
-                                      "(ZeRO++) is not implemented; set it to false")
+            raise NotImplementedError(
+                f"zero.Init: the config's zero_optimization.{key} (ZeRO++) is not implemented; set it to false"
+            )
     if zero.zero_hpz_partition_size > 1:
-        raise NotImplementedError("zero.Init: the config's zero_optimization."
-                                  "zero_hpz_partition_size > 1 (hpZ) is not implemented; set it to 1")
+        raise NotImplementedError(
+            "zero.Init: the config's zero_optimization."
+            "zero_hpz_partition_size > 1 (hpZ) is not implemented; set it to 1"
+        )
     if cfg.bf16.enabled:
         return torch.bfloat16, offload
     if cfg.fp16.enabled:

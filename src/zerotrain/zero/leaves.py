@@ -26,7 +26,7 @@ A leaf nested inside another leaf is part of the outer one.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -88,20 +88,20 @@ def _flag(modules: list[nn.Module], flag: bool) -> list[nn.Module]:
     return modules
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True
-                        ) -> list[nn.Module]:
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True) -> list[nn.Module]:
     """Flag every module of ``model`` that is an instance of one of ``leaf_module_classes``
     (classes, or names: ``"GPT2Block"`` or ``"transformers.models.gpt2.modeling_gpt2.GPT2Block"``)
     as a stage-3 leaf; returns them. Call before ``zerotrain.initialize``."""
     found = modules_of_classes(model, leaf_module_classes)
     if not found and raise_if_not_found:
-        raise ValueError(f"no module of {list(leaf_module_classes)!r} in the model: "
-                         "name a class the model uses (see model.named_modules())")
+        raise ValueError(
+            f"no module of {list(leaf_module_classes)!r} in the model: "
+            "name a class the model uses (see model.named_modules())"
+        )
     return _flag(found, True)
 
 
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True
-                          ) -> list[nn.Module]:
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_found: bool = True) -> list[nn.Module]:
     """Clear the leaf flag of the modules of ``leaf_module_classes``; returns them."""
     found = modules_of_classes(model, leaf_module_classes)
     if not found and raise_if_not_found:
@@ -120,8 +120,9 @@ def _by_names(model: nn.Module, names: Iterable[str], suffix: bool) -> tuple[lis
     return list(dict.fromkeys(found)), missing
 
 
-def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
-                                raise_if_not_found: bool = True):
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names: list[str], flag: bool = True, raise_if_not_found: bool = True
+):
     """Flag (or with ``flag=False`` clear) the modules named ``module_names`` (as in
     ``named_modules()``); returns ``(modules, names not found)``."""
     found, missing = _by_names(model, module_names, suffix=False)
@@ -130,8 +131,9 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag:
     return _flag(found, flag), missing
 
 
-def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[str],
-                                  flag: bool = True, raise_if_not_found: bool = True):
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module, module_name_suffixes: list[str], flag: bool = True, raise_if_not_found: bool = True
+):
     """Flag (or clear) the modules whose ``named_modules()`` name ends with one of the suffixes;
     returns ``(modules, suffixes that matched nothing)``."""
     found, missing = _by_names(model, module_name_suffixes, suffix=True)
@@ -179,9 +181,11 @@ def granularity_leaves(model: nn.Module, threshold: int) -> list[nn.Module]:
     choose(model)
     if not leaves and granularity:
         smallest = min(granularity.items(), key=lambda kv: kv[1])
-        log_rank0(f"stage3_module_granularity_threshold {threshold} selects no module: the "
-                  f"smallest granularity is {smallest[1]} ({type(smallest[0]).__name__}); set the "
-                  f"threshold at least that high to gather such modules whole")
+        log_rank0(
+            f"stage3_module_granularity_threshold {threshold} selects no module: the "
+            f"smallest granularity is {smallest[1]} ({type(smallest[0]).__name__}); set the "
+            f"threshold at least that high to gather such modules whole"
+        )
     return leaves
 
 
@@ -203,8 +207,7 @@ def default_leaf_classes(model: nn.Module, on_accelerator: bool) -> list[str]:
 
 
 def _nbytes(module: nn.Module) -> int:
-    return sum(int(getattr(p, "ds_numel", None) or p.numel()) * p.dtype.itemsize
-               for p in module.parameters())
+    return sum(int(getattr(p, "ds_numel", None) or p.numel()) * p.dtype.itemsize for p in module.parameters())
 
 
 def small_blocks(model: nn.Module) -> list[nn.Module]:
@@ -275,6 +278,15 @@ def unit_parameters(module: nn.Module, leaf_of: dict[nn.Module, nn.Module]):
     return list(module.parameters()) if leaf is module else None
 
 
-__all__ = ["z3_leaf_module", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "granularity_leaves",
-           "leaf_modules", "leaf_of", "unit_parameters"]
+__all__ = [
+    "z3_leaf_module",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "granularity_leaves",
+    "leaf_modules",
+    "leaf_of",
+    "unit_parameters",
+]

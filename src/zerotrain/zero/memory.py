@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -27,8 +27,7 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor in ``optimizer.state`` (moments, momentum buffers, step counters)."""
     if optimizer is None:
         return []
-    return [value for state in optimizer.state.values() for value in state.values()
-            if isinstance(value, torch.Tensor)]
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
 
 
 def optimizer_state_bytes(optimizer) -> int:

@@ -8,7 +8,7 @@ and buffers. No collective is needed.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -20,13 +20,14 @@ from zerotrain.zero.partition import FlatParamUnit
 def strip_engine_prefix(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """Accept the engine's own ``state_dict()`` keys (``module.`` prefix) as well."""
     if state_dict and all(k.startswith("module.") for k in state_dict):
-        return {k[len("module."):]: v for k, v in state_dict.items()}
+        return {k[len("module.") :]: v for k, v in state_dict.items()}
     return state_dict
 
 
 @torch.no_grad()
-def load_module_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
-                      units: Sequence[FlatParamUnit], strict: bool = True) -> _IncompatibleKeys:
+def load_module_state(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], units: Sequence[FlatParamUnit], strict: bool = True
+) -> _IncompatibleKeys:
     state_dict = strip_engine_prefix(state_dict)
     expected = module.state_dict(keep_vars=True)  # names only: stage-3 entries are placeholders
     missing = [k for k in expected if k not in state_dict]
@@ -36,7 +37,8 @@ def load_module_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
             "engine.load_state_dict: the state dict does not match the model "
             f"(missing keys: {missing[:10]}{' ...' if len(missing) > 10 else ''}; unexpected keys: "
             f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}); pass strict=False to load "
-            "the keys that match")
+            "the keys that match"
+        )
     names_of: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
@@ -44,8 +46,10 @@ def load_module_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
     def checked(name: str, shape: torch.Size) -> torch.Tensor:
         value = state_dict[name]
         if value.shape != shape:
-            raise RuntimeError(f"engine.load_state_dict: {name} has shape {tuple(value.shape)} in "
-                               f"the state dict but {tuple(shape)} in the model")
+            raise RuntimeError(
+                f"engine.load_state_dict: {name} has shape {tuple(value.shape)} in "
+                f"the state dict but {tuple(shape)} in the model"
+            )
         return value
 
     def value_for(param: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ sharing a matrix orthogonalize it alike, on the same inputs, so their slices agr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -49,15 +49,19 @@ def attach_muon(optimizer, units, masters, param_groups, reductions, offloaded: 
     ``zerotrain.optim.muon.MuonWithAuxAdam``); ``reductions[id(unit)]`` is the unit's
     ``UnitReduction`` (the group it is sharded over and its rank there)."""
     if offloaded and any(param_groups[u.group].get("use_muon") for u in units):
-        raise NotImplementedError("optimizer Muon with zero_optimization.offload_optimizer: the orthogonalized "
-                                  "update is gathered on the training device; remove offload_optimizer")
+        raise NotImplementedError(
+            "optimizer Muon with zero_optimization.offload_optimizer: the orthogonalized "
+            "update is gathered on the training device; remove offload_optimizer"
+        )
     for unit, master in zip(units, masters):
         if not param_groups[unit.group].get("use_muon"):
             continue
         for shape in (s.shape for s in unit.layout.slots):
             if len(shape) < 2:
-                raise ValueError(f"optimizer Muon: a {len(shape)}-D parameter of shape {tuple(shape)} is in a "
-                                 "use_muon group; Muon orthogonalizes matrices (2 or more dimensions)")
+                raise ValueError(
+                    f"optimizer Muon: a {len(shape)}-D parameter of shape {tuple(shape)} is in a "
+                    "use_muon group; Muon orthogonalizes matrices (2 or more dimensions)"
+                )
         spec = reductions[id(unit)]
         rank = spec.rank if unit.layout.world_size > 1 else 0
         optimizer.attach_full_matrix(master, full_matrix_update(unit.layout, spec.group, rank))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def named_optimizer_state(optimizer, trained, masters, reductions, swapper=None
-                          ) -> dict[str, list[tuple[int, dict]]]:
+def named_optimizer_state(optimizer, trained, masters, reductions, swapper=None) -> dict[str, list[tuple[int, dict]]]:
     """This rank's optimizer state by parameter name: for each parameter with elements in this
     rank's shards, ``[(start, {key: flat slice})]`` where ``start`` is the slice's first element
     within the flattened parameter, and each tensor-valued state entry shaped like the shard is
@@ -25,11 +24,17 @@ def named_optimizer_state(optimizer, trained, masters, reductions, swapper=None
                 hi = min(piece.shard_start + piece.numel, start + state["numel"])
                 if lo >= hi:
                     continue
-                sliced = {k: (v.narrow(0, lo - start, hi - lo) if torch.is_tensor(v) and
-                              v.dim() == 1 and v.numel() == state["numel"] else v)
-                          for k, v in state["state"].items()}
+                sliced = {
+                    k: (
+                        v.narrow(0, lo - start, hi - lo)
+                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == state["numel"]
+                        else v
+                    )
+                    for k, v in state["state"].items()
+                }
                 out.setdefault(unit.names[piece.slot.index], []).append(
-                    (piece.param_start + lo - piece.shard_start, sliced))
+                    (piece.param_start + lo - piece.shard_start, sliced)
+                )
         return out
     for unit, master in zip(trained, masters):
         state = optimizer.state.get(master, {})

@@ -19,8 +19,16 @@ def _shard_worlds(plan, shard_world: int, specs) -> list[int]:
     return [shard_world if spec is None or shard_world == 1 else spec.size for spec in specs]
 
 
-def optimizer_offload(placement: Placement, plan, optimizer, shard_world: int, rank: int,
-                  precision: PrecisionPolicy, activity: DiskActivity, specs=None):
+def optimizer_offload(
+    placement: Placement,
+    plan,
+    optimizer,
+    shard_world: int,
+    rank: int,
+    precision: PrecisionPolicy,
+    activity: DiskActivity,
+    specs=None,
+):
     """The swap folder and swapper, after checking path and free space for the planned units
     (``specs``: each unit's ``UnitReduction`` or None, as ``split_by_reduction`` gives them)."""
     from zerotrain.offload import NvmeOptimizerOffload
@@ -34,14 +42,27 @@ def optimizer_offload(placement: Placement, plan, optimizer, shard_world: int, r
     first = next((p for _, params in plan for p in params), None)
     on_host = first is None or first.device.type == "cpu"
     assert placement.nvme is not None  # called only where the placement swaps to NVMe
-    return NvmeOptimizerOffload(placement.nvme, optimizer, rank, planned,
-                                swap_master=precision.mixed or not on_host,
-                                local_ranks=placement.local_ranks, activity=activity)
+    return NvmeOptimizerOffload(
+        placement.nvme,
+        optimizer,
+        rank,
+        planned,
+        swap_master=precision.mixed or not on_host,
+        local_ranks=placement.local_ranks,
+        activity=activity,
+    )
 
 
-def param_offload(placement: Placement, plan, shard_world: int, rank: int,
-                        precision: PrecisionPolicy, optimizer_offload, activity: DiskActivity,
-                        specs=None):
+def param_offload(
+    placement: Placement,
+    plan,
+    shard_world: int,
+    rank: int,
+    precision: PrecisionPolicy,
+    optimizer_offload,
+    activity: DiskActivity,
+    specs=None,
+):
     """The parameter swap folder, after checking path and free space for every unit's shard."""
     from zerotrain.offload import NvmeParamOffload
     from zerotrain.offload.aio import ALIGN, round_up
@@ -52,11 +73,9 @@ def param_offload(placement: Placement, plan, shard_world: int, rank: int,
     for (_, params), world in zip(plan, _shard_worlds(plan, shard_world, specs)):
         numel = sum(p._zerotrain_layout.numel if is_partitioned(p) else p.numel() for p in params)
         need += round_up(-(-numel // (world * align)) * align * itemsize) + ALIGN
-    also = ((optimizer_offload.folder, optimizer_offload.need_bytes)
-            if optimizer_offload is not None else None)
+    also = (optimizer_offload.folder, optimizer_offload.need_bytes) if optimizer_offload is not None else None
     assert placement.param_nvme is not None  # called only where the placement swaps to NVMe
-    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also,
-                            activity=activity)
+    return NvmeParamOffload(placement.param_nvme, rank, need, placement.local_ranks, also, activity=activity)
 
 
 class SwapStatistics:
@@ -102,12 +121,16 @@ class SwapStatistics:
         if self._params is not None:
             params, grads = self._params, self._grads
             if grads is not None:
-                stats["grads"] = {**(self._grad_io if self._grad_io is not None else grads.stats),
-                                  "swap_file_bytes": grads.file_nbytes(),
-                                  "resident_bytes": grads.resident_nbytes}
-            stats["params"] = {**(self._param_io if self._param_io is not None else params.stats),
-                               "swap_file_bytes": params.file_nbytes(),
-                               "swap_buffer_bytes": params.buffer_nbytes,
-                               "resident_bytes": params.resident_nbytes,
-                               "peak_resident_numel": params.peak_resident_numel}
+                stats["grads"] = {
+                    **(self._grad_io if self._grad_io is not None else grads.stats),
+                    "swap_file_bytes": grads.file_nbytes(),
+                    "resident_bytes": grads.resident_nbytes,
+                }
+            stats["params"] = {
+                **(self._param_io if self._param_io is not None else params.stats),
+                "swap_file_bytes": params.file_nbytes(),
+                "swap_buffer_bytes": params.buffer_nbytes,
+                "resident_bytes": params.resident_nbytes,
+                "peak_resident_numel": params.peak_resident_numel,
+            }
         return stats

@@ -77,14 +77,15 @@ class StateOffloader:
         """Bytes held in host buffers for offloaded states."""
         return sum(m.nbytes for moved in self._moved.values() for m in moved)
 
-    def offload(self, tensors: dict[str, list], include, device, pin_memory: bool,
-                non_blocking: bool) -> None:
+    def offload(self, tensors: dict[str, list], include, device, pin_memory: bool, non_blocking: bool) -> None:
         """Move the storages of ``tensors[kind]`` for each kind in ``include`` (None: all)."""
         kinds = _kinds(include)
         device = OffloadDeviceEnum(device.value if isinstance(device, Enum) else device)
         if device == OffloadDeviceEnum.nvme:
-            raise ValueError("offload_states(device=nvme) is not supported: offload to "
-                             "OffloadDeviceEnum.cpu (NVMe is for zero_optimization.offload_*)")
+            raise ValueError(
+                "offload_states(device=nvme) is not supported: offload to "
+                "OffloadDeviceEnum.cpu (NVMe is for zero_optimization.offload_*)"
+            )
         if device == OffloadDeviceEnum.none:
             return
         self._kinds.update(kinds)
@@ -125,17 +126,20 @@ def _kinds(include) -> list[str]:
             kinds.append(OffloadStateTypeEnum(kind.value if isinstance(kind, Enum) else kind).value)
         except ValueError:
             names = ", ".join(k.value for k in OffloadStateTypeEnum)
-            raise ValueError(f"offload_states(include=...): unknown state {kind!r}; "
-                             f"use OffloadStateTypeEnum members ({names})") from None
+            raise ValueError(
+                f"offload_states(include=...): unknown state {kind!r}; use OffloadStateTypeEnum members ({names})"
+            ) from None
     return kinds
 
 
 def core_state_tensors(stage, optimizer) -> dict[str, list]:
     """``ZeroStage.state_tensors``: its units, masters, gradient buffers and staging slots."""
     if stage.offload is not None or stage.param_offload is not None:
-        raise ValueError("offload_states with zero_optimization.offload_optimizer/offload_param "
-                         "device \"nvme\": that state lives in swap files already; use device "
-                         "\"none\" or \"cpu\" to move it with offload_states")
+        raise ValueError(
+            "offload_states with zero_optimization.offload_optimizer/offload_param "
+            'device "nvme": that state lives in swap files already; use device '
+            '"none" or "cpu" to move it with offload_states'
+        )
     from zerotrain.zero.memory import optimizer_state_tensors
 
     # A shard derived from its master is the master rounded: the master is its storage.
@@ -148,5 +152,10 @@ def core_state_tensors(stage, optimizer) -> dict[str, list]:
     if outside is not None:
         grads += outside.grads.flats()
     staging = [slot.flat for slot in reduction.staging.slots] if reduction.staging else []
-    return {"optim_states": optimizer_state_tensors(optimizer), "hp_params": list(stage.masters),
-            "lp_params": lp, "lp_grads": grads, "contiguous_grad_buffer": staging}
+    return {
+        "optim_states": optimizer_state_tensors(optimizer),
+        "hp_params": list(stage.masters),
+        "lp_params": lp,
+        "lp_grads": grads,
+        "contiguous_grad_buffer": staging,
+    }

@@ -18,7 +18,7 @@ stage 3 and removes it at ``destroy()``.
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -74,8 +74,10 @@ class ParameterOffload:
     def _register_deepspeed_module(self, module: nn.Module) -> None:
         """Put the forward hooks back (DeepSpeed's name); only the engine's module has them."""
         if module is not self.module:
-            raise ValueError("_register_deepspeed_module: zerotrain hooks the engine's own module only; "
-                             "pass engine.optimizer.parameter_offload.module")
+            raise ValueError(
+                "_register_deepspeed_module: zerotrain hooks the engine's own module only; "
+                "pass engine.optimizer.parameter_offload.module"
+            )
         self._coordinator.register_hooks()
 
 
@@ -127,7 +129,7 @@ class ActiveSubModules:
 
     def _entries(self) -> Iterator[tuple[nn.Module, set]]:
         coordinator = self._unit.coordinator
-        for module, used in (coordinator.forward_stack if coordinator is not None else ()):
+        for module, used in coordinator.forward_stack if coordinator is not None else ():
             if self._unit in used:
                 yield module, used
 

@@ -9,7 +9,8 @@ the same buffer, so in fp32 no second "master" copy exists.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,9 +42,15 @@ class FlatParamUnit:
     (``derive_shard_from_master``): it is the master rounded, so gathers cast the master.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], world_size: int, rank: int,
-                 dtype: torch.dtype | None = None, names: Sequence[str] | None = None,
-                 group: int | None = None):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype | None = None,
+        names: Sequence[str] | None = None,
+        group: int | None = None,
+    ):
         # ``dtype``: what the buffer will hold after ``cast`` (shards are aligned for it).
         self.params = list(params)
         # The parameters' names in the module (first name of a tied parameter), and the
@@ -106,9 +113,13 @@ class FlatParamUnit:
         """Whether the shard can be dropped: resharded, with an fp32 master beside it on the
         device its gathers fill (a master on a GPU's host keeps it: a gather would move fp32
         across the bus), and not swapped to NVMe."""
-        return (self.resharded and self.master is not None and self.param_swapper is None
-                and self.shard is not None
-                and self.master.device == self.layout.device == self.shard.device)
+        return (
+            self.resharded
+            and self.master is not None
+            and self.param_swapper is None
+            and self.shard is not None
+            and self.master.device == self.layout.device == self.shard.device
+        )
 
     def derive_shard_from_master(self) -> None:
         """Free the 16-bit shard (see ``shard_derivable``): after every step and every load it
@@ -116,8 +127,10 @@ class FlatParamUnit:
         buffer instead (16-bit stage 3 keeps 2 bytes per shard element less, and the step copies
         nothing back)."""
         if not self.shard_derivable:
-            raise ValueError("only a resharded unit with an fp32 master beside its shard, on "
-                             "the device its gathers fill, can derive its shard from the master")
+            raise ValueError(
+                "only a resharded unit with an fp32 master beside its shard, on "
+                "the device its gathers fill, can derive its shard from the master"
+            )
         self.shard = None
 
     def shard_values(self) -> torch.Tensor:
@@ -148,8 +161,7 @@ class FlatParamUnit:
     def all_gather(self, group=None):
         """Start gathering every rank's updated shard into the full buffer."""
         assert self.shard is not None, "a whole unit keeps its shard"
-        return collectives.all_gather_into(self.full_buffer(), self.shard.detach(), group=group,
-                                           async_op=True)
+        return collectives.all_gather_into(self.full_buffer(), self.shard.detach(), group=group, async_op=True)
 
     def full_buffer(self) -> torch.Tensor:
         """The full buffer, where the caller knows it is held (whole or gathered)."""
@@ -163,7 +175,7 @@ class FlatParamUnit:
     param_swapper: ParamSwapper | None = None  # offload_param "nvme"
     shard_edited = False  # the shard was written outside the step (NVMe offload adopts it)
     process_group: ProcessGroup | None = None  # the data-parallel group its shards are spread over
-    _ds_status = False    # whether the parameters carry DeepSpeed's ds_status
+    _ds_status = False  # whether the parameters carry DeepSpeed's ds_status
 
     def expose_deepspeed_attributes(self, ids) -> None:
         """DeepSpeed's public ``ds_*`` read-outs on each parameter (see zero.registry)."""
@@ -182,8 +194,7 @@ class FlatParamUnit:
             p.ds_numel = slot.numel
             p.ds_shape = slot.shape
             piece = pieces.get(i)
-            p.ds_tensor = (shard.narrow(0, piece.shard_start, piece.numel) if piece
-                           else shard.narrow(0, 0, 0))
+            p.ds_tensor = shard.narrow(0, piece.shard_start, piece.numel) if piece else shard.narrow(0, 0, 0)
             p.ds_active_sub_modules = ActiveSubModules(self)
             # DeepSpeed's method (Lightning's stage-3 model summary calls it): this rank's part.
             p.partition_numel = p.ds_tensor.numel
@@ -201,8 +212,9 @@ class FlatParamUnit:
         swap file: read back now, unless ``fill`` is False: the caller overwrites all of it).
         ``dirty``: the caller writes it (so it is written back)."""
         if self.derived:
-            raise RuntimeError("this unit's shard is derived from its fp32 master: read "
-                               "shard_values(), write the master")
+            raise RuntimeError(
+                "this unit's shard is derived from its fp32 master: read shard_values(), write the master"
+            )
         if self.param_swapper is not None:
             return self.param_swapper.ensure(self, dirty, fill)
         assert self.shard is not None  # not derived
@@ -257,7 +269,8 @@ class FlatParamUnit:
                     p.copy_(value)
         kept = self.resharded and not self.derived
         targets = ([self.resident_shard(dirty=True).data] if kept else []) + (
-            [] if self.master is None else [self.master.data])
+            [] if self.master is None else [self.master.data]
+        )
         for piece in self.layout.shard_pieces(self._rank):
             value = values[piece.slot.index]
             if value is not None:
@@ -293,13 +306,11 @@ class FlatParamUnit:
         if self.derived:  # this rank's slice of the buffer is the input: nothing else to copy
             shard = self.layout.shard(flat, self._rank)
             shard.copy_(self._derived_from())
-            return collectives.all_gather_into(flat, shard, group=group, async_op=True,
-                                               identity=identity)
+            return collectives.all_gather_into(flat, shard, group=group, async_op=True, identity=identity)
         shard = self.resident_shard().detach()
         if shard.device != flat.device:  # offload_param: the shard lives in host memory
             shard = shard.to(flat.device, non_blocking=True)
-        return collectives.all_gather_into(flat, shard, group=group, async_op=True,
-                                           identity=identity)
+        return collectives.all_gather_into(flat, shard, group=group, async_op=True, identity=identity)
 
     def attach(self, buffer: torch.Tensor) -> None:
         """Point the module parameters at ``buffer`` as it is, unfilled (stage 3: a storage of 0
@@ -317,8 +328,9 @@ class FlatParamUnit:
         self._set_status(True)
 
 
-def plan_units(param_groups: Sequence[dict], unit_numel: int,
-               backward_order: Sequence[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
+def plan_units(
+    param_groups: Sequence[dict], unit_numel: int, backward_order: Sequence[nn.Parameter]
+) -> list[tuple[int, list[nn.Parameter]]]:
     """Split each param group's trainable parameters into units, ordered by when backward is
     expected to complete them.
 
@@ -347,11 +359,12 @@ def plan_units(param_groups: Sequence[dict], unit_numel: int,
         units[index] = (owner, params, position)
         open_unit[owner] = (params, size + p.numel(), index)
     in_model = {id(p) for p in backward_order}
-    missing = [p for group in param_groups for p in group["params"]
-               if p.requires_grad and id(p) not in in_model]
+    missing = [p for group in param_groups for p in group["params"] if p.requires_grad and id(p) not in in_model]
     if missing:
-        raise ValueError(f"{len(missing)} optimizer parameters are not parameters of the model "
-                         "passed to initialize(); ZeRO can only partition the model's parameters")
+        raise ValueError(
+            f"{len(missing)} optimizer parameters are not parameters of the model "
+            "passed to initialize(); ZeRO can only partition the model's parameters"
+        )
     units.sort(key=lambda u: u[2])
     return [(g, params) for g, params, _ in units]
 
@@ -368,9 +381,13 @@ def outside_optimizer(param_groups: Sequence[dict], module: nn.Module) -> list[n
     return out
 
 
-def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: bool = True,
-                      all_frozen: bool = False, leaf_of: dict | None = None
-                      ) -> list[tuple[int | None, list[nn.Parameter]]]:
+def plan_module_units(
+    param_groups: Sequence[dict],
+    module: nn.Module,
+    frozen: bool = True,
+    all_frozen: bool = False,
+    leaf_of: dict | None = None,
+) -> list[tuple[int | None, list[nn.Parameter]]]:
     """Stage 3's units: each module's own parameters (per param group), so a unit is gathered
     exactly when its module runs; a leaf module's (``leaf_of``: module -> its outermost leaf,
     zero/leaves.py) whole subtree instead. Modules are walked in reverse registration order,
@@ -379,8 +396,7 @@ def plan_module_units(param_groups: Sequence[dict], module: nn.Module, frozen: b
     ``frozen``, parameters that do not require gradients (every parameter, with ``all_frozen``:
     an engine without optimizer) form units of group None, partitioned too; nothing steps them."""
     leaf_of = leaf_of or {}
-    group_of: dict[int, int | None] = {id(p): g for g, group in enumerate(param_groups)
-                                       for p in group["params"]}
+    group_of: dict[int, int | None] = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
     for p in module.parameters():
         if all_frozen or not p.requires_grad:  # frozen even if an optimizer group lists it
             if frozen:

@@ -37,7 +37,7 @@ class UseOrder:
         if self.pos < len(self.order) and self.order[self.pos] is unit:
             self.pos += 1
             return True
-        if unit in self.order[:self.pos]:
+        if unit in self.order[: self.pos]:
             return True  # a repeated use (module called twice): the record still holds
         self.order, self.recording, self.pos = [unit], True, 0  # new path: record it again
         return False
@@ -47,7 +47,7 @@ class UseOrder:
             self.recording = False
 
     def upcoming(self):
-        return self.order[self.pos:]
+        return self.order[self.pos :]
 
     @property
     def at_end(self) -> bool:

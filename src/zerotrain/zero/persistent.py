@@ -10,13 +10,19 @@ reduces persistent parameters' gradients in its shared buckets).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
 
-def merge_persistent(plan: Sequence[tuple], specs: Sequence, counted: Sequence[bool], threshold: int,
-                     unit_numel: int, numel_of: Callable[[nn.Parameter], int]):
+def merge_persistent(
+    plan: Sequence[tuple],
+    specs: Sequence,
+    counted: Sequence[bool],
+    threshold: int,
+    unit_numel: int,
+    numel_of: Callable[[nn.Parameter], int],
+):
     """``plan`` (``[(optimizer group, [parameters])]`` in the order backward completes the units,
     with each unit's reduction ``specs`` and norm flag ``counted``) with its units under
     ``threshold`` elements merged. Returns the new plan, specs, counted flags, and per unit
@@ -50,5 +56,4 @@ def merge_persistent(plan: Sequence[tuple], specs: Sequence, counted: Sequence[b
         entry[1][1].extend(params)
         open_units[key] = (entry, size + numel)
     entries.sort(key=lambda e: e[0])
-    return ([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries],
-            [e[4] for e in entries])
+    return ([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries], [e[4] for e in entries])

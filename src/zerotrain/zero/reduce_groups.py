@@ -20,8 +20,9 @@ on any rank makes the result non-finite on every rank (0 x inf is NaN), so all s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,7 @@ class UnitReduction:
     comm_dtype: torch.dtype | None = None
 
     @classmethod
-    def over(cls, group, divide_factor: float | None = None,
-             comm_dtype: torch.dtype | None = None) -> "UnitReduction":
+    def over(cls, group, divide_factor: float | None = None, comm_dtype: torch.dtype | None = None) -> UnitReduction:
         """Over ``group`` (None: the world), averaging unless ``divide_factor`` is given."""
         if dist.is_initialized():
             size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -64,8 +64,10 @@ def check_divide_factor(factor) -> float:
     except (TypeError, ValueError):
         raise ValueError(f"set_gradient_divide_factor: factor must be a number, got {factor!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"set_gradient_divide_factor: factor must be a finite number > 0, got {factor!r} "
-                         "(1 sums the gradients, the group size averages them)")
+        raise ValueError(
+            f"set_gradient_divide_factor: factor must be a finite number > 0, got {factor!r} "
+            "(1 sums the gradients, the group size averages them)"
+        )
     return value
 
 
@@ -75,9 +77,16 @@ def counted_in_norm(param) -> bool:
     return not getattr(param, "ds_pipe_replicated", False)
 
 
-def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReduction],
-                sharded: Sequence[bool], data_group, data_size: int, distinct_group,
-                device, counted: Sequence[bool] | None = None) -> torch.Tensor:
+def global_norm(
+    norms: Sequence[torch.Tensor],
+    reductions: Sequence[UnitReduction],
+    sharded: Sequence[bool],
+    data_group,
+    data_size: int,
+    distinct_group,
+    device,
+    counted: Sequence[bool] | None = None,
+) -> torch.Tensor:
     """fp32 L2 norm of the whole model's gradient from each unit's local norm on this rank.
 
     ``norms[i]``: the L2 norm of unit i's gradient as this rank holds it; ``sharded[i]``: whether
@@ -92,8 +101,10 @@ def global_norm(norms: Sequence[torch.Tensor], reductions: Sequence[UnitReductio
         squares = torch.stack([n.to(torch.float32) for n in norms]).square()
         # A replicated gradient counts at its group's first rank only (when the data group
         # sums), a tied copy nowhere here; 0 x inf is NaN, so an overflow still shows.
-        weights = [1.0 if c and (own or r.rank == 0 or not need_data) else 0.0
-                   for own, r, c in zip(owns_part, reductions, counted)]
+        weights = [
+            1.0 if c and (own or r.rank == 0 or not need_data) else 0.0
+            for own, r, c in zip(owns_part, reductions, counted)
+        ]
         if not all(weights):
             squares = squares * torch.tensor(weights, dtype=torch.float32, device=squares.device)
         total = squares.sum()
@@ -118,22 +129,23 @@ def split_by_reduction(plan, reduce_group_of, data_group) -> tuple[list, list, l
     if reduce_group_of is None and all(counted_in_norm(p) for _, params in plan for p in params):
         return list(plan), [None] * len(plan), [True] * len(plan)
     out, specs, counts, checked = [], [], [], set()
-    data_ranks = ({0} if not dist.is_initialized()
-                  else set(dist.get_process_group_ranks(data_group or dist.group.WORLD)))
+    data_ranks = {0} if not dist.is_initialized() else set(dist.get_process_group_ranks(data_group or dist.group.WORLD))
     for g, params in plan:
         by_spec: dict[tuple, tuple[UnitReduction | None, list]] = {}
         for p in params:
             spec = reduce_group_of(p) if reduce_group_of is not None else None
             if spec is not None and not isinstance(spec, UnitReduction):
-                raise TypeError("reduce_group_of must return a UnitReduction or None, got "
-                                f"{type(spec).__name__}")
+                raise TypeError(f"reduce_group_of must return a UnitReduction or None, got {type(spec).__name__}")
             if spec is not None and id(spec) not in checked:
                 checked.add(id(spec))
-                ranks = (set(dist.get_process_group_ranks(spec.group or dist.group.WORLD))
-                         if dist.is_initialized() else {0})
+                ranks = (
+                    set(dist.get_process_group_ranks(spec.group or dist.group.WORLD)) if dist.is_initialized() else {0}
+                )
                 if not ranks <= data_ranks:
-                    raise ValueError(f"a unit's reduction group {sorted(ranks)} is not within the data group "
-                                     f"{sorted(data_ranks)}; reduce over a subgroup of the data group")
+                    raise ValueError(
+                        f"a unit's reduction group {sorted(ranks)} is not within the data group "
+                        f"{sorted(data_ranks)}; reduce over a subgroup of the data group"
+                    )
             by_spec.setdefault((id(spec), counted_in_norm(p)), (spec, []))[1].append(p)
         for (_, counted), (spec, members) in by_spec.items():
             out.append((g, members))

@@ -19,7 +19,8 @@ is divided by ("averaged" above: the default, the group's size).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -95,8 +96,12 @@ class _Reduction:
 
     def unused_names(self, units: Sequence[FlatParamUnit]) -> list[str]:
         """Names of parameters that got no gradient in the current backward."""
-        return [name for bucket, unit in zip(self.grads.buckets, units)
-                for name, seen in zip(unit.names, bucket.seen) if not seen]
+        return [
+            name
+            for bucket, unit in zip(self.grads.buckets, units)
+            for name, seen in zip(unit.names, bucket.seen)
+            if not seen
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -116,35 +121,48 @@ class AllReduceGradients(_Reduction):
     DeepSpeed's stages 1 and 2); another backward before it (a GAN's second discriminator loss)
     first turns each bucket back into a sum to accumulate onto."""
 
-    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
-                 reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
-                 scatter: bool = False, checks: CollectiveChecks = CollectiveChecks()):
+    def __init__(
+        self,
+        units: Sequence[FlatParamUnit],
+        precision: PrecisionPolicy,
+        reductions: Sequence[UnitReduction],
+        overlap: bool,
+        trim: TrimEvery,
+        scatter: bool = False,
+        checks: CollectiveChecks = CollectiveChecks(),
+    ):
         # Each unit's group and divide factor (shared with the stage, which may change factors).
         self.reductions, self._trim, self.checks = list(reductions), trim, checks
-        self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
-                                       [u.layout for u in units], persistent=True,
-                                       dtype=precision.grad_accum_dtype)
+        self.grads = BucketedGradients(
+            [u.params for u in units],
+            self._launch,
+            overlap,
+            [u.layout for u in units],
+            persistent=True,
+            dtype=precision.grad_accum_dtype,
+        )
         self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
         # A unit sharded over its group (stage 1) holds the shard of its rank there.
-        self._shard_ranks = [r.rank if b.layout.world_size > 1 else 0
-                             for b, r in zip(self.grads.buckets, self.reductions)]
-        self.shard_grads = [b.layout.shard(b.buffer(), rank)
-                            for b, rank in zip(self.grads.buckets, self._shard_ranks)]
+        self._shard_ranks = [
+            r.rank if b.layout.world_size > 1 else 0 for b, r in zip(self.grads.buckets, self.reductions)
+        ]
+        self.shard_grads = [b.layout.shard(b.buffer(), rank) for b, rank in zip(self.grads.buckets, self._shard_ranks)]
         largest = max((u.layout.padded_numel for u in units), default=1)
         device = units[0].device if units else None
         # A unit reduced in another dtype than its gradients' goes through a staging slot of
         # that dtype (one pool per dtype).
         wires = [r.comm_dtype or precision.comm_dtype for r in self.reductions]
         casts = [w != precision.grad_accum_dtype and r.size > 1 for w, r in zip(wires, self.reductions)]
-        self._pools = {w: StagingPool(2 if overlap else 1, largest, w, device)
-                       for w, cast in zip(wires, casts) if cast}
+        self._pools = {w: StagingPool(2 if overlap else 1, largest, w, device) for w, cast in zip(wires, casts) if cast}
         self._cast_pools = [self._pools[w] if cast else None for w, cast in zip(wires, casts)]
         self.staging = next(iter(self._pools.values()), None)
         # In-place reduce-scatters of the buckets themselves (on gloo each receives the peers'
         # rows into a shard-sized temporary, freed when the reduction is waited for): the units
         # sharded over their whole group and reduced in their gradients' dtype.
-        self._scatters = [scatter and not cast and r.size > 1 and b.layout.world_size == r.size
-                          for b, r, cast in zip(self.grads.buckets, self.reductions, casts)]
+        self._scatters = [
+            scatter and not cast and r.size > 1 and b.layout.world_size == r.size
+            for b, r, cast in zip(self.grads.buckets, self.reductions, casts)
+        ]
         self._scattered = False  # buckets reduce-scattered since the last zero()
         self._in_flight: list = []
 
@@ -184,8 +202,7 @@ class AllReduceGradients(_Reduction):
             flat.div_(spec.divide_factor)
             bucket.free_grads()  # the rest of the bucket is the peers' to hold: no .grad shows it
             mine = bucket.layout.shard(flat, self._shard_ranks[index])
-            work = collectives.reduce_scatter_into(mine, flat, group=spec.group,
-                                                   async_op=True)
+            work = collectives.reduce_scatter_into(mine, flat, group=spec.group, async_op=True)
             # Each reduction in flight holds a shard-sized receive buffer (and, on gloo, the
             # backend's copies of what it sends): two at a time, not the whole model's worth
             # until the end of backward (GPT-2 110M: +150 MiB at the embedding's backward).
@@ -229,30 +246,40 @@ class ReduceScatterGradients(_Reduction):
 
     reduces_every_backward = True  # full gradients cannot be kept across micro-steps
 
-    def __init__(self, units: Sequence[FlatParamUnit], precision: PrecisionPolicy,
-                 reductions: Sequence[UnitReduction], overlap: bool, trim: TrimEvery,
-                 slot_numel: int, use_reduce_scatter: bool = True,
-                 reduced: Callable[[FlatParamUnit], None] | None = None,
-                 checks: CollectiveChecks = CollectiveChecks(), grad_offload=None):
+    def __init__(
+        self,
+        units: Sequence[FlatParamUnit],
+        precision: PrecisionPolicy,
+        reductions: Sequence[UnitReduction],
+        overlap: bool,
+        trim: TrimEvery,
+        slot_numel: int,
+        use_reduce_scatter: bool = True,
+        reduced: Callable[[FlatParamUnit], None] | None = None,
+        checks: CollectiveChecks = CollectiveChecks(),
+        grad_offload=None,
+    ):
         # Each unit's group and divide factor (shared with the stage, which may change factors);
         # a unit is sharded over its whole group.
         self.reductions, self._trim, self.checks = list(reductions), trim, checks
         for unit, spec in zip(units, self.reductions):
             if unit.layout.world_size != spec.size:
-                raise ValueError(f"unit {unit.names[:1]} is sharded {unit.layout.world_size} ways but "
-                                 f"reduced over a group of {spec.size}; shard it over its group")
+                raise ValueError(
+                    f"unit {unit.names[:1]} is sharded {unit.layout.world_size} ways but "
+                    f"reduced over a group of {spec.size}; shard it over its group"
+                )
         self._use_reduce_scatter = use_reduce_scatter
         self._reduced = reduced  # called once a unit's gradients are copied out (stage 3 frees it)
-        self.grads = BucketedGradients([u.params for u in units], self._launch, overlap,
-                                       [u.layout for u in units], persistent=False)
+        self.grads = BucketedGradients(
+            [u.params for u in units], self._launch, overlap, [u.layout for u in units], persistent=False
+        )
         # Shard gradients live beside the shards (host memory under offload_param); the staging
         # slots, which the collectives send and receive, where the gradients are computed.
         device = units[0].device if units else None
         compute_device = units[0].layout.device if units else None
         self._grad_dtype, self._device = precision.grad_accum_dtype, device
         self._shard_numels = [u.layout.shard_numel for u in units]
-        self.shard_grads = [torch.zeros(n, dtype=self._grad_dtype, device=device)
-                            for n in self._shard_numels]
+        self.shard_grads = [torch.zeros(n, dtype=self._grad_dtype, device=device) for n in self._shard_numels]
         # Indices of shard gradients freed by ``zero()`` (an empty placeholder in the list, which
         # the stage shares): the next reduction writes a new one instead of adding.
         self._freed: set[int] = set()
@@ -269,9 +296,10 @@ class ReduceScatterGradients(_Reduction):
         self._scratch_rows = [rows_of.get(id(s.group), 0) if s.size > 1 else 0 for s in self.reductions]
         widest = max((s.size + rows for s, rows in zip(self.reductions, self._scratch_rows)), default=1)
         wires = [r.comm_dtype or precision.comm_dtype for r in self.reductions]
-        self._pools = {w: StagingPool(4 if overlap else 1, min(largest, max(slot_numel, widest)), w,
-                                      compute_device)
-                       for w in [precision.comm_dtype] + wires}  # one pool per dtype gradients travel in
+        self._pools = {
+            w: StagingPool(4 if overlap else 1, min(largest, max(slot_numel, widest)), w, compute_device)
+            for w in [precision.comm_dtype] + wires
+        }  # one pool per dtype gradients travel in
         self.staging = self._pools[precision.comm_dtype]
         self._unit_pools = [self._pools[w] for w in wires]
         if grad_offload is not None and units:
@@ -296,8 +324,9 @@ class ReduceScatterGradients(_Reduction):
         fresh = index in self._freed  # freed since the step: every chunk is written, not added
         if fresh:
             self._freed.discard(index)
-            self.shard_grads[index] = torch.empty(self._shard_numels[index], dtype=self._grad_dtype,
-                                                  device=self._device)
+            self.shard_grads[index] = torch.empty(
+                self._shard_numels[index], dtype=self._grad_dtype, device=self._device
+            )
         spec = self.reductions[index]
         world, shard = spec.size, bucket.layout.shard_numel
         self._agree(bucket)
@@ -312,24 +341,27 @@ class ReduceScatterGradients(_Reduction):
             slot = pool.acquire()
             wire = slot.flat.narrow(0, 0, n * world)
             for r in range(world):  # row r: the part of rank r's shard in this chunk, divided
-                bucket.copy_grad_range(wire.narrow(0, r * n, n), r * shard + c0,
-                                       r * shard + c0 + n, divisor=spec.divide_factor)
+                bucket.copy_grad_range(
+                    wire.narrow(0, r * n, n), r * shard + c0, r * shard + c0 + n, divisor=spec.divide_factor
+                )
             if world == 1:
                 self._land(index, c0, wire, fresh)
                 continue
             mine = wire.narrow(0, spec.rank * n, n)  # reduced in place: this rank's slice
             if self._use_reduce_scatter:
                 work = collectives.reduce_scatter_into(
-                    mine, wire, group=spec.group, async_op=True,
+                    mine,
+                    wire,
+                    group=spec.group,
+                    async_op=True,
                     scratch=slot.flat.narrow(0, n * world, n * rows) if rows else None,
-                    identity=(None if self.checks.identities is None
-                              else self.checks.identities.reduce(index, c0, n)))
+                    identity=(None if self.checks.identities is None else self.checks.identities.reduce(index, c0, n)),
+                )
             else:
                 work = collectives.all_reduce(wire, group=spec.group, async_op=True)
             # The callback names the gradient by index: a slot keeps its last callback, which
             # must not keep a shard gradient alive after ``zero()`` freed it.
-            pending.append(slot.track(work, lambda i=index, c0=c0, m=mine, fresh=fresh:
-                                      self._land(i, c0, m, fresh)))
+            pending.append(slot.track(work, lambda i=index, c0=c0, m=mine, fresh=fresh: self._land(i, c0, m, fresh)))
         bucket.free_grads()
         if self._reduced is not None:
             self._reduced(unit)
@@ -377,8 +409,7 @@ class ReduceScatterGradients(_Reduction):
 
     def ensure_shard_grads(self) -> None:
         for i in sorted(self._freed):
-            self.shard_grads[i] = torch.zeros(self._shard_numels[i], dtype=self._grad_dtype,
-                                              device=self._device)
+            self.shard_grads[i] = torch.zeros(self._shard_numels[i], dtype=self._grad_dtype, device=self._device)
         self._freed = set()
 
     @property

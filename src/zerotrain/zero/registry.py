@@ -14,7 +14,7 @@ unit, and ``destroy()`` removes them all.
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -31,12 +31,10 @@ _next_id = itertools.count()
 # Whole parameters an engine replicates over a group without units (fp32 stage 0): the group
 # ``GatheredParameters(modifier_rank=...)`` broadcasts them over.
 _replicated_over = WeakIdKeyDictionary()
-DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor", "ds_active_sub_modules",
-                 "partition_numel")
+DS_ATTRIBUTES = ("ds_id", "ds_numel", "ds_shape", "ds_status", "ds_tensor", "ds_active_sub_modules", "partition_numel")
 
 
-def register(units: Sequence, group=None, deepspeed_attributes: bool = False,
-             unit_groups: dict | None = None) -> None:
+def register(units: Sequence, group=None, deepspeed_attributes: bool = False, unit_groups: dict | None = None) -> None:
     """``units`` are sharded over ``group``, or over ``unit_groups[unit]`` where given (expert
     units: their expert-data group); ``GatheredParameters`` gathers and broadcasts over it."""
     for unit in units:

@@ -29,8 +29,9 @@ class ReplicatedGradients(StageInterface):
 
     stage = 0
 
-    def __init__(self, params, bucket_numel: int, overlap: bool = True, group=None,
-                 norm_group=None, reduce_group_of=None):
+    def __init__(
+        self, params, bucket_numel: int, overlap: bool = True, group=None, norm_group=None, reduce_group_of=None
+    ):
         self.group = group
         # The ranks holding distinct parameters (pipeline stages, model slices) the gradient
         # norm also sums over (``Topology.distinct_group``); None: this replica's alone.
@@ -56,8 +57,7 @@ class ReplicatedGradients(StageInterface):
             self._counted += [not tied] * len(chunk)
             # Each bucket's group and divide factor (zero/reduce_groups.py), a copy per bucket.
             base = other if other is not None else spec
-            self.reductions += [UnitReduction(base.group, base.size, base.rank, base.divide_factor)
-                                for _ in chunk]
+            self.reductions += [UnitReduction(base.group, base.size, base.rank, base.divide_factor) for _ in chunk]
         self._other_groups = any(other is not None for other, _ in classes.values())
         self.grads = BucketedGradients(buckets, self._all_reduce, overlap)
         self._index = {id(b): i for i, b in enumerate(self.grads.buckets)}
@@ -82,8 +82,10 @@ class ReplicatedGradients(StageInterface):
         """Divide every bucket's reduced sum by ``factor`` instead of the group size (1: sum).
         Here the buckets are the units; ``units`` must be None."""
         if units is not None:
-            raise ValueError("set_gradient_divide_factor(units=...): fp32 stage 0 has no flat units; "
-                             "pass units=None to set the factor of every gradient bucket")
+            raise ValueError(
+                "set_gradient_divide_factor(units=...): fp32 stage 0 has no flat units; "
+                "pass units=None to set the factor of every gradient bucket"
+            )
         factor = check_divide_factor(factor)
         for spec in self.reductions:
             spec.divide_factor = factor
@@ -104,8 +106,10 @@ class ReplicatedGradients(StageInterface):
             return None
         grad = self.grads.accumulated_grad(param)
         if grad is None:
-            raise ValueError(f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not "
-                             "one of this stage's; pass a parameter of the engine's module")
+            raise ValueError(
+                f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not "
+                "one of this stage's; pass a parameter of the engine's module"
+            )
         return grad
 
     def grad_norm(self) -> torch.Tensor:
@@ -114,16 +118,26 @@ class ReplicatedGradients(StageInterface):
         flats = self.grads.flats()
         norms = torch._foreach_norm(flats, 2, dtype=torch.float32) if flats else []
         device = flats[0].device if flats else get_accelerator().device()
-        return global_norm(norms, self.reductions, [False] * len(norms), self.group,
-                           self.world_size, self.norm_group, device, self._counted)
+        return global_norm(
+            norms,
+            self.reductions,
+            [False] * len(norms),
+            self.group,
+            self.world_size,
+            self.norm_group,
+            device,
+            self._counted,
+        )
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update from the gradients multiplied by ``grad_scale`` (the clipping factor)."""
         if grad_scale != 1.0:
             torch._foreach_mul_(self.grads.flats(), grad_scale)
         if optimizer is None:
-            raise RuntimeError("engine.step(): this engine has no optimizer (initialize() got "
-                               "none and the config has no 'optimizer' section)")
+            raise RuntimeError(
+                "engine.step(): this engine has no optimizer (initialize() got "
+                "none and the config has no 'optimizer' section)"
+            )
         optimizer.step()
 
     def load_module_state(self, module: torch.nn.Module, state_dict, strict: bool = True):
@@ -150,20 +164,27 @@ class ReplicatedGradients(StageInterface):
     def state_tensors(self, module: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
         """The module's own parameters are what the optimizer steps: hp and lp are the same."""
         params: list[torch.Tensor] = list(module.parameters())
-        return {"optim_states": optimizer_state_tensors(optimizer), "hp_params": params,
-                "lp_params": params, "lp_grads": self.grads.flats(), "contiguous_grad_buffer": []}
+        return {
+            "optim_states": optimizer_state_tensors(optimizer),
+            "hp_params": params,
+            "lp_params": params,
+            "lp_grads": self.grads.flats(),
+            "contiguous_grad_buffer": [],
+        }
 
     def empty_partition_cache(self) -> None:
         """Nothing is partitioned: nothing is gathered."""
 
     def statistics(self, module: torch.nn.Module, optimizer) -> StageStatistics:
         """Bytes held by category; nothing is offloaded or gathered at fp32 stage 0."""
-        return StageStatistics(memory={
-            "parameters": tensor_bytes(module.parameters()),
-            "gradients": self.grads.nbytes,
-            "optimizer_state": optimizer_state_bytes(optimizer),
-            "communication_buffers": 0,
-        })
+        return StageStatistics(
+            memory={
+                "parameters": tensor_bytes(module.parameters()),
+                "gradients": self.grads.nbytes,
+                "optimizer_state": optimizer_state_bytes(optimizer),
+                "communication_buffers": 0,
+            }
+        )
 
     def close(self) -> None:
         self.grads.remove_hooks()

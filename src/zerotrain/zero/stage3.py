@@ -27,7 +27,8 @@ re-records it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 class _GatheringParameters(dict):
     """A module's ``_parameters`` that gathers a partitioned parameter when read in a forward."""
 
-    def __init__(self, coordinator: "ParameterCoordinator", params: dict):
+    def __init__(self, coordinator: ParameterCoordinator, params: dict):
         super().__init__(params)
         self._coordinator = coordinator
 
@@ -63,11 +64,19 @@ class _GatheringParameters(dict):
 class ParameterCoordinator:
     """Fetches and releases the partitioned units of ``module``'s parameters around their use."""
 
-    def __init__(self, module: nn.Module, units: Sequence[FlatParamUnit], group=None,
-                 prefetch_numel: int = 0, max_live_numel: int | None = None,
-                 leaf_of: dict | None = None, memory_release: ReleasePolicy | None = None,
-                 unit_groups: dict | None = None, param_swapper=None,
-                 checks: CollectiveChecks = CollectiveChecks()):
+    def __init__(
+        self,
+        module: nn.Module,
+        units: Sequence[FlatParamUnit],
+        group=None,
+        prefetch_numel: int = 0,
+        max_live_numel: int | None = None,
+        leaf_of: dict | None = None,
+        memory_release: ReleasePolicy | None = None,
+        unit_groups: dict | None = None,
+        param_swapper=None,
+        checks: CollectiveChecks = CollectiveChecks(),
+    ):
         self.units = list(units)
         self.group = group
         # NVMe parameter offload (a zerotrain.offload.params.ParamSwapper): shards are read
@@ -77,8 +86,7 @@ class ParameterCoordinator:
         # Units sharded over another group than ``group`` (experts: their expert-data group).
         self._unit_groups = dict(unit_groups or {})
         # The engine's policy (None: the environment's or stage 3's default)
-        self.memory_release = (memory_release if memory_release is not None
-                               else ReleasePolicy())
+        self.memory_release = memory_release if memory_release is not None else ReleasePolicy()
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.live_numel = 0
@@ -114,8 +122,7 @@ class ParameterCoordinator:
         # Forward saves activations on the heap between freed temporaries; the holes grow with
         # depth (110M GPT-2: ~100 MiB by the output layer). Under memory_release "eager" they
         # are handed back each eighth of the model gathered, and before any larger gather.
-        self._forward_trim = self.memory_release.trim_every(
-            sum(u.layout.padded_numel for u in self.units) // 8)
+        self._forward_trim = self.memory_release.trim_every(sum(u.layout.padded_numel for u in self.units) // 8)
         self._position = {u: i for i, u in enumerate(self.units)}
         for u in self.units:
             u.coordinator = self
@@ -143,9 +150,11 @@ class ParameterCoordinator:
         # Embeddings alone in their unit look their rows up from the shards while that moves
         # less than the table; their forward is the lookup's until close().
         self._lookups = embedding_lookup.Lookups(
-            {m: own[0] for m, own in self._module_units.items()
-             if len(own) == 1 and own[0] not in self._unit_groups},
-            self.group_of, self._attach_empty, self._identity)
+            {m: own[0] for m, own in self._module_units.items() if len(own) == 1 and own[0] not in self._unit_groups},
+            self.group_of,
+            self._attach_empty,
+            self._identity,
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -248,8 +257,9 @@ class ParameterCoordinator:
 
     def skip_prefetch(self, modules) -> None:
         """The units of ``modules`` (and their submodules) are not prefetched until the next call."""
-        self._skipped = frozenset(unit for module in modules for sub in module.modules()
-                                  for unit in self._module_units.get(sub, ()))
+        self._skipped = frozenset(
+            unit for module in modules for sub in module.modules() for unit in self._module_units.get(sub, ())
+        )
 
     def _agree(self, unit: FlatParamUnit) -> None:
         if self.checks.agreement is not None:
@@ -328,10 +338,15 @@ class ParameterCoordinator:
         """The gathers' numbers now (``StageStatistics.gathers``)."""
         element = self.units[0].dtype.itemsize if self.units else 0
         return GatherStatistics(
-            gathered_bytes=self.live_numel * element, peak_gathered_bytes=self.peak_live_numel * element,
-            pool_bytes=self.pool_nbytes, buffers_allocated=self.buffers_allocated,
-            pool_drops=self.pool_drops, early_releases=self.early_releases, hollowed=self.hollowed,
-            storage_refills=self.storage_refills)
+            gathered_bytes=self.live_numel * element,
+            peak_gathered_bytes=self.peak_live_numel * element,
+            pool_bytes=self.pool_nbytes,
+            buffers_allocated=self.buffers_allocated,
+            pool_drops=self.pool_drops,
+            early_releases=self.early_releases,
+            hollowed=self.hollowed,
+            storage_refills=self.storage_refills,
+        )
 
     def release_all(self) -> None:
         for unit in self.units:
@@ -343,8 +358,10 @@ class ParameterCoordinator:
         forward and its backward: a released unit whose buffer autograd saved views of is
         refilled in place when backward gathers it again."""
         if in_backward():
-            raise RuntimeError("empty_partition_cache() during a backward pass: call it between "
-                               "training steps or between a forward and its backward")
+            raise RuntimeError(
+                "empty_partition_cache() during a backward pass: call it between "
+                "training steps or between a forward and its backward"
+            )
         self._held = None
         self.release_all()  # in-flight ones too: release() waits for their gather
         self._drop_pool()
@@ -357,8 +374,7 @@ class ParameterCoordinator:
         order = self._backward_order if in_backward() else self._forward_order
         matched = order.see(unit)
         if matched and self.param_swapper is not None:  # shards of units still to gather
-            self.param_swapper.read_ahead(
-                u for u in order.upcoming() if not u.gathered and u not in self._inflight)
+            self.param_swapper.read_ahead(u for u in order.upcoming() if not u.gathered and u not in self._inflight)
         self.fetch(unit)
         if matched and prefetch and self.prefetch_numel:
             self._prefetch(order)
@@ -410,23 +426,21 @@ class ParameterCoordinator:
                 # Gathered in a fixed order: a set iterates in id order, which differs between
                 # ranks, and the gathers are collectives every rank must issue alike.
                 ordered = tuple(sorted(used, key=self._position.__getitem__))
-                before_backward_of(
-                    tensors, lambda units=ordered, m=module: self._pre_backward(units, m))
+                before_backward_of(tensors, lambda units=ordered, m=module: self._pre_backward(units, m))
                 frozen = tuple(u for u in ordered if not u.trained)
                 inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
                 tied = tuple(u for u in ordered if u.trained and self._users.get(u))
                 if tied and inputs and not backward:
                     register_multi_grad_hook(
-                        inputs, lambda grads, units=tied, m=module: self._module_backward_done(units, m),
-                        mode="all")
+                        inputs, lambda grads, units=tied, m=module: self._module_backward_done(units, m), mode="all"
+                    )
                 if frozen and inputs:
                     # "all": once every input's gradient is computed, the module's backward is
                     # over (a frozen unit is needed for nothing else). Releasing is local; only
                     # gathers are collectives, and those happen in the same order on every rank.
                     # Also for a forward recomputed in backward (reentrant checkpointing runs the
                     # first forward without grad, so only the recomputation can say it).
-                    register_multi_grad_hook(
-                        inputs, lambda grads, units=frozen: self._post_backward(units), mode="all")
+                    register_multi_grad_hook(inputs, lambda grads, units=frozen: self._post_backward(units), mode="all")
             else:  # outputs we cannot see into: backward will not gather these units again
                 self._keep_whole.update(used)
                 for unit in used:
@@ -497,8 +511,13 @@ class ParameterCoordinator:
         gradient accumulates against them) instead of an all-gather of the whole table (a Llama
         vocabulary: the model's largest unit)."""
         users = self._users.get(unit, ())
-        if (unit.gathered or unit in self._inflight or unit in self._keep_whole or not users
-                or not all(reads_no_weights(m) for m in users)):
+        if (
+            unit.gathered
+            or unit in self._inflight
+            or unit in self._keep_whole
+            or not users
+            or not all(reads_no_weights(m) for m in users)
+        ):
             return False
         self._attach_empty(unit)
         self._hollow.add(unit)
@@ -525,9 +544,15 @@ class ParameterCoordinator:
             done = self._done.setdefault(unit, set())
             done.add(module)
             rest = [m for m in self._users.get(unit, ()) if m not in done]
-            if (rest and all(reads_no_weights(m) for m in rest) and unit.gathered
-                    and unit not in self._inflight and unit not in self._keep_whole
-                    and self._own_storage.get(unit) is unit.flat and unit not in self._hollow):
+            if (
+                rest
+                and all(reads_no_weights(m) for m in rest)
+                and unit.gathered
+                and unit not in self._inflight
+                and unit not in self._keep_whole
+                and self._own_storage.get(unit) is unit.flat
+                and unit not in self._hollow
+            ):
                 assert unit.flat is not None  # gathered
                 unit.flat.untyped_storage().resize_(0)
                 self._hollow.add(unit)

@@ -12,7 +12,7 @@ peak comes early in backward, before any unit is reduced, and need not hold idle
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

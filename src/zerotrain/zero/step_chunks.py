@@ -24,7 +24,7 @@ def plan_step_chunks(shard_numels: list[int]) -> list[list[int]]:
     return chunks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def steps_per_parameter(optimizer_class: type[torch.optim.Optimizer]) -> bool:
     """Whether the class's ``step()`` is one of the built-in steps that keep state per
     parameter and pass over parameters without a gradient, so several calls in one training
@@ -33,8 +33,18 @@ def steps_per_parameter(optimizer_class: type[torch.optim.Optimizer]) -> bool:
     from zerotrain.optim.fused_adam import FusedAdam
     from zerotrain.optim.lion import Lion
 
-    known = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
-             torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-             torch.optim.Adadelta, FusedAdam, Lion)
+    known = (
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.SGD,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adadelta,
+        FusedAdam,
+        Lion,
+    )
     step = inspect.unwrap(optimizer_class.step)
     return any(step is inspect.unwrap(cls.step) for cls in known)

@@ -30,8 +30,7 @@ class ShardingStrategy:
         """Elements per flat unit, from the gradient bucket size."""
         return bucket_numel
 
-    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool,
-             leaf_of: dict | None = None):
+    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool, leaf_of: dict | None = None):
         """``[(optimizer group index or None for frozen, [parameters])]`` in reduction order."""
         return plan_units(param_groups, unit_numel, list(module.parameters())[::-1])
 
@@ -40,8 +39,19 @@ class ShardingStrategy:
         (``memory_release: "eager"``): a unit's worth."""
         return unit_numel
 
-    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
-                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
+    def reduction(
+        self,
+        units,
+        precision,
+        reductions,
+        trim,
+        overlap: bool,
+        slot_numel: int,
+        use_reduce_scatter: bool,
+        checks: CollectiveChecks,
+        reduced=None,
+        grad_offload=None,
+    ):
         """How ``units`` (the stage's trained units) reduce, each over its own group and divide
         factor (``reductions``: a ``zero.reduce_groups.UnitReduction`` per unit). Stages 2-3:
         ``reduced(unit)`` once a unit's gradients are copied out, ``grad_offload`` the
@@ -62,10 +72,22 @@ class Stage1(ShardingStrategy):
 
     stage = 1
 
-    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
-                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
-        return AllReduceGradients(units, precision, reductions, overlap, trim,
-                                  scatter=use_reduce_scatter, checks=checks)
+    def reduction(
+        self,
+        units,
+        precision,
+        reductions,
+        trim,
+        overlap: bool,
+        slot_numel: int,
+        use_reduce_scatter: bool,
+        checks: CollectiveChecks,
+        reduced=None,
+        grad_offload=None,
+    ):
+        return AllReduceGradients(
+            units, precision, reductions, overlap, trim, scatter=use_reduce_scatter, checks=checks
+        )
 
 
 class Stage2(ShardingStrategy):
@@ -80,11 +102,31 @@ class Stage2(ShardingStrategy):
         # ~45 MiB on the 110M GPT-2 than half-bucket units; docs/benchmarks.md).
         return max(1, bucket_numel // 4)
 
-    def reduction(self, units, precision, reductions, trim, overlap: bool, slot_numel: int,
-                  use_reduce_scatter: bool, checks: CollectiveChecks, reduced=None, grad_offload=None):
-        return ReduceScatterGradients(units, precision, reductions, overlap, trim, slot_numel,
-                                      use_reduce_scatter, reduced=reduced, checks=checks,
-                                      grad_offload=grad_offload)
+    def reduction(
+        self,
+        units,
+        precision,
+        reductions,
+        trim,
+        overlap: bool,
+        slot_numel: int,
+        use_reduce_scatter: bool,
+        checks: CollectiveChecks,
+        reduced=None,
+        grad_offload=None,
+    ):
+        return ReduceScatterGradients(
+            units,
+            precision,
+            reductions,
+            overlap,
+            trim,
+            slot_numel,
+            use_reduce_scatter,
+            reduced=reduced,
+            checks=checks,
+            grad_offload=grad_offload,
+        )
 
 
 class Stage3(Stage2):
@@ -93,10 +135,8 @@ class Stage3(Stage2):
     stage = 3
     partitions_parameters = True
 
-    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool,
-             leaf_of: dict | None = None):
-        return plan_module_units(param_groups, module, all_frozen=not has_optimizer,
-                                 leaf_of=leaf_of)
+    def plan(self, param_groups, module: nn.Module, unit_numel: int, has_optimizer: bool, leaf_of: dict | None = None):
+        return plan_module_units(param_groups, module, all_frozen=not has_optimizer, leaf_of=leaf_of)
 
     def trim_numel(self, unit_numel: int, units) -> int:
         # Units are single modules: a trim after each one's reduction was ~40 malloc_trim calls

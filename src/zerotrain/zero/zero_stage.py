@@ -47,12 +47,31 @@ class ZeroStage(StageInterface):
     the trained units' indices in the groups a 16-bit step casts and steps together;
     ``offload``/``param_offload``: NVMe swap folders, ``swap_statistics`` their numbers."""
 
-    def __init__(self, *, strategy: ShardingStrategy, precision: PrecisionPolicy,
-                 memory_release: ReleasePolicy, group, world_size: int, norm_group, shard_rank: int,
-                 units: list[FlatParamUnit], masters: list, reductions: dict[int, UnitReduction],
-                 counted: list[bool], reduction, coordinator: ParameterCoordinator | None,
-                 outside, optimizer, require_all_gradients: bool, step_chunks: list[list[int]],
-                 offload=None, param_offload=None, disk_activity=None, swap_statistics=None):
+    def __init__(
+        self,
+        *,
+        strategy: ShardingStrategy,
+        precision: PrecisionPolicy,
+        memory_release: ReleasePolicy,
+        group,
+        world_size: int,
+        norm_group,
+        shard_rank: int,
+        units: list[FlatParamUnit],
+        masters: list,
+        reductions: dict[int, UnitReduction],
+        counted: list[bool],
+        reduction,
+        coordinator: ParameterCoordinator | None,
+        outside,
+        optimizer,
+        require_all_gradients: bool,
+        step_chunks: list[list[int]],
+        offload=None,
+        param_offload=None,
+        disk_activity=None,
+        swap_statistics=None,
+    ):
         self.strategy, self.precision, self.memory_release = strategy, precision, memory_release
         self.group, self.world_size, self.norm_group = group, world_size, norm_group
         self.shard_rank = shard_rank
@@ -107,8 +126,10 @@ class ZeroStage(StageInterface):
         chosen = self.trained if units is None else list(units)
         unknown = [u for u in chosen if id(u) not in self._reductions]
         if unknown:
-            raise ValueError(f"set_gradient_divide_factor: {len(unknown)} of the units are not trained "
-                             "units of this stage; pass units from sharded_state().units that have a group")
+            raise ValueError(
+                f"set_gradient_divide_factor: {len(unknown)} of the units are not trained "
+                "units of this stage; pass units from sharded_state().units that have a group"
+            )
         for unit in chosen:
             self._reductions[id(unit)].divide_factor = factor
         if units is None and self.outside is not None:
@@ -148,14 +169,18 @@ class ZeroStage(StageInterface):
         if not param.requires_grad:
             return None
         if self.coordinator is not None:
-            raise NotImplementedError("accumulated_grad at ZeRO stage 3: parameters are partitioned and "
-                                      "their gradients reduced in every backward; use stage 0, 1 or 2")
+            raise NotImplementedError(
+                "accumulated_grad at ZeRO stage 3: parameters are partitioned and "
+                "their gradients reduced in every backward; use stage 0, 1 or 2"
+            )
         for grads in (self.reduction.grads, self.outside.grads if self.outside is not None else None):
             grad = grads.accumulated_grad(param) if grads is not None else None
             if grad is not None:
                 return grad
-        raise ValueError(f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not one of "
-                         "this stage's; pass a parameter of the engine's module")
+        raise ValueError(
+            f"accumulated_grad: a parameter of shape {tuple(param.shape)} is not one of "
+            "this stage's; pass a parameter of the engine's module"
+        )
 
     def _check_every_parameter_used(self) -> None:
         """``ignore_unused_parameters: false``: fail where DeepSpeed does, naming the culprits."""
@@ -166,7 +191,8 @@ class ZeroStage(StageInterface):
                 f"{len(unused)} trainable parameters got no gradient in this backward "
                 f"({', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}) and "
                 "zero_optimization.ignore_unused_parameters is false: use them in forward, "
-                "freeze them (requires_grad=False), or set ignore_unused_parameters to true")
+                "freeze them (requires_grad=False), or set ignore_unused_parameters to true"
+            )
 
     # -- step ---------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
@@ -179,24 +205,38 @@ class ZeroStage(StageInterface):
             self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             norms = torch._foreach_norm(self.shard_grads, 2, dtype=torch.float32) if self.shard_grads else []
         sharded = [u.layout.world_size > 1 for u in self.trained]
-        return global_norm(norms, [self._reductions[id(u)] for u in self.trained], sharded,
-                           self.group, self.world_size, self.norm_group, self._compute_device,
-                           self._counted)
+        return global_norm(
+            norms,
+            [self._reductions[id(u)] for u in self.trained],
+            sharded,
+            self.group,
+            self.world_size,
+            self.norm_group,
+            self._compute_device,
+            self._counted,
+        )
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
         """Update the weights from the gradients multiplied by ``grad_scale`` (loss-scale and
         clipping factors, applied once here)."""
         if optimizer is None:
-            raise RuntimeError("engine.step(): this engine has no optimizer (initialize() got "
-                               "none and the config has no 'optimizer' section)")
+            raise RuntimeError(
+                "engine.step(): this engine has no optimizer (initialize() got "
+                "none and the config has no 'optimizer' section)"
+            )
         if self.offload is not None:  # chunk by chunk through the swap files
             edited = {u for u in self.trained if u.edited_since_recorded()}
             for unit in self.trained:
                 unit.record_versions()  # edits are adopted per chunk from the 16-bit shard
             self.reduction.ensure_shard_grads()  # freed since the step, no backward reduced them
             self.offload.swapper.step(
-                optimizer, self.shard_grads, grad_scale, edited, grad_swapper=self.grad_swapper,
-                param_swapper=self.param_offload.swapper if self.param_offload is not None else None)
+                optimizer,
+                self.shard_grads,
+                grad_scale,
+                edited,
+                grad_swapper=self.grad_swapper,
+                param_swapper=self.param_offload.swapper if self.param_offload is not None else None,
+            )
             self.swap_statistics.step_done()  # this step's reads and writes, the disk's busy time
             _log.debug("offload: %s", self.swap_statistics.as_dict())
         else:
@@ -217,8 +257,11 @@ class ZeroStage(StageInterface):
         if self.strategy.shards_optimizer:
             # Stage 3's partitioned units are gathered when next used; the rest right away, each
             # over the group it is sharded over.
-            for work in [u.all_gather(self._reductions[id(u)].group) for u in self.trained
-                         if not u.resharded and u.layout.world_size > 1]:
+            for work in [
+                u.all_gather(self._reductions[id(u)].group)
+                for u in self.trained
+                if not u.resharded and u.layout.world_size > 1
+            ]:
                 work.wait()
         # The step's temporaries (fp32 copies of 16-bit gradients, the optimizer's foreach
         # intermediates) were freed on the heap: return them before the next forward needs
@@ -235,8 +278,7 @@ class ZeroStage(StageInterface):
         gradient then steps one chunk (``plan_step_chunks``) at a time (bf16 GPT-2 110M stage 3:
         peak 1505 -> 1442 MiB, now in backward). Otherwise one call steps everything."""
         # mypy sees a class's __hash__ as an unbound method, so a class is not Hashable to it
-        if (any(u.master is not None for u in self.trained)
-                and steps_per_parameter(type(optimizer))):  # type: ignore[arg-type]
+        if any(u.master is not None for u in self.trained) and steps_per_parameter(type(optimizer)):  # type: ignore[arg-type]
             return self._chunk_plan
         return [list(range(len(self.trained)))]
 
@@ -278,11 +320,15 @@ class ZeroStage(StageInterface):
         return StageStatistics(
             memory=self._memory_breakdown(module, optimizer),
             offload=self.swap_statistics.as_dict() if self.swap_statistics is not None else {},
-            gathers=self.coordinator.gather_statistics() if self.coordinator is not None else None)
+            gathers=self.coordinator.gather_statistics() if self.coordinator is not None else None,
+        )
 
     def _memory_breakdown(self, module: nn.Module, optimizer) -> dict[str, int]:
-        grads = (self.reduction.nbytes if self.grad_swapper is None  # else: the resident ones
-                 else tensor_bytes(self.shard_grads) + self.reduction.grads.nbytes)
+        grads = (
+            self.reduction.nbytes
+            if self.grad_swapper is None  # else: the resident ones
+            else tensor_bytes(self.shard_grads) + self.reduction.grads.nbytes
+        )
         if self.outside is not None:
             grads += self.outside.grads.nbytes
         masters = tensor_bytes(self.masters) if self.precision.mixed else 0
@@ -299,8 +345,7 @@ class ZeroStage(StageInterface):
         if self.offload is not None:  # what the swapper holds in memory (disk: statistics().offload)
             out["offload_buffers"] = self.offload.swapper.buffer_nbytes
         if self.param_offload is not None:  # "parameters" counts the resident shards only
-            out["offload_buffers"] = (out.get("offload_buffers", 0)
-                                      + self.param_offload.swapper.buffer_nbytes)
+            out["offload_buffers"] = out.get("offload_buffers", 0) + self.param_offload.swapper.buffer_nbytes
         if self.coordinator is not None:
             element = self.units[0].dtype.itemsize
             out["gathered_parameters"] = self.coordinator.live_numel * element
@@ -330,11 +375,15 @@ class ZeroStage(StageInterface):
 def check_optimizer(stage: int, optimizer) -> None:
     what = f"zero_optimization.stage={stage}" if stage else "fp16/bf16 training"
     if optimizer is None and stage != 3:
-        raise ValueError(f"{what} keeps the optimizer's state partitioned, so it needs an "
-                         "optimizer: add an 'optimizer' section or pass optimizer=")
+        raise ValueError(
+            f"{what} keeps the optimizer's state partitioned, so it needs an "
+            "optimizer: add an 'optimizer' section or pass optimizer="
+        )
     if optimizer is not None and optimizer.state:
-        raise ValueError("the optimizer already holds state; ZeRO must partition it before the "
-                         "first step (load checkpoints through the engine instead)")
+        raise ValueError(
+            "the optimizer already holds state; ZeRO must partition it before the "
+            "first step (load checkpoints through the engine instead)"
+        )
 
 
 def refuse_add_param_group(param_group) -> None:
@@ -342,6 +391,5 @@ def refuse_add_param_group(param_group) -> None:
         "optimizer.add_param_group after zerotrain.initialize: ZeRO has flattened and "
         "partitioned the optimizer's parameters into units at initialize, so a group added "
         "later would be stepped whole and never reduced. Put every parameter group in the "
-        "optimizer before initialize (a group with lr=0 can be unfrozen later by raising its lr)")
-
-
+        "optimizer before initialize (a group with lr=0 can be unfrozen later by raising its lr)"
+    )

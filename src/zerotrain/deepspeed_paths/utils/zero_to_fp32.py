@@ -7,5 +7,8 @@ from zerotrain.checkpoint.zero_to_fp32 import (  # noqa: F401
     load_state_dict_from_zero_checkpoint,
 )
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint"]
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]

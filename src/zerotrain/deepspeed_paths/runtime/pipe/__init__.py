@@ -7,6 +7,12 @@ __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"]
 SUBMODULES = ("topology", "module", "engine", "schedule")
 
 __getattr__, __dir__ = lazy_attributes(
-    __name__, SUBMODULES,
-    names={"PipelineModule": "zerotrain.pipeline", "LayerSpec": "zerotrain.pipeline",
-           "TiedLayerSpec": "zerotrain.pipeline", "ProcessTopology": "zerotrain.topology.grid"})
+    __name__,
+    SUBMODULES,
+    names={
+        "PipelineModule": "zerotrain.pipeline",
+        "LayerSpec": "zerotrain.pipeline",
+        "TiedLayerSpec": "zerotrain.pipeline",
+        "ProcessTopology": "zerotrain.topology.grid",
+    },
+)

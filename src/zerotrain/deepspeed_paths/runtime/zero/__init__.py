@@ -10,5 +10,11 @@ from zerotrain._lazy import lazy_attributes
 SUBMODULES = ("offload_config", "partition_parameters", "stage3", "stage_1_and_2")
 
 __getattr__, __dir__ = lazy_attributes(
-    __name__, SUBMODULES, names={"Init": "zerotrain.zero", "GatheredParameters": "zerotrain.zero",
-                                 "ZeroParamStatus": "zerotrain.zero.param_status"})
+    __name__,
+    SUBMODULES,
+    names={
+        "Init": "zerotrain.zero",
+        "GatheredParameters": "zerotrain.zero",
+        "ZeroParamStatus": "zerotrain.zero.param_status",
+    },
+)

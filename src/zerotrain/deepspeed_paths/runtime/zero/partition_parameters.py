@@ -5,8 +5,13 @@ module imports and transformers reads from it) under this path too; those load o
 from zerotrain._lazy import lazy_attributes
 from zerotrain.zero.param_status import ZeroParamStatus
 
-__all__ = ["ZeroParamStatus", "Init", "GatheredParameters", "get_accelerator"]
+__all__ = ["ZeroParamStatus", "Init", "GatheredParameters", "get_accelerator"]  # noqa: F822 - loaded on first access
 
-__getattr__, __dir__ = lazy_attributes(__name__, names={"Init": "zerotrain.zero",
-                                                       "GatheredParameters": "zerotrain.zero",
-                                                       "get_accelerator": "zerotrain.accelerator"})
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    names={
+        "Init": "zerotrain.zero",
+        "GatheredParameters": "zerotrain.zero",
+        "get_accelerator": "zerotrain.accelerator",
+    },
+)
