@@ -5,7 +5,8 @@ GRPO (beta 0.1: a reference model, generation with ``ds3_gather_for_generation``
 default) one after another in one 2-rank launch, on a tiny GPT-2 and a character tokenizer built in
 memory, 3 optimizer steps of 2 x 2 x 2 samples each; SFT and GRPO with AdamW, DPO and KTO with SGD.
 
-- DDP: ``torchrun`` with ``use_cpu=True`` (the Trainer's DDP over gloo through accelerate), all four;
+- DDP: ``torchrun`` with ``use_cpu=True`` (the Trainer's DDP over gloo through accelerate), all four,
+  first in the launch that then runs the JSON-config trainers below;
 - at ZeRO-2 and at ZeRO-3, each trainer once, half of them with each kind of config:
   transformers' docs' config (every value it leaves to the Trainer "auto"), given as
   ``TrainingArguments(deepspeed=PATH)`` under ``python -m zerotrain.hf torchrun``, and TRL's own
@@ -32,6 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -55,40 +57,54 @@ def _trl_yaml(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run(command: list[str], cwd: Path, count: int = 4) -> dict:
+def _run(command: list[str], cwd: Path, count: int) -> list[dict]:
     done = subprocess.run(command, capture_output=True, text=True, timeout=420, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and len(results) == count, done.stdout[-3000:] + done.stderr[-6000:]
-    return {result["trainer"]: result for result in results}
+    return results
 
 
-# Each stage with both configs, each config at both stages, every trainer at both stages: the
-# DeepSpeed launches split the trainers (a launch's start costs as much as two trainers).
-LAUNCHES = {(2, "json"): "sft,dpo", (2, "yaml"): "kto,grpo", (3, "json"): "kto,grpo", (3, "yaml"): "sft,dpo"}
+# Each stage with both configs, each config at both stages, every trainer at both stages. A
+# launch's start costs as much as two trainers, so launches are few: the DDP runs and both
+# stages' JSON-config runs share one `python -m zerotrain.hf torchrun` launch (DDP first, before
+# any DeepSpeed config exists in the process; the Trainer's DDP never touches `deepspeed`), and
+# each accelerate YAML (its stage is the launch's) has its own.
+JSON_RUNS = {2: "sft,dpo", 3: "kto,grpo"}
+YAML_RUNS = {2: "kto,grpo", 3: "sft,dpo"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
     model_dir = root / "init"
-    subprocess.run([sys.executable, str(SCRIPT), "save", str(model_dir)], check=True, capture_output=True,
-                   timeout=120, cwd=root)
-    out = {"ddp": _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(SCRIPT), TRAINERS, str(root / "ddp"), str(model_dir), "ddp"], root)}
-    for (stage, form), trainers in LAUNCHES.items():
-        where = str(root / f"z{stage}{form}")
-        if form == "json":  # transformers' docs' config, given to the Trainer, under torchrun
-            config = ZERO_JSON[stage]
-            command = [sys.executable, "-m", "zerotrain.hf", "torchrun", "--nproc_per_node", "2", "--master_port",
-                       str(free_port()), str(SCRIPT), trainers, where, str(model_dir), str(config)]
-        else:  # TRL's own accelerate file, through accelerate launch
-            config = root / f"zero{stage}.yaml"
-            config.write_text(_trl_yaml(f"zero{stage}.yaml"))
-            command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
-                       "--main_process_port", str(free_port()), str(SCRIPT), trainers, where, str(model_dir)]
-        for trainer, result in _run(command, root, len(trainers.split(","))).items():
-            out[(stage, trainer)] = {**result, "form": form}
+    # In this process (it has transformers already): no interpreter start for two files.
+    from tests.hf import trl_flows
+
+    with torch.random.fork_rng():
+        trl_flows.save_initial_model(str(model_dir))
+    kinds = TRAINERS.split(",") + [k for stage in (2, 3) for k in JSON_RUNS[stage].split(",")]
+    backends = ["ddp"] * 4 + [str(ZERO_JSON[stage]) for stage in (2, 3) for _ in JSON_RUNS[stage].split(",")]
+    command = [sys.executable, "-m", "zerotrain.hf", "torchrun", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(SCRIPT), ",".join(kinds), str(root / "torchrun"), str(model_dir),
+               ",".join(backends)]
+    out = {}
+    for result in _run(command, root, len(kinds)):
+        if result["stage"] is None:
+            assert result["trainer"] not in out.setdefault("ddp", {}), result["trainer"]
+            out["ddp"][result["trainer"]] = result
+        else:
+            out[(result["stage"], result["trainer"])] = {**result, "form": "json"}
+    for stage, trainers in YAML_RUNS.items():  # TRL's own accelerate file, through accelerate launch
+        config = root / f"zero{stage}.yaml"
+        config.write_text(_trl_yaml(f"zero{stage}.yaml"))
+        command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
+                   "--main_process_port", str(free_port()), str(SCRIPT), trainers, str(root / f"z{stage}yaml"),
+                   str(model_dir)]
+        for result in _run(command, root, len(trainers.split(","))):
+            assert result["stage"] == stage and (stage, result["trainer"]) not in out, result
+            out[(stage, result["trainer"])] = {**result, "form": "yaml"}
+    assert len(out["ddp"]) == 4 and len(out) == 1 + 8
     return out
 
 

@@ -1,10 +1,12 @@
 """TRL's trainers as a user runs them, on a tiny GPT-2 built from its config (nothing downloaded).
 
-Run by ``accelerate launch [--config_file cfg.yaml] tests/hf/trl_flows.py TRAINER OUTPUT_DIR MODEL_DIR``
-(``torchrun --nproc_per_node 2 tests/hf/trl_flows.py TRAINER OUTPUT_DIR MODEL_DIR ddp`` for DDP; a path
-instead of ``ddp`` hands that DeepSpeed config to the Trainer)
-(``python tests/hf/trl_flows.py save MODEL_DIR`` writes the initial model first), under
-``python -m zerotrain.hf`` for the DeepSpeed configs and plainly for DDP. Prints one line
+Run by ``accelerate launch [--config_file cfg.yaml] tests/hf/trl_flows.py TRAINERS OUTPUT_DIR MODEL_DIR``
+(``torchrun --nproc_per_node 2 tests/hf/trl_flows.py TRAINERS OUTPUT_DIR MODEL_DIR ddp`` for DDP; a path
+instead of ``ddp`` hands that DeepSpeed config to the Trainer; BACKENDS comma-separated, one for
+each of the comma-separated TRAINERS, mixes them in one launch)
+(``python tests/hf/trl_flows.py save MODEL_DIR``, or ``save_initial_model``, writes the initial model
+first), under ``python -m zerotrain.hf`` for the DeepSpeed configs (tests/hf/test_trl.py runs its
+DDP trainers there too, before the DeepSpeed ones). Prints one line
 ``RESULT {json}`` on the main process: every logged value (loss, rewards, KL, ...), the engine's
 class and ZeRO stage, and a checksum of the trained weights.
 """
@@ -119,9 +121,13 @@ def trainer(kind: str, output_dir: str, model_dir: str, backend: str):
 
 
 def main(kinds: str, output_dir: str, model_dir: str, backend: str = "deepspeed") -> None:
-    """Train each of the comma-separated trainers in turn, in this one process group."""
-    for kind in kinds.split(","):
-        train(kind, f"{output_dir}/{kind}", model_dir, backend)
+    """Train each of the comma-separated trainers in turn, in this one process group. ``backend``
+    is one for all, or comma-separated, one for each trainer (DDP and DeepSpeed config files in
+    one launch: each launch's start costs as much as two trainers)."""
+    backends = backend.split(",") if "," in backend else [backend] * len(kinds.split(","))
+    assert len(backends) == len(kinds.split(",")), (kinds, backend)
+    for index, (kind, each) in enumerate(zip(kinds.split(","), backends)):
+        train(kind, f"{output_dir}/{index}-{kind}", model_dir, each)
 
 
 def train(kind: str, output_dir: str, model_dir: str, backend: str) -> None:

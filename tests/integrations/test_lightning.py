@@ -6,6 +6,7 @@ itself starts on 2 CPU processes (gloo) and which runs every fit in turn."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning", reason="needs Lightning: pip install 'zerotrain[lightning]' (CI installs it)")
+# Looked up, not imported: importing Lightning costs ~6 CPU-s, paid at collection by every xdist
+# worker while only the one running this file needs it (its tests import it themselves).
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("needs Lightning: pip install 'zerotrain[lightning]' (CI installs it)", allow_module_level=True)
 
 import torch  # noqa: E402
 
