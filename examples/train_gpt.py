@@ -36,14 +36,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
     parser.add_argument("--n_head", type=int, default=4)
-    parser.add_argument("--text_bytes", type=int, default=3_000_000,
-                        help="how much stdlib source to train on")
+    parser.add_argument("--text_bytes", type=int, default=3_000_000, help="how much stdlib source to train on")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--save_dir", default="checkpoints/train_gpt",
-                        help="where checkpoints go ('' to save none)")
+    parser.add_argument("--save_dir", default="checkpoints/train_gpt", help="where checkpoints go ('' to save none)")
     parser.add_argument("--save_interval", type=int, default=200, help="save every N steps")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from save_dir's newest checkpoint (from step 0 when it holds none yet)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from save_dir's newest checkpoint (from step 0 when it holds none yet)",
+    )
     parser.add_argument("--sample_bytes", type=int, default=200, help="length of the final sample")
     parser = zerotrain.add_config_arguments(parser)
     return parser.parse_args()
@@ -58,8 +59,11 @@ def holds_checkpoint(save_dir: str) -> bool:
         return False
     if os.path.lexists(os.path.join(save_dir, "latest")):
         return True
-    return any(os.path.isfile(os.path.join(save_dir, name, "metadata.json"))
-               for name in os.listdir(save_dir) if not name.endswith(".partial"))
+    return any(
+        os.path.isfile(os.path.join(save_dir, name, "metadata.json"))
+        for name in os.listdir(save_dir)
+        if not name.endswith(".partial")
+    )
 
 
 class _LineWriter:
@@ -80,11 +84,15 @@ def main() -> None:
     torch.manual_seed(args.seed)
     text = PythonSourceText(max_bytes=args.text_bytes)
     dataset = TokenBlocks(text.tokens, args.seq_len)
-    model = GPT(GPTConfig(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd,
-                          n_layer=args.n_layer, n_head=args.n_head))
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head
+        )
+    )
 
     engine, _, loader, _ = zerotrain.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
 
     rank0 = engine.global_rank == 0
     if args.resume and not holds_checkpoint(args.save_dir):
@@ -97,14 +105,22 @@ def main() -> None:
             print(f"resumed from {path} at step {engine.global_steps}")
     if rank0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"model: {n_params / 1e6:.2f}M parameters | data: {len(dataset)} blocks of "
-              f"{args.seq_len} bytes | ranks: {engine.dp_world_size} | ZeRO stage "
-              f"{engine.zero_optimization_stage()} | global batch {engine.train_batch_size()}")
+        print(
+            f"model: {n_params / 1e6:.2f}M parameters | data: {len(dataset)} blocks of "
+            f"{args.seq_len} bytes | ranks: {engine.dp_world_size} | ZeRO stage "
+            f"{engine.zero_optimization_stage()} | global batch {engine.train_batch_size()}"
+        )
 
     tty = sys.stdout.isatty()
-    progress = tqdm(total=args.steps, initial=engine.global_steps, disable=not rank0, unit="step",
-                    dynamic_ncols=tty, file=sys.stdout if tty else _LineWriter(),
-                    mininterval=0.1 if tty else 10)
+    progress = tqdm(
+        total=args.steps,
+        initial=engine.global_steps,
+        disable=not rank0,
+        unit="step",
+        dynamic_ncols=tty,
+        file=sys.stdout if tty else _LineWriter(),
+        mininterval=0.1 if tty else 10,
+    )
     start, first_loss, recent, start_samples = time.perf_counter(), None, [], engine.global_samples
     while engine.global_steps < args.steps:
         for batch in loader:
@@ -117,8 +133,9 @@ def main() -> None:
             if engine.was_step_applied():
                 first_loss = first_loss if first_loss is not None else loss.item()
                 progress.update(1)
-                progress.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", refresh=False,
-                                     lr=f"{engine.get_lr()[0]:.2e}")
+                progress.set_postfix(
+                    loss=f"{sum(recent) / len(recent):.3f}", refresh=False, lr=f"{engine.get_lr()[0]:.2e}"
+                )
                 if args.save_dir and engine.global_steps % args.save_interval == 0:
                     engine.save_checkpoint(args.save_dir)
             if engine.global_steps >= args.steps:
@@ -129,9 +146,11 @@ def main() -> None:
     if rank0 and recent:
         final = sum(recent) / len(recent)
         elapsed = time.perf_counter() - start
-        print(f"done: {engine.global_steps} steps in {elapsed:.0f} s | loss {first_loss:.3f} -> "
-              f"{final:.3f} (uniform guess: {math.log(256):.3f}) | "
-              f"{(engine.global_samples - start_samples) / elapsed:.1f} samples/s")
+        print(
+            f"done: {engine.global_steps} steps in {elapsed:.0f} s | loss {first_loss:.3f} -> "
+            f"{final:.3f} (uniform guess: {math.log(256):.3f}) | "
+            f"{(engine.global_samples - start_samples) / elapsed:.1f} samples/s"
+        )
     text = generate(engine, b"def ", args.sample_bytes, args.seq_len)
     if rank0:
         print("sample:\n" + text)

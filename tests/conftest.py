@@ -29,38 +29,38 @@ os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 # not installed there, placed by CI's times scaled alike). The rest keep collection order after
 # them. A file missing here only starts later; a renamed one is ignored.
 SLOWEST_FILES = [
-    "tests/launcher/test_launcher_run.py",               # 444
-    "tests/launcher/test_multinode_run.py",              # 407
-    "tests/hf/test_switch.py",                           # 386
-    "tests/hf/test_accelerate.py",                       # 369
-    "tests/integrations/test_ray.py",                    # 360
-    "tests/hf/test_trl.py",                              # 300
-    "tests/checkpoint/test_crash_points.py",             # 232
-    "tests/checkpoint/test_hf_expert_checkpoint.py",     # 227
-    "tests/integrations/test_spark.py",                  # 225
-    "tests/engine/test_combinations.py",                 # 219
-    "tests/hf/test_trainer.py",                          # 214
-    "tests/pipeline/test_hf.py",                         # 207
-    "tests/offload/test_nvme_errors.py",                 # 202
-    "tests/launcher/test_orphans.py",                    # 200
-    "tests/zero/test_leaf_modules.py",                   # 166
-    "tests/hf/test_gradient_checkpointing.py",           # 131
-    "tests/checkpoint/test_split_groups.py",             # 126
-    "tests/estimate/test_tune.py",                       # 116
-    "tests/pipeline/test_engine_interleaved.py",         # 89
-    "tests/checkpoint/test_expert_checkpoint.py",        # 87
-    "tests/launcher/test_elastic_resume.py",             # 83
-    "tests/pipeline/test_bench_vs_deepspeed.py",         # 82
-    "tests/monitor/test_monitors.py",                    # 82
-    "tests/hf/test_models.py",                           # 74
-    "tests/hf/test_lora.py",                             # 61
-    "tests/pipeline/test_engine_vshape.py",              # 55
-    "tests/launcher/test_hostfile_cli.py",               # 54
-    "tests/experts/test_hf_moe.py",                      # 46
-    "tests/test_rank_decisions.py",                      # 45
-    "tests/checkpoint/test_checkpoints.py",              # 44
-    "tests/engine/test_offload_states.py",               # 44
-    "tests/zero/test_stage_interface.py",                # 44
+    "tests/launcher/test_launcher_run.py",  # 444
+    "tests/launcher/test_multinode_run.py",  # 407
+    "tests/hf/test_switch.py",  # 386
+    "tests/hf/test_accelerate.py",  # 369
+    "tests/integrations/test_ray.py",  # 360
+    "tests/hf/test_trl.py",  # 300
+    "tests/checkpoint/test_crash_points.py",  # 232
+    "tests/checkpoint/test_hf_expert_checkpoint.py",  # 227
+    "tests/integrations/test_spark.py",  # 225
+    "tests/engine/test_combinations.py",  # 219
+    "tests/hf/test_trainer.py",  # 214
+    "tests/pipeline/test_hf.py",  # 207
+    "tests/offload/test_nvme_errors.py",  # 202
+    "tests/launcher/test_orphans.py",  # 200
+    "tests/zero/test_leaf_modules.py",  # 166
+    "tests/hf/test_gradient_checkpointing.py",  # 131
+    "tests/checkpoint/test_split_groups.py",  # 126
+    "tests/estimate/test_tune.py",  # 116
+    "tests/pipeline/test_engine_interleaved.py",  # 89
+    "tests/checkpoint/test_expert_checkpoint.py",  # 87
+    "tests/launcher/test_elastic_resume.py",  # 83
+    "tests/pipeline/test_bench_vs_deepspeed.py",  # 82
+    "tests/monitor/test_monitors.py",  # 82
+    "tests/hf/test_models.py",  # 74
+    "tests/hf/test_lora.py",  # 61
+    "tests/pipeline/test_engine_vshape.py",  # 55
+    "tests/launcher/test_hostfile_cli.py",  # 54
+    "tests/experts/test_hf_moe.py",  # 46
+    "tests/test_rank_decisions.py",  # 45
+    "tests/checkpoint/test_checkpoints.py",  # 44
+    "tests/engine/test_offload_states.py",  # 44
+    "tests/zero/test_stage_interface.py",  # 44
 ]
 
 
@@ -79,8 +79,10 @@ def _no_leaked_process_group(request):
     yield
     if not before and _group_exists():
         dist.destroy_process_group()
-        pytest.fail(f"{request.node.nodeid} left a default process group in the pytest process; "
-                    "take the in_process_rank fixture (tests/conftest.py) or destroy it")
+        pytest.fail(
+            f"{request.node.nodeid} left a default process group in the pytest process; "
+            "take the in_process_rank fixture (tests/conftest.py) or destroy it"
+        )
 
 
 @pytest.fixture
@@ -89,8 +91,14 @@ def in_process_rank(monkeypatch):
     derived from the pid: two workers' ranges overlap); its process group is destroyed after."""
     from zerotrain.comm.distributed import free_port
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
     yield
     if _group_exists():

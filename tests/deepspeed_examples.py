@@ -46,15 +46,19 @@ class ExampleScript:
 
     def missing(self) -> str:
         """Why a run test skips, and how to get the script."""
-        return (f"DeepSpeedExamples' {self.path} not found (not stored here): clone "
-                f"https://github.com/deepspeedai/DeepSpeedExamples (commit {DEEPSPEED_EXAMPLES_COMMIT[:12]}) and set "
-                f"DEEPSPEED_EXAMPLES to the checkout, or {self.env_var} to the file")
+        return (
+            f"DeepSpeedExamples' {self.path} not found (not stored here): clone "
+            f"https://github.com/deepspeedai/DeepSpeedExamples (commit {DEEPSPEED_EXAMPLES_COMMIT[:12]}) and set "
+            f"DEEPSPEED_EXAMPLES to the checkout, or {self.env_var} to the file"
+        )
 
 
-CIFAR10_MOE = ExampleScript("training/cifar/cifar10_deepspeed.py", "e92c439375e1fa4ddb13c573084de8246dfabf55",
-                            "CIFAR10_DEEPSPEED_SCRIPT")
-PIPELINE = ExampleScript("training/pipeline_parallelism/train.py", "b4bc49bf6eb317f4a9298a9b43f176e025bbd99c",
-                         "PIPELINE_DEEPSPEED_SCRIPT")
+CIFAR10_MOE = ExampleScript(
+    "training/cifar/cifar10_deepspeed.py", "e92c439375e1fa4ddb13c573084de8246dfabf55", "CIFAR10_DEEPSPEED_SCRIPT"
+)
+PIPELINE = ExampleScript(
+    "training/pipeline_parallelism/train.py", "b4bc49bf6eb317f4a9298a9b43f176e025bbd99c", "PIPELINE_DEEPSPEED_SCRIPT"
+)
 
 
 def git_blob_id(path: str) -> str:

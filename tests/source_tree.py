@@ -32,6 +32,6 @@ def import_base(node, package: str) -> str:
     base = node.module or ""
     if node.level:
         anchor = package.split(".")
-        anchor = anchor[:len(anchor) - (node.level - 1)]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
         base = ".".join(anchor + ([base] if base else []))
     return public_name(base)

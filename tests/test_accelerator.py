@@ -4,7 +4,6 @@ plus the CUDA class's device-independent answers."""
 from __future__ import annotations
 
 import mmap
-
 import time
 
 import psutil
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import zerotrain
-from zerotrain.accelerator import (CPUAccelerator, CUDAAccelerator, get_accelerator, set_accelerator)
+from zerotrain.accelerator import CPUAccelerator, CUDAAccelerator, get_accelerator, set_accelerator
 
 # Every method and property of DeepSpeed's DeepSpeedAccelerator (accelerator/abstract_accelerator.py,
 # deepspeedai/DeepSpeed edaa722, v0.19.6), abstract or not.
@@ -132,8 +131,13 @@ def test_dtype_queries(cpu):
     dtypes = cpu.supported_dtypes()
     assert dtypes[0] == torch.float32 and torch.bfloat16 in dtypes
     # fp16 is reported when torch computes in it here (zerotrain then trains in it on CPU).
-    fp16_works = bool(torch.nn.functional.layer_norm(torch.ones(2, 2, dtype=torch.float16) @ torch.ones(
-        2, 2, dtype=torch.float16), (2,)).isfinite().all())
+    fp16_works = bool(
+        torch.nn.functional.layer_norm(
+            torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16), (2,)
+        )
+        .isfinite()
+        .all()
+    )
     assert cpu.is_fp16_supported() == fp16_works == (torch.float16 in dtypes)
 
 
@@ -181,12 +185,15 @@ def test_peak_flops_for_mfu(cpu, monkeypatch):
     assert cpu.peak_flops(torch.bfloat16) is None  # the CPU: n/a unless flops_profiler.peak_tflops
     cuda = CUDAAccelerator()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name, dtype, tflops in (("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4),
-                                ("NVIDIA H100 PCIe", torch.float16, 756.0), ("NVIDIA H200", torch.bfloat16, 989.4),
-                                ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
-                                ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 tensor cores
-                                ("NVIDIA A100-SXM4-80GB", torch.float32, None),  # fp32: depends on TF32
-                                ("NVIDIA GeForce GTX 1080", torch.float16, None)):
+    for name, dtype, tflops in (
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4),
+        ("NVIDIA H100 PCIe", torch.float16, 756.0),
+        ("NVIDIA H200", torch.bfloat16, 989.4),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+        ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 tensor cores
+        ("NVIDIA A100-SXM4-80GB", torch.float32, None),  # fp32: depends on TF32
+        ("NVIDIA GeForce GTX 1080", torch.float16, None),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, _name=name: _name)
         assert cuda.peak_flops(dtype) == (tflops * 1e12 if tflops else None), name
 

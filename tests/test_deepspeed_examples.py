@@ -12,16 +12,33 @@ from tests.deepspeed_examples import CIFAR10_MOE, PIPELINE, git_blob_id, import_
 
 
 def test_import_change_touches_only_deepspeed_imports():
-    text = "\n".join(["import argparse", "import deepspeed", "import deepspeed_extra", "from deepspeed.accelerator "
-                      "import get_accelerator", "from deepspeed.moe.utils import split_params", "    import deepspeed",
-                      "x = deepspeed.moe.layer.MoE  # import deepspeed", "from deepspeedx import y",
-                      "from deepspeed import comm", "from deepspeed.pipe import PipelineModule"])
+    text = "\n".join(
+        [
+            "import argparse",
+            "import deepspeed",
+            "import deepspeed_extra",
+            "from deepspeed.accelerator import get_accelerator",
+            "from deepspeed.moe.utils import split_params",
+            "    import deepspeed",
+            "x = deepspeed.moe.layer.MoE  # import deepspeed",
+            "from deepspeedx import y",
+            "from deepspeed import comm",
+            "from deepspeed.pipe import PipelineModule",
+        ]
+    )
     changed = import_changed(text).split("\n")
-    assert changed == ["import argparse", "import zerotrain as deepspeed", "import deepspeed_extra",
-                       "from zerotrain.accelerator import get_accelerator",
-                       "from zerotrain.moe.utils import split_params", "    import deepspeed",
-                       "x = deepspeed.moe.layer.MoE  # import deepspeed", "from deepspeedx import y",
-                       "from zerotrain import comm", "from zerotrain.pipe import PipelineModule"]
+    assert changed == [
+        "import argparse",
+        "import zerotrain as deepspeed",
+        "import deepspeed_extra",
+        "from zerotrain.accelerator import get_accelerator",
+        "from zerotrain.moe.utils import split_params",
+        "    import deepspeed",
+        "x = deepspeed.moe.layer.MoE  # import deepspeed",
+        "from deepspeedx import y",
+        "from zerotrain import comm",
+        "from zerotrain.pipe import PipelineModule",
+    ]
 
 
 def test_git_blob_id_is_gits(tmp_path):
@@ -65,16 +82,25 @@ def test_find_order_and_skip_reason(tmp_path, monkeypatch):
 def test_run_as_main_runs_the_changed_script_as_main(tmp_path, monkeypatch):
     out = tmp_path / "out.txt"
     script = tmp_path / "example.py"
-    script.write_text("import sys\nimport deepspeed\nfrom deepspeed.utils import RepeatingLoader\n"
-                      "class Thing:\n    pass\n"
-                      f"open({str(out)!r}, 'w').write(' '.join([__name__, __file__, deepspeed.__name__, "
-                      "RepeatingLoader.__module__.split('.')[0], Thing.__module__, str(sys.modules['__main__'] is "
-                      "sys.modules[Thing.__module__]), sys.path[0]]))\n")
+    script.write_text(
+        "import sys\nimport deepspeed\nfrom deepspeed.utils import RepeatingLoader\n"
+        "class Thing:\n    pass\n"
+        f"open({str(out)!r}, 'w').write(' '.join([__name__, __file__, deepspeed.__name__, "
+        "RepeatingLoader.__module__.split('.')[0], Thing.__module__, str(sys.modules['__main__'] is "
+        "sys.modules[Thing.__module__]), sys.path[0]]))\n"
+    )
     main = sys.modules["__main__"]
     monkeypatch.setattr(sys, "path", list(sys.path))
     run_as_main(str(script))
-    assert out.read_text().split(" ") == ["__main__", str(script), "zerotrain", "zerotrain", "__main__", "True",
-                                          str(tmp_path)]
+    assert out.read_text().split(" ") == [
+        "__main__",
+        str(script),
+        "zerotrain",
+        "zerotrain",
+        "__main__",
+        "True",
+        str(tmp_path),
+    ]
     assert sys.modules["__main__"] is main
     with pytest.raises(SystemExit, match="EXAMPLE_ENGINE='torch': use zerotrain or deepspeed"):
         run_as_main(str(script), "torch")

@@ -12,8 +12,7 @@ WARNING = "Failed to initialize NumPy"
 
 
 def _stderr_of(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          check=True).stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stderr
 
 
 def test_numpy_is_a_dependency():

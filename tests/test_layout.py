@@ -22,7 +22,8 @@ import re
 import subprocess
 import sys
 
-from tests.source_tree import ROOT, SRC, import_base, modules as _modules
+from tests.source_tree import ROOT, SRC, import_base
+from tests.source_tree import modules as _modules
 from zerotrain._lazy import DEEPSPEED_NAMED, DEEPSPEED_PATHS, public_name
 
 #: Packages (and everything under them) that exist only to give DeepSpeed's import paths
@@ -77,12 +78,17 @@ def imports_of(module: str) -> set[str]:
                 full = f"{base}.{alias.name}"
                 add(full if full in MODULES else base)
         elif isinstance(node, (ast.Dict, ast.DictComp)):
-            for value in (node.values if isinstance(node, ast.Dict) else [node.value]):
+            for value in node.values if isinstance(node, ast.Dict) else [node.value]:
                 if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value in MODULES:
                     add(value.value)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             add(node.args[0].value)
     return found
 
@@ -206,8 +212,7 @@ def _in(module: str, packages) -> bool:
 
 def compat_imports() -> list[str]:
     """``importer -> compat module`` for every module outside COMPAT that imports from it."""
-    return sorted(f"{m} -> {t}" for m in MODULES if not _in(m, COMPAT)
-                  for t in imports_of(m) if _in(t, COMPAT))
+    return sorted(f"{m} -> {t}" for m in MODULES if not _in(m, COMPAT) for t in imports_of(m) if _in(t, COMPAT))
 
 
 def _top(module: str) -> str:
@@ -261,10 +266,14 @@ def compat_definitions() -> list[str]:
             if isinstance(node, (ast.FunctionDef,)) and node.name in ("__getattr__", "__dir__"):
                 continue
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(
-                    isinstance(n, ast.Lambda) for n in ast.walk(node)):
+                isinstance(n, ast.Lambda) for n in ast.walk(node)
+            ):
                 continue  # aliases, __all__, name tables, lazy_attributes(...)
-            if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                    and getattr(node.value.func, "id", "") == "become_deepspeed"):
+            if (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", "") == "become_deepspeed"
+            ):
                 continue  # the installed shim aliases zerotrain's modules as deepspeed's
             out.append(f"{m}:{node.lineno} {type(node).__name__} {getattr(node, 'name', '')}".rstrip())
     return out
@@ -283,9 +292,12 @@ def folders() -> list[str]:
 
 # --- the checks ---------------------------------------------------------------------------------
 
+
 def test_no_module_outside_compat_imports_from_it():
-    assert compat_imports() == [], ("real code imports from the DeepSpeed-named compatibility modules; "
-                                    "import from the module that implements the name instead")
+    assert compat_imports() == [], (
+        "real code imports from the DeepSpeed-named compatibility modules; "
+        "import from the module that implements the name instead"
+    )
 
 
 def test_compat_modules_hold_only_reexports():
@@ -303,18 +315,20 @@ def test_no_import_cycle_through_zero_or_offload():
 def test_package_graph_is_acyclic_but_for_the_root_namespace():
     # zerotrain/__init__ names every package (lazily) and a few modules read its __version__:
     # the one node allowed on a cycle.
-    graph = {a: {b: e for b, e in out.items() if b != "<root>"} for a, out in package_graph().items()
-             if a != "<root>"}
+    graph = {a: {b: e for b, e in out.items() if b != "<root>"} for a, out in package_graph().items() if a != "<root>"}
     cycles = cycles_through(graph, sorted(graph))
-    assert not cycles, "\n".join(" -> ".join(c) + ": " + "; ".join(graph[a][b][0] for a, b in zip(c, c[1:]))
-                                  for c in cycles)
+    assert not cycles, "\n".join(
+        " -> ".join(c) + ": " + "; ".join(graph[a][b][0] for a, b in zip(c, c[1:])) for c in cycles
+    )
 
 
 def test_no_import_cycle_between_modules_at_import_time():
     graph = {m: import_time_imports_of(m) for m in MODULES}
     cycles = module_cycles(graph)
-    assert not cycles, "modules that import each other when imported (make one import lazy, or move " \
+    assert not cycles, (
+        "modules that import each other when imported (make one import lazy, or move "
         "the shared piece below both):\n" + "\n".join(" -> ".join(c) for c in cycles)
+    )
 
 
 def test_the_module_cycle_check_finds_a_cycle_and_its_path():
@@ -331,12 +345,14 @@ def test_the_module_cycle_check_finds_a_cycle_and_its_path():
 
 
 def test_deepspeed_paths_are_one_module_per_file_under_their_public_names():
-    on_disk = {p.stem if p.suffix == ".py" else p.name for p in (SRC / "deepspeed_paths").iterdir()
-               if p.name != "__init__.py" and p.name != "__pycache__"}
+    on_disk = {
+        p.stem if p.suffix == ".py" else p.name
+        for p in (SRC / "deepspeed_paths").iterdir()
+        if p.name != "__init__.py" and p.name != "__pycache__"
+    }
     assert on_disk == set(DEEPSPEED_NAMED)  # the finder's list is the folder's contents
     # and no real module at the top level has one of these names (the finder would hide it).
-    assert not any((SRC / name / "__init__.py").exists() or (SRC / f"{name}.py").exists()
-                   for name in DEEPSPEED_NAMED)
+    assert not any((SRC / name / "__init__.py").exists() or (SRC / f"{name}.py").exists() for name in DEEPSPEED_NAMED)
     # In a fresh interpreter, each name and its deepspeed_paths name are the same module object.
     script = (
         "import pickle, sys\n"
@@ -363,17 +379,25 @@ def test_deepspeed_paths_are_one_module_per_file_under_their_public_names():
         "    assert error.name == 'zerotrain.runtime.no_such_module', error.name\n"
         "else:\n"
         "    raise AssertionError('imported a module that does not exist')\n"
-        "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(SRC.parent)})
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(SRC.parent)},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_readme_layout_lists_every_folder():
     block = layout_block()
     listed = set(re.findall(r"^  ([A-Za-z_]\w*)/", block, re.M))
-    assert listed == set(folders()), (f"missing: {sorted(set(folders()) - listed)}, "
-                                      f"not a folder: {sorted(listed - set(folders()))}")
+    assert listed == set(folders()), (
+        f"missing: {sorted(set(folders()) - listed)}, not a folder: {sorted(listed - set(folders()))}"
+    )
 
 
 def test_the_checks_see_lazy_and_function_level_imports():

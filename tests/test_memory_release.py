@@ -31,8 +31,7 @@ class _CountingLibc:
 def libc(monkeypatch):
     fake = _CountingLibc()
     monkeypatch.setattr(memory_release, "_libc", lambda: fake)
-    monkeypatch.setattr(memory_release, "_fix_mmap_threshold",
-                        memory_release._fix_mmap_threshold.__wrapped__)
+    monkeypatch.setattr(memory_release, "_fix_mmap_threshold", memory_release._fix_mmap_threshold.__wrapped__)
     yield fake
     memory_release.set_memory_release("eager")
 
@@ -61,7 +60,8 @@ def test_eager_trims_per_bucket_and_between_phases_off_never(libc):
     policy.between_phases()
     assert libc.trims == 3
     assert policy.configure_allocator() and libc.mallopts == [
-        (memory_release.M_MMAP_THRESHOLD, memory_release.MMAP_THRESHOLD_BYTES)]
+        (memory_release.M_MMAP_THRESHOLD, memory_release.MMAP_THRESHOLD_BYTES)
+    ]
 
     policy = memory_release.ReleasePolicy("per_step")
     trim = policy.trim_every(100)
@@ -122,12 +122,15 @@ def _trims_per_step(policies):
             mallopts = len(fake.mallopts)
             extra = {} if policy is None else {"memory_release": policy}
             engine, *_ = zerotrain.initialize(
-                model=model, config=adamw_config(2, zero_optimization={"stage": stage}, **extra))
+                model=model, config=adamw_config(2, zero_optimization={"stage": stage}, **extra)
+            )
             before = fake.trims
             train_steps(engine, 2)
-            out[policy][stage] = {"trims": fake.trims - before,
-                                  "policy": engine.zero_stage_object.memory_release.name,
-                                  "threshold_set": len(fake.mallopts) > mallopts}
+            out[policy][stage] = {
+                "trims": fake.trims - before,
+                "policy": engine.zero_stage_object.memory_release.name,
+                "threshold_set": len(fake.mallopts) > mallopts,
+            }
             engine.destroy()
     return out
 

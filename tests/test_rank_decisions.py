@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import ast
 
-from tests.source_tree import ROOT, import_base, modules as _modules
+from tests.source_tree import ROOT, import_base
+from tests.source_tree import modules as _modules
 
 #: Functions that answer for a group, the world when the group is missing or None.
-TORCH = {"torch.distributed.get_rank", "torch.distributed.get_world_size",
-         "torch.distributed.distributed_c10d.get_rank", "torch.distributed.distributed_c10d.get_world_size"}
+TORCH = {
+    "torch.distributed.get_rank",
+    "torch.distributed.get_world_size",
+    "torch.distributed.distributed_c10d.get_rank",
+    "torch.distributed.distributed_c10d.get_world_size",
+}
 #: zerotrain.comm's process-wide answers (``get_rank()`` has no group; ``get_world_size(group=None)``).
-COMM = {"zerotrain.comm.get_rank", "zerotrain.comm.get_world_size",
-        "zerotrain.comm.distributed.get_rank", "zerotrain.comm.distributed.get_world_size"}
+COMM = {
+    "zerotrain.comm.get_rank",
+    "zerotrain.comm.get_world_size",
+    "zerotrain.comm.distributed.get_rank",
+    "zerotrain.comm.distributed.get_world_size",
+}
 
 #: Packages allowed to ask: comm owns the process group, topology every rank and group.
 TORCH_ALLOWED = ("zerotrain.comm", "zerotrain.topology")
@@ -73,8 +82,12 @@ def _is_none(node: ast.AST) -> bool:
 
 
 #: The default group named outright: the world all the same.
-WORLD_GROUPS = {"torch.distributed.group.WORLD", "torch.distributed.GroupMember.WORLD",
-                "torch.distributed.distributed_c10d.group.WORLD", "torch.distributed.distributed_c10d.GroupMember.WORLD"}
+WORLD_GROUPS = {
+    "torch.distributed.group.WORLD",
+    "torch.distributed.GroupMember.WORLD",
+    "torch.distributed.distributed_c10d.group.WORLD",
+    "torch.distributed.distributed_c10d.GroupMember.WORLD",
+}
 
 
 def _asks_the_world(call: ast.Call, names: dict[str, str]) -> bool:
@@ -127,11 +140,14 @@ def offenders() -> dict[str, list[str]]:
 
 # --- the checks ---------------------------------------------------------------------------------
 
+
 def test_no_rank_decision_asks_the_world():
     found = {m: f for m, f in offenders().items() if m not in ALLOWED_FOR_NOW}
     detail = "\n".join(f"{MODULES[m].relative_to(ROOT)}:{line}" for m, lines in found.items() for line in lines)
-    assert not found, ("ask the topology (engine.topology, or zerotrain.topology.current() without an "
-                       "engine) instead of the world:\n" + detail)
+    assert not found, (
+        "ask the topology (engine.topology, or zerotrain.topology.current() without an "
+        "engine) instead of the world:\n" + detail
+    )
 
 
 def test_allowed_for_now_lists_only_offenders():
@@ -141,7 +157,8 @@ def test_allowed_for_now_lists_only_offenders():
 
 def test_the_checker_flags_a_bare_get_rank():
     assert world_queries("import torch.distributed as dist\n\ndef f():\n    return dist.get_rank()\n") == [
-        "4: dist.get_rank() (torch.distributed.get_rank, the world's)"]
+        "4: dist.get_rank() (torch.distributed.get_rank, the world's)"
+    ]
 
 
 def test_the_checker_sees_every_spelling():
@@ -173,7 +190,9 @@ def f(group):
 
 
 def test_the_checker_allows_comm_topology_and_the_launcher_their_own_questions():
-    bare = "import torch.distributed as dist\nfrom zerotrain.comm import get_rank\nx = dist.get_rank()\ny = get_rank()\n"
+    bare = (
+        "import torch.distributed as dist\nfrom zerotrain.comm import get_rank\nx = dist.get_rank()\ny = get_rank()\n"
+    )
     assert world_queries(bare, "zerotrain.comm.distributed") == []
     assert world_queries(bare, "zerotrain.topology.topology") == []
     assert [s.split(":")[0] for s in world_queries(bare, "zerotrain.launcher.launch")] == ["3"]  # torch's: no

@@ -27,14 +27,17 @@ def history_references() -> list[str]:
 
 def test_no_history_references_in_src():
     found = history_references()
-    assert found == [], ("say what and why instead of naming an issue, seed or session:\n"
-                         + "\n".join(found))
+    assert found == [], "say what and why instead of naming an issue, seed or session:\n" + "\n".join(found)
 
 
 def test_the_history_pattern_matches_what_it_is_for():
-    for text in ("# issue 15 parts 5-6", "(Issue #40)", "Seed 001's idle time", "seed 000",
-                 'docs/benchmarks.md "Session 16"'):
+    for text in (
+        "# issue 15 parts 5-6",
+        "(Issue #40)",
+        "Seed 001's idle time",
+        "seed 000",
+        'docs/benchmarks.md "Session 16"',
+    ):
         assert HISTORY.search(text), text
-    for text in ("seed_layers", "base_seed + idx", "manual_seed(1234)", "session_id", "tissue 3",
-                 "the seed's table"):
+    for text in ("seed_layers", "base_seed + idx", "manual_seed(1234)", "session_id", "tissue 3", "the seed's table"):
         assert not HISTORY.search(text), text

@@ -177,11 +177,18 @@ def crash_points(root: str) -> dict:
             while True:
                 folder = setup.fresh_copy(root / "work")
                 child = _save_in_child(setup, folder, tag, async_save, at)
-                record = dict(variant, mode="kill", at=at, exit=child["exit"],
-                              error=child.get("error"), call=child.get("died_before"))
+                record = dict(
+                    variant,
+                    mode="kill",
+                    at=at,
+                    exit=child["exit"],
+                    error=child.get("error"),
+                    call=child.get("died_before"),
+                )
                 if "calls" in child:
-                    record["expected"] = ("new" if child["died_before"] is None
-                                          else _expected(child["calls"], tag, reuse))
+                    record["expected"] = (
+                        "new" if child["died_before"] is None else _expected(child["calls"], tag, reuse)
+                    )
                     record["leftovers"] = _leftovers(folder)
                 records.append(setup.check(folder, tag, async_save, record))
                 if child.get("died_before") is None:
@@ -201,11 +208,16 @@ def crash_points(root: str) -> dict:
                     except Exception as error:  # noqa: BLE001 - the test names it
                         raised = f"not a CheckpointError: {type(error).__name__}: {error}"
                 injected = len(faults.calls) >= at
-                record = dict(variant, mode="enospc", at=at, injected=injected, raised=raised,
-                              call=list(faults.calls[at - 1]) if injected else None,
-                              expected=(_expected(faults.calls[:at - 1], tag, reuse)
-                                        if injected and raised else "new"),
-                              leftovers=_leftovers(folder))
+                record = dict(
+                    variant,
+                    mode="enospc",
+                    at=at,
+                    injected=injected,
+                    raised=raised,
+                    call=list(faults.calls[at - 1]) if injected else None,
+                    expected=(_expected(faults.calls[: at - 1], tag, reuse) if injected and raised else "new"),
+                    leftovers=_leftovers(folder),
+                )
                 records.append(setup.check(folder, tag, async_save, record))
                 if not injected:
                     break
@@ -243,11 +255,16 @@ def two_rank_faults(root: str) -> dict:
             finally:
                 faults.uninstall()
             flags = [None, None]
-            dist.all_gather_object(flags, (len(faults.calls) >= at, faults.calls[:at - 1]))
+            dist.all_gather_object(flags, (len(faults.calls) >= at, faults.calls[: at - 1]))
             injected, done = flags[faulty]
-            record = {"faulty": faulty, "at": at, "injected": injected, "raised": raised,
-                      "expected": _expected(done, OLD_TAG, True) if injected and raised else "new",
-                      "leftovers": _leftovers(folder) if rank == 0 else []}
+            record = {
+                "faulty": faulty,
+                "at": at,
+                "injected": injected,
+                "raised": raised,
+                "expected": _expected(done, OLD_TAG, True) if injected and raised else "new",
+                "leftovers": _leftovers(folder) if rank == 0 else [],
+            }
             dist.barrier()
             records.append(setup.check(folder, OLD_TAG, False, record))
             dist.barrier()

@@ -20,8 +20,7 @@ import threading
 from pathlib import Path
 
 # Calls that can fail with ENOSPC (creating or growing something); deletions cannot.
-CAN_RUN_OUT_OF_SPACE = {"open-w", "os.open-w", "write", "fsync", "mkdir", "replace", "rename",
-                        "copyfile"}
+CAN_RUN_OUT_OF_SPACE = {"open-w", "os.open-w", "write", "fsync", "mkdir", "replace", "rename", "copyfile"}
 
 
 def _short(arg) -> str:
@@ -46,7 +45,7 @@ class FileSystemCalls:
             if len(self.calls) == self.at:
                 self.action(call, self.calls[:-1])
 
-    def install(self) -> "FileSystemCalls":
+    def install(self) -> FileSystemCalls:
         hit = self.hit
         real_open, real_os_open = builtins.open, os.open
 
@@ -85,9 +84,11 @@ class FileSystemCalls:
             self._saved.append((module, name, real))
             setattr(module, name, wrapper)
 
-        for module, name, real, new in ((builtins, "open", real_open, counting_open),
-                                        (io, "open", io.open, counting_open),
-                                        (os, "open", real_os_open, counting_os_open)):
+        for module, name, real, new in (
+            (builtins, "open", real_open, counting_open),
+            (io, "open", io.open, counting_open),
+            (os, "open", real_os_open, counting_os_open),
+        ):
             self._saved.append((module, name, real))
             setattr(module, name, new)
         wrap(os, "fsync")

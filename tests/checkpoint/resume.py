@@ -4,7 +4,7 @@ load into a fresh engine, train the same steps again, and what to compare."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -12,8 +12,11 @@ import torch
 def optimizer_state(engine) -> list:
     """Every stepped tensor (fp32 master or shard) and its optimizer state, in group order."""
     opt = engine.optimizer
-    return [(p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()})
-            for group in opt.param_groups for p in group["params"]]
+    return [
+        (p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()})
+        for group in opt.param_groups
+        for p in group["params"]
+    ]
 
 
 def same_state(a: list, b: list) -> bool:
@@ -28,8 +31,9 @@ def same_state(a: list, b: list) -> bool:
     return True
 
 
-def save_and_resume(engine, path: str, tag: str, weights: Callable, train_on: Callable, build_fresh: Callable,
-                    async_save: bool = False) -> dict:
+def save_and_resume(
+    engine, path: str, tag: str, weights: Callable, train_on: Callable, build_fresh: Callable, async_save: bool = False
+) -> dict:
     """Save ``engine`` (already trained up to the save) under ``path``/``tag``, go on with
     ``train_on(engine)`` (the losses: the reference), then load ``path`` into ``build_fresh()``
     and run ``train_on`` there too. ``weights(engine)`` is what is compared (a collective where
@@ -48,8 +52,15 @@ def save_and_resume(engine, path: str, tag: str, weights: Callable, train_on: Ca
     fresh.load_checkpoint(path)
     loaded, loaded_state = weights(fresh), optimizer_state(fresh)
     losses = train_on(fresh)
-    out = {"saved": saved, "final": final, "ref_losses": ref_losses, "losses": losses,
-           "loaded_equal": all(torch.equal(loaded[k], v) for k, v in saved.items()),
-           "state_equal": same_state(state, loaded_state), "resumed": weights(fresh), "step": fresh.global_steps}
+    out = {
+        "saved": saved,
+        "final": final,
+        "ref_losses": ref_losses,
+        "losses": losses,
+        "loaded_equal": all(torch.equal(loaded[k], v) for k, v in saved.items()),
+        "state_equal": same_state(state, loaded_state),
+        "resumed": weights(fresh),
+        "step": fresh.global_steps,
+    }
     fresh.destroy()
     return out

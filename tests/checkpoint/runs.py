@@ -35,14 +35,21 @@ def save_runs(root: str) -> dict:
     for stage, precision in EXACT:
         engine = build(config(stage, precision), dropout=0.1)
         before = train(engine, STEPS)
-        engine.save_checkpoint(exact_dir(root, stage, precision), client_state={"epoch": 3, "ids": torch.arange(4)},
-                               async_save=(stage, precision) == ASYNC)
+        engine.save_checkpoint(
+            exact_dir(root, stage, precision),
+            client_state={"epoch": 3, "ids": torch.arange(4)},
+            async_save=(stage, precision) == ASYNC,
+        )
         # what consolidation must reproduce (copies: at stages 0-2 these are the live tensors)
         saved_weights = {k: v.clone() for k, v in engine.module_state_dict().items()}
         after = train(engine, STEPS)
         engine.wait_for_checkpoint()
-        out[(stage, precision)] = {"before": before, "after": after, "final": final_state(engine),
-                                   "saved_weights": saved_weights}
+        out[(stage, precision)] = {
+            "before": before,
+            "after": after,
+            "final": final_state(engine),
+            "saved_weights": saved_weights,
+        }
         engine.destroy()
     for stage in (1, 2):  # sources of the universal reloads (no dropout: ranks would differ)
         engine = build(config(stage))
@@ -95,8 +102,7 @@ def load_runs(root: str) -> dict:
         engine = build(config(stage, precision), dropout=0.1)
         path, client = engine.load_checkpoint(exact_dir(root, stage, precision))
         after = train(engine, STEPS)
-        out[(stage, precision)] = {"after": after, "final": final_state(engine), "client": client,
-                                   "path": path}
+        out[(stage, precision)] = {"after": after, "final": final_state(engine), "client": client, "path": path}
         engine.destroy()
     engine = build(config(3))  # saved at stage 1 on 2 ranks, loaded at stage 3
     engine.load_checkpoint(str(Path(root) / "universal1"))
@@ -109,9 +115,9 @@ def load_runs(root: str) -> dict:
         for piece in unit.layout.shard_pieces(engine._zero.shard_rank):
             name = unit.names[piece.slot.index]
             masters[(name, piece.param_start)] = unit.master.detach()[
-                piece.shard_start:piece.shard_start + piece.numel].clone()
-    out["fp32->bf16"] = {"masters": masters, "weights": engine.module_state_dict(),
-                         "after": train(engine, 2)}
+                piece.shard_start : piece.shard_start + piece.numel
+            ].clone()
+    out["fp32->bf16"] = {"masters": masters, "weights": engine.module_state_dict(), "after": train(engine, 2)}
     return out
 
 
@@ -148,16 +154,18 @@ def single_rank_loads(root: str, killed: str, corrupt: str) -> dict:
     out["2->0"] = {"after": train(engine, STEPS), "final": final_state(engine)}
     engine = build(config(2))
     path, _ = engine.load_checkpoint(killed)
-    out["killed"] = {"path": path, "steps": engine.global_steps,
-                     "weights": {k: v.clone() for k, v in engine.module_state_dict().items()}}
+    out["killed"] = {
+        "path": path,
+        "steps": engine.global_steps,
+        "weights": {k: v.clone() for k, v in engine.module_state_dict().items()},
+    }
     try:
         engine.load_checkpoint(corrupt)
         out["corrupt"] = "no error"
     except CheckpointError as error:
         out["corrupt"] = str(error)
-    from tests.engine.workloads import make_model
-
     import zerotrain
+    from tests.engine.workloads import make_model
 
     other = make_model(vocab_size=80)  # the embedding and head have other shapes
     engine, *_ = zerotrain.initialize(model=other, model_parameters=other.parameters(), config=config(1))

@@ -38,8 +38,7 @@ def results(tmp_path_factory):
     (flipped / f"global_step{runs.STEPS}" / shard_file(1)).write_bytes(bytes(data))
     single = run_on_ranks(runs.single_rank_loads, 1, args=(str(root), str(killed), str(flipped)), timeout=300)
     four = run_on_ranks(runs.four_rank_loads, 4, args=(str(root),), timeout=300)
-    return {"root": root, "saved": saved, "loaded": loaded, "killed": killed_state,
-            "single": single[0], "four": four}
+    return {"root": root, "saved": saved, "loaded": loaded, "killed": killed_state, "single": single[0], "four": four}
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
@@ -91,7 +90,7 @@ def test_fp32_checkpoint_into_bf16_keeps_exact_masters(results):
     state = _fp32(results["root"] / "universal1")
     for rank in (0, 1):
         for (name, start), master in results["loaded"][rank]["fp32->bf16"]["masters"].items():
-            want = state[name].reshape(-1)[start:start + master.numel()]
+            want = state[name].reshape(-1)[start : start + master.numel()]
             assert torch.equal(master, want), name
     weights = results["loaded"][0]["fp32->bf16"]["weights"]
     for name, value in state.items():
@@ -127,8 +126,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(results):
 def test_flipped_byte_is_reported_with_the_file_name(results):
     message = results["single"]["corrupt"]  # runs.single_rank_loads' key; the folder is flipped_bit
     path = results["root"] / "flipped_bit" / f"global_step{runs.STEPS}" / shard_file(1)
-    assert message == (f"{path} is corrupt: its sha256 does not match the one recorded in "
-                       "metadata.json"), message
+    assert message == (f"{path} is corrupt: its sha256 does not match the one recorded in metadata.json"), message
 
 
 def test_shape_mismatch_names_the_parameter_and_non_strict_loads_the_rest(results):
@@ -155,8 +153,13 @@ def test_layout_and_metadata(results):
     meta = json.loads((folder / tag / "metadata.json").read_text())
     assert meta["world_size"] == 2 and meta["stage"] == 3 and meta["param_dtype"] == "bfloat16"
     assert meta["torch_version"] == torch.__version__ and meta["config"]["bf16"]["enabled"]
-    assert set(meta["files"]) == {"model.safetensors", shard_file(0), shard_file(1),
-                                  "state.rank00000.pt", "state.rank00001.pt"}
+    assert set(meta["files"]) == {
+        "model.safetensors",
+        shard_file(0),
+        shard_file(1),
+        "state.rank00000.pt",
+        "state.rank00001.pt",
+    }
     unit = meta["units"][0]
     assert {"params", "shard_numel", "world_size", "saved"} <= set(unit)
     assert "master" in unit["saved"] and "state/exp_avg" in unit["saved"]
@@ -172,8 +175,9 @@ def test_consolidation_equals_the_live_model(results, stage, precision, tmp_path
 
     folder = runs.exact_dir(results["root"], stage, precision)
     dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[precision]
-    files = convert_zero_checkpoint_to_fp32_state_dict(folder, tmp_path, max_shard_size="20KB",
-                                                       safe_serialization=True, dtype=dtype)
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        folder, tmp_path, max_shard_size="20KB", safe_serialization=True, dtype=dtype
+    )
     assert len(files) > 2 and files[-1].name == "model.safetensors.index.json"
     from safetensors.torch import load_file
 
@@ -190,15 +194,21 @@ def test_consolidate_cli_and_standalone_script(results, tmp_path):
     folder = Path(runs.exact_dir(results["root"], 2, "bf16"))
     want = runs_fp32 = _fp32(folder)
     out = tmp_path / "cli"
-    done = subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(folder), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     _assert_same_weights(torch.load(out / "pytorch_model.bin", weights_only=True), want)
     # The copy inside the checkpoint runs with zerotrain made unimportable.
     out2 = tmp_path / "standalone"
-    code = ("import sys, runpy; sys.modules['zerotrain'] = None; "
-            f"sys.argv = ['zero_to_fp32.py', {str(folder)!r}, {str(out2)!r}, '--safe_serialization']; "
-            f"runpy.run_path({str(folder / 'zero_to_fp32.py')!r}, run_name='__main__')")
+    code = (
+        "import sys, runpy; sys.modules['zerotrain'] = None; "
+        f"sys.argv = ['zero_to_fp32.py', {str(folder)!r}, {str(out2)!r}, '--safe_serialization']; "
+        f"runpy.run_path({str(folder / 'zero_to_fp32.py')!r}, run_name='__main__')"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file

@@ -47,10 +47,10 @@ def _table() -> dict:
         "np_float64": np.float64(0.1),
         "np_float32": np.float32(1 / 3),
         "np_float16": np.float16(0.3),
-        "np_int64": np.int64(-(2 ** 62)),
+        "np_int64": np.int64(-(2**62)),
         "np_int32": np.int32(7),
         "np_uint8": np.uint8(255),
-        "np_uint64": np.uint64(2 ** 64 - 1),
+        "np_uint64": np.uint64(2**64 - 1),
         "np_bool": np.bool_(True),
         "np_complex": np.complex64(1 - 2j),
         "np_str": np.str_("tok"),
@@ -71,15 +71,25 @@ def _table() -> dict:
         "tensor": torch.arange(4.0),
         "parameter": torch.nn.Parameter(torch.ones(2), requires_grad=False),
         "dtype_device": (torch.bfloat16, torch.device("cpu")),
-        "plain": {"epoch": 3, "loss": 1.5, "name": "run", "none": None, "flag": True, "c": 1j,
-                  "bytes": b"\x00\xff", "nested": [1, (2, [3.0])]},
+        "plain": {
+            "epoch": 3,
+            "loss": 1.5,
+            "name": "run",
+            "none": None,
+            "flag": True,
+            "c": 1j,
+            "bytes": b"\x00\xff",
+            "nested": [1, (2, [3.0])],
+        },
         "enum_keys": {Color.RED: "r", np.int64(3): "three", Point(0, 0): "origin", (1, Split.TRAIN): "t"},
         "reserved_key": {TAG: "numpy", "dtype": "<f8", "value": 1.0},  # a user dict, not a tag
-        "nested": [Point(np.float32(0.5), Split.TRAIN),
-                   OrderedDict([("m", {"mean": np.mean([1, 2]), "hist": np.array([1, 2], np.int16)})]),
-                   defaultdict(int, {Color.RED: np.int64(4)}),
-                   (Perm.W, {frozenset({Color.BLUE})}),
-                   {"deep": [[{"x": np.bool_(False)}]]}],
+        "nested": [
+            Point(np.float32(0.5), Split.TRAIN),
+            OrderedDict([("m", {"mean": np.mean([1, 2]), "hist": np.array([1, 2], np.int16)})]),
+            defaultdict(int, {Color.RED: np.int64(4)}),
+            (Perm.W, {frozenset({Color.BLUE})}),
+            {"deep": [[{"x": np.bool_(False)}]]},
+        ],
     }
 
 
@@ -143,6 +153,7 @@ def test_encoding_twice_changes_nothing():
 def _local_enum():
     class Local(enum.Enum):
         A = 1
+
     return Local.A
 
 
@@ -150,19 +161,25 @@ def _lambda_factory():
     return 0
 
 
-@pytest.mark.parametrize("value, where, says", [
-    (lambda: 0, "client_state['v']", "holds a value of type function"),
-    (defaultdict(lambda: 0), "client_state['v']", "default_factory"),
-    (defaultdict(_lambda_factory), "client_state['v']", "default_factory"),
-    (np.longdouble(1), "client_state['v']", "holds a numpy float"),
-    (np.datetime64("2020-01-01"), "client_state['v']", "datetime64"),
-    (np.array([object()]), "client_state['v']", "dtype object"),
-    (type("MyDict", (dict,), {})(), "client_state['v']", "a dict subclass"),
-    (torch.return_types.max((torch.ones(1), torch.zeros(1, dtype=torch.long))), "client_state['v']",
-     "a tuple subclass"),
-    (_local_enum(), "client_state['v']", "defined inside a function"),
-    ({"deep": [1, {"x": object()}]}, "client_state['v']['deep'][1]['x']", "holds a value of type object"),
-])
+@pytest.mark.parametrize(
+    "value, where, says",
+    [
+        (lambda: 0, "client_state['v']", "holds a value of type function"),
+        (defaultdict(lambda: 0), "client_state['v']", "default_factory"),
+        (defaultdict(_lambda_factory), "client_state['v']", "default_factory"),
+        (np.longdouble(1), "client_state['v']", "holds a numpy float"),
+        (np.datetime64("2020-01-01"), "client_state['v']", "datetime64"),
+        (np.array([object()]), "client_state['v']", "dtype object"),
+        (type("MyDict", (dict,), {})(), "client_state['v']", "a dict subclass"),
+        (
+            torch.return_types.max((torch.ones(1), torch.zeros(1, dtype=torch.long))),
+            "client_state['v']",
+            "a tuple subclass",
+        ),
+        (_local_enum(), "client_state['v']", "defined inside a function"),
+        ({"deep": [1, {"x": object()}]}, "client_state['v']['deep'][1]['x']", "holds a value of type object"),
+    ],
+)
 def test_values_that_would_not_load_back_are_refused_at_save_naming_the_key(value, where, says):
     with pytest.raises(StateTypeError) as error:
         encode({"v": value}, "client_state")
@@ -193,14 +210,19 @@ def test_loading_never_imports_a_module_and_calls_only_enums_and_namedtuples():
 
 # -- through save_checkpoint / load_checkpoint on 2 ranks ---------------------------------------
 
+
 def _decay(step):
     return np.float64(0.9) ** step  # a numpy learning-rate factor: the lr becomes np.float64
 
 
 def _config():
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 2}, "steps_per_print": 1000}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 1000,
+    }
 
 
 def _engine():
@@ -209,8 +231,11 @@ def _engine():
 
     model = make_model()
     engine, *_ = zerotrain.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _decay))
+        model=model,
+        model_parameters=model.parameters(),
+        config=_config(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _decay),
+    )
     return engine
 
 
@@ -296,8 +321,9 @@ def test_a_refused_value_fails_the_save_on_every_rank_naming_the_key(results):
     root, ranks = results
     for async_save in (False, True):
         refused = [r["refused", async_save] for r in ranks]
-        assert refused[1].startswith("StateTypeError: client_state['counts'] is a defaultdict "
-                                     "whose default_factory is <function"), refused[1]
+        assert refused[1].startswith(
+            "StateTypeError: client_state['counts'] is a defaultdict whose default_factory is <function"
+        ), refused[1]
         assert "\n" not in refused[1]
         assert refused[0].startswith("CheckpointError: checkpoint "), refused[0]
         assert "rank 1: client_state['counts'] is a defaultdict" in refused[0]

@@ -34,8 +34,14 @@ ENGINE_KEYS = {
     "dataloader": ["epoch", "batches", "batch_size", "world_size"],
     "pld": ["current_theta"],
 }
-FILES = ["metadata.json", "model.safetensors", "shards.rank00000.safetensors", "state.rank00000.pt",
-         "zero_to_fp32.py", "zerotrain_checkpoint_format.py"]
+FILES = [
+    "metadata.json",
+    "model.safetensors",
+    "shards.rank00000.safetensors",
+    "state.rank00000.pt",
+    "zero_to_fp32.py",
+    "zerotrain_checkpoint_format.py",
+]
 
 
 # -- the static rule ---------------------------------------------------------------------------
@@ -52,11 +58,17 @@ def _on_engine(node: ast.AST) -> bool:
 def engine_probes(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr", "setattr") and node.args and _on_engine(node.args[0])):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and node.args
+            and _on_engine(node.args[0])
+        ):
             found.append((node.lineno, ast.unparse(node)))
-        if ((isinstance(node, ast.Attribute) and node.attr == "is_pipeline_engine")
-                or (isinstance(node, ast.Constant) and node.value == "is_pipeline_engine")):
+        if (isinstance(node, ast.Attribute) and node.attr == "is_pipeline_engine") or (
+            isinstance(node, ast.Constant) and node.value == "is_pipeline_engine"
+        ):
             found.append((node.lineno, "is_pipeline_engine"))
     return found
 
@@ -83,7 +95,8 @@ def test_the_static_check_finds_probes(tmp_path):
     (tmp_path / "checkpoint" / "bad.py").write_text(
         "def f(engine):\n    return getattr(engine, 'training_dataloader', None)\n\n"
         "def g(engine):\n    return hasattr(engine.lr_scheduler, 'state_dict')\n\n"
-        "def h(self):\n    return getattr(self, 'is_pipeline_engine', False)\n")
+        "def h(self):\n    return getattr(self, 'is_pipeline_engine', False)\n"
+    )
     (tmp_path / "monitor" / "bad.py").write_text("def f(self):\n    return getattr(self.engine.config, 'fp16')\n")
     (tmp_path / "engine" / "own.py").write_text("def f(engine):\n    return getattr(engine, 'x', None)\n")
     assert violations(tmp_path) == [
@@ -102,8 +115,9 @@ def test_the_protocol_is_torchs():
     members = {n for n in vars(TorchStateful) if not n.startswith("_")}
     assert members == {n for n in vars(Stateful) if not n.startswith("_")} == {"state_dict", "load_state_dict"}
     for name in members:
-        assert (list(inspect.signature(getattr(Stateful, name)).parameters)
-                == list(inspect.signature(getattr(TorchStateful, name)).parameters))
+        assert list(inspect.signature(getattr(Stateful, name)).parameters) == list(
+            inspect.signature(getattr(TorchStateful, name)).parameters
+        )
 
 
 # -- a live engine -----------------------------------------------------------------------------
@@ -117,13 +131,16 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _config() -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
-            "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "loss_scale_window": 2,
-                     "hysteresis": 1},
-            "zero_optimization": {"stage": 1},
-            "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
+        "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1},
+        "zero_optimization": {"stage": 1},
+        "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
+    }
 
 
 def _build(seed: int):
@@ -131,17 +148,22 @@ def _build(seed: int):
     from tests.pld.models import PLDNet
 
     model = PLDNet(seed=seed)
-    engine, _, loader, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                                config=_config(), training_data=_Rows())
+    engine, _, loader, _ = zerotrain.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(), training_data=_Rows()
+    )
     return engine, loader
 
 
 def _observed(engine, loader) -> dict:
     """What the engine reports of each component's state (the scheduler's lr for the scheduler: the
     optimizer's lr is the optimizer's state)."""
-    return {"counters": (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps),
-            "loss_scale": engine.loss_scale, "lr": engine.lr_scheduler.get_lr(), "theta": float(engine.get_pld_theta()),
-            "loader": loader.state_dict()}
+    return {
+        "counters": (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps),
+        "loss_scale": engine.loss_scale,
+        "lr": engine.lr_scheduler.get_lr(),
+        "theta": float(engine.get_pld_theta()),
+        "loader": loader.state_dict(),
+    }
 
 
 def _components(folder: str):
@@ -195,10 +217,20 @@ def _components(folder: str):
     third.checkpoint_components = lambda: {**declared_by_engine(), "loss_scaler": recording}
     initial_scale = third.loss_scale
     third.load_checkpoint(folder, tag="t")
-    return {"declared": declared, "torch_protocol": torch_protocol, "files": files, "layout": layout,
-            "live_state": live_state, "saved": saved, "saved_view": saved_view, "fresh_before": fresh_before,
-            "fresh_after": fresh_after, "recorded": recording.loaded, "third_scale": (initial_scale, third.loss_scale),
-            "third_view": _observed(third, third_loader)}
+    return {
+        "declared": declared,
+        "torch_protocol": torch_protocol,
+        "files": files,
+        "layout": layout,
+        "live_state": live_state,
+        "saved": saved,
+        "saved_view": saved_view,
+        "fresh_before": fresh_before,
+        "fresh_after": fresh_after,
+        "recorded": recording.loaded,
+        "third_scale": (initial_scale, third.loss_scale),
+        "third_view": _observed(third, third_loader),
+    }
 
 
 def test_components_are_what_a_checkpoint_saves_and_restores(tmp_path):
@@ -215,6 +247,6 @@ def test_components_are_what_a_checkpoint_saves_and_restores(tmp_path):
     assert r["fresh_after"] == view  # ... and the mapping's load_state_dict restores each
     assert r["recorded"] == [r["saved"]["loss_scaler"]]
     initial, after = r["third_scale"]
-    assert initial == after == 2.0 ** 8 != view["loss_scale"]
+    assert initial == after == 2.0**8 != view["loss_scale"]
     third = dict(r["third_view"], loss_scale=view["loss_scale"])
     assert third == view  # every other component restored by load_checkpoint

@@ -39,8 +39,7 @@ def _after_the_fault_and_the_next_save(r: dict, where: str) -> None:
 
 
 @pytest.mark.parametrize("reuse, async_save", VARIANTS)
-def test_a_crash_before_any_filesystem_call_leaves_the_newest_complete_checkpoint(records, reuse,
-                                                                                  async_save):
+def test_a_crash_before_any_filesystem_call_leaves_the_newest_complete_checkpoint(records, reuse, async_save):
     kills = [r for r in records if r["mode"] == "kill" and r["reuse"] == reuse and r["async"] == async_save]
     crashed = [r for r in kills if r["call"] is not None]
     # every call of the save was a crash point, then one run went through
@@ -54,8 +53,12 @@ def test_a_crash_before_any_filesystem_call_leaves_the_newest_complete_checkpoin
         _after_the_fault_and_the_next_save(r, where)
     calls = [tuple(r["call"]) for r in crashed]
     tag = _tag(reuse)
-    for needed in [("mkdir", f".{tag}.partial"), ("write", "metadata.json"),
-                   ("replace", f".{tag}.partial", tag), ("replace", ".latest.tmp", "latest")]:
+    for needed in [
+        ("mkdir", f".{tag}.partial"),
+        ("write", "metadata.json"),
+        ("replace", f".{tag}.partial", tag),
+        ("replace", ".latest.tmp", "latest"),
+    ]:
         assert needed in calls, needed
     # both outcomes occur: the previous checkpoint before the commit point, the new one after it
     assert {r["expected"] for r in crashed} == {"old", "new"}

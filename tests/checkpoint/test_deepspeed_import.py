@@ -39,7 +39,7 @@ RTOL = 1e-5
 # After the first step the 16-bit runs may differ from DeepSpeed's by rounding (the two
 # libraries reduce and accumulate 16-bit gradients differently), within one unit in the last
 # place of a 16-bit loss; the converted optimizer state itself is checked bit for bit.
-ULP = {"fp32": RTOL, "bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
+ULP = {"fp32": RTOL, "bf16": 2.0**-7, "fp16": 2.0**-10}
 
 
 def _train(engine, steps: int, rank: int, world: int, group) -> list[float]:
@@ -75,14 +75,21 @@ def _continue(folder: str, name: str, stage: int, load_optimizer: bool = True, g
     if world == 1:  # the same global batch of 8 sequences
         cfg["train_micro_batch_size_per_gpu"] = work.MICRO * 2
     model = work.make_model(seed=1)  # other initial weights: everything must come from the file
-    engine, *_ = zerotrain.initialize(model=model, optimizer=work.make_optimizer(model), config=cfg,
-                                      data_parallel_group=group)
+    engine, *_ = zerotrain.initialize(
+        model=model, optimizer=work.make_optimizer(model), config=cfg, data_parallel_group=group
+    )
     _, client = engine.load_checkpoint(folder, load_optimizer_states=load_optimizer)
     loaded = {k: v.clone() for k, v in engine.module_state_dict().items()}
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps, engine.loss_scale)
     losses = _train(engine, work.STEPS_AFTER, dist.get_rank(group), world, group)
-    out = {"losses": losses, "client": client, "counters": counters, "lr": engine.get_lr(),
-           "global_steps": engine.global_steps, "loaded": loaded}
+    out = {
+        "losses": losses,
+        "client": client,
+        "counters": counters,
+        "lr": engine.get_lr(),
+        "global_steps": engine.global_steps,
+        "loaded": loaded,
+    }
     engine.destroy()
     return out
 
@@ -108,8 +115,7 @@ def continue_runs(converted: dict) -> dict:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("converted")
-    return {name: str(convert_deepspeed_checkpoint(FIXTURES / name, root / name).parent)
-            for name in NAMES}
+    return {name: str(convert_deepspeed_checkpoint(FIXTURES / name, root / name).parent) for name in NAMES}
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +184,7 @@ def test_other_stage_and_world_size(results):
     """The converted checkpoint loads at another stage (bf16 ZeRO-1 -> ZeRO-3) and on 1 rank
     (ZeRO-2 -> 0, ZeRO-3 -> 1) with DeepSpeed's losses."""
     name, stage, _ = OTHER_STAGE
-    _assert_losses(results[OTHER_STAGE]["losses"], EXPECTED["fixtures"][name]["losses_after"], OTHER_STAGE,
-                   ULP["bf16"])
+    _assert_losses(results[OTHER_STAGE]["losses"], EXPECTED["fixtures"][name]["losses_after"], OTHER_STAGE, ULP["bf16"])
     for name, stage in ONE_RANK:
         got = results[("one rank", name, stage)]
         _assert_losses(got["losses"], EXPECTED["fixtures"][name]["losses_after"], (name, stage))
@@ -270,4 +275,3 @@ def test_cli_and_errors(tmp_path, capsys):
     (missing / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(CheckpointError, match="ranks \\[1\\]: some ranks' files are missing"):
         convert_deepspeed_checkpoint(missing, tmp_path / "y")
-

@@ -41,8 +41,11 @@ def _continue(converted: str, load_optimizer: bool):
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
     optimizer = torch.optim.AdamW(groups, lr=2e-2, weight_decay=0.1, eps=1e-6)  # the fixture's
     world = EXPECTED["world_size"]
-    engine, *_ = zerotrain.initialize(model=model, optimizer=optimizer, config={
-        "train_micro_batch_size_per_gpu": world * fixture.TOKENS, "zero_optimization": {"stage": 2}})
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        optimizer=optimizer,
+        config={"train_micro_batch_size_per_gpu": world * fixture.TOKENS, "zero_optimization": {"stage": 2}},
+    )
     engine.load_checkpoint(converted, load_optimizer_states=load_optimizer)
     data = fixture.batches(world)
     losses = []
@@ -66,7 +69,9 @@ def test_deepspeed_moe_checkpoint_converts_by_global_expert_id(tmp_path):
     meta = json.loads((converted / "metadata.json").read_text())
     assert meta["moe"]["num_experts"] == [4, 2]
     assert [(m["module"], m["ep_size"], m["num_local_experts"]) for m in meta["moe"]["layers"]] == [
-        ("moe", 2, 2), ("moe2", 2, 1)]
+        ("moe", 2, 2),
+        ("moe2", 2, 1),
+    ]
     reference = _zerotrain_model().state_dict()
     assert meta["keys"] == list(reference)
     # DeepSpeed's own values: the dense module and every expert file (fp32: weights = masters)
@@ -78,8 +83,10 @@ def test_deepspeed_moe_checkpoint_converts_by_global_expert_id(tmp_path):
     assert list(got) == list(reference)
     for name, value in want.items():
         assert torch.equal(got[name], value.float()), name
-    assert not torch.equal(got["moe.deepspeed_moe.experts.deepspeed_experts.1.lin.weight"],
-                           got["moe.deepspeed_moe.experts.deepspeed_experts.2.lin.weight"])
+    assert not torch.equal(
+        got["moe.deepspeed_moe.experts.deepspeed_experts.1.lin.weight"],
+        got["moe.deepspeed_moe.experts.deepspeed_experts.2.lin.weight"],
+    )
 
     # one rank, ep_size 1: DeepSpeed's next losses; without the optimizer state the second differs
     with_state, without = run_on_ranks(_continue_both, 1, args=(str(tmp_path / "zt"),), timeout=300)[0]

@@ -7,7 +7,8 @@ holds it. Every expert starts from its own values, set by its global id, so a ch
 swapped two experts would not match.
 
 One 4-rank job at ep_size 2 (2 expert-data replicas) trains 2 steps, saves (one run in the
-background while it trains on), and trains 2 more steps: the uninterrupted reference. A fresh engine of the same layout (built from another seed)
+background while it trains on), and trains 2 more steps: the uninterrupted reference. A fresh
+engine of the same layout (built from another seed)
 loads the checkpoint: its weights, fp32 masters and optimizer state equal those saved bit for
 bit, and its 2 steps repeat the reference bit for bit. One 2-rank job at ep_size 1 (every rank
 holds every expert) loads each checkpoint at another stage, runs the same 2 global batches (each
@@ -36,19 +37,25 @@ from zerotrain.testing import run_on_ranks
 warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
 
 H = 6
-TOKENS = 4                 # rows per rank at 4 ranks (8 at 2 ranks)
-BEFORE, AFTER = 2, 2       # steps before the save, and after it
-NUM_EXPERTS = (4, 2)       # per MoE layer
+TOKENS = 4  # rows per rank at 4 ranks (8 at 2 ranks)
+BEFORE, AFTER = 2, 2  # steps before the save, and after it
+NUM_EXPERTS = (4, 2)  # per MoE layer
 EP = 2
 SGD = {"lr": 0.1, "momentum": 0.9}
 ADAMW = {"lr": 2e-2, "weight_decay": 0.1, "eps": 1e-6}
 # name -> (stage, precision, optimizer) at 4 ranks, ep_size 2
-RUNS = {"s0-sgd": (0, "fp32", "sgd"), "s0-adamw": (0, "fp32", "adamw"), "s1-sgd": (1, "fp32", "sgd"),
-        "s1-adamw": (1, "fp32", "adamw"), "s2-sgd": (2, "fp32", "sgd"), "s2-adamw": (2, "fp32", "adamw"),
-        "s2-bf16": (2, "bf16", "adamw"), "s3-adamw": (3, "fp32", "adamw")}
+RUNS = {
+    "s0-sgd": (0, "fp32", "sgd"),
+    "s0-adamw": (0, "fp32", "adamw"),
+    "s1-sgd": (1, "fp32", "sgd"),
+    "s1-adamw": (1, "fp32", "adamw"),
+    "s2-sgd": (2, "fp32", "sgd"),
+    "s2-adamw": (2, "fp32", "adamw"),
+    "s2-bf16": (2, "bf16", "adamw"),
+    "s3-adamw": (3, "fp32", "adamw"),
+}
 # the stage each fp32 checkpoint is loaded at on 2 ranks, ep_size 1
-RELOAD_STAGE = {"s0-sgd": 2, "s0-adamw": 1, "s1-sgd": 3, "s1-adamw": 2, "s2-sgd": 1, "s2-adamw": 0,
-                "s3-adamw": 1}
+RELOAD_STAGE = {"s0-sgd": 2, "s0-adamw": 1, "s1-sgd": 3, "s1-adamw": 2, "s2-sgd": 1, "s2-adamw": 0, "s3-adamw": 1}
 TAG = "t"
 LOCAL = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)$")
 
@@ -99,13 +106,14 @@ def global_name(name: str, model: nn.Module) -> str:
         return name
     moe = model.get_submodule(hit.group(1))
     ep_rank = getattr(model, "_ep_rank", 0)
-    return f"{hit.group(1)}.deepspeed_moe.experts.deepspeed_experts.{ep_rank * moe.num_local_experts + int(hit.group(2))}.{hit.group(3)}"
+    expert = ep_rank * moe.num_local_experts + int(hit.group(2))
+    return f"{hit.group(1)}.deepspeed_moe.experts.deepspeed_experts.{expert}.{hit.group(3)}"
 
 
 def _batches(rows_per_rank: int, rank: int, steps: range) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     every = torch.randn(BEFORE + AFTER, 4 * TOKENS, H, generator=g)
-    return [every[s, rank * rows_per_rank:(rank + 1) * rows_per_rank] for s in steps]
+    return [every[s, rank * rows_per_rank : (rank + 1) * rows_per_rank] for s in steps]
 
 
 def _build(ep_size: int, stage: int, precision: str, optimizer: str, seed: int, rows: int):
@@ -115,9 +123,11 @@ def _build(ep_size: int, stage: int, precision: str, optimizer: str, seed: int, 
     ep_rank = Topology.from_group(None).expert_groups(ep_size).expert_rank if ep_size > 1 else 0
     model = MoENet(ep_size, ep_rank, seed)
     model._ep_rank = ep_rank
-    cfg = {"train_micro_batch_size_per_gpu": rows, "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "SGD" if optimizer == "sgd" else "AdamW",
-                         "params": SGD if optimizer == "sgd" else ADAMW}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": rows,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD" if optimizer == "sgd" else "AdamW", "params": SGD if optimizer == "sgd" else ADAMW},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -155,10 +165,14 @@ def _save_and_resume(root: str):
         _train(engine, TOKENS, rank, range(BEFORE))
         # s1-adamw in the background while training goes on (its snapshot holds the experts)
         out[name] = save_and_resume(
-            engine, f"{root}/{name}", TAG, _weights,
+            engine,
+            f"{root}/{name}",
+            TAG,
+            _weights,
             train_on=lambda e: _train(e, TOKENS, rank, range(BEFORE, BEFORE + AFTER)),
             build_fresh=lambda: _build(EP, stage, precision, opt, seed=1, rows=TOKENS),
-            async_save=name == "s1-adamw")
+            async_save=name == "s1-adamw",
+        )
     return out
 
 
@@ -225,15 +239,21 @@ def test_reload_at_ep_size_1_on_2_ranks_continues_the_reference(runs):
         saved, final = _merged(four, run, "saved"), _merged(four, run, "final")
         assert sorted(saved) == sorted(keys)
         # the experts of one layer differ from each other: a swapped expert would show
-        assert not torch.equal(saved["moe.deepspeed_moe.experts.deepspeed_experts.0.lin.weight"],
-                               saved["moe.deepspeed_moe.experts.deepspeed_experts.2.lin.weight"])
+        assert not torch.equal(
+            saved["moe.deepspeed_moe.experts.deepspeed_experts.0.lin.weight"],
+            saved["moe.deepspeed_moe.experts.deepspeed_experts.2.lin.weight"],
+        )
         for rank, out in enumerate(two):
             got = out[run]
             assert list(got["loaded"]) == keys  # every expert on every rank, single-process names
             for name in keys:
                 assert torch.equal(got["loaded"][name], saved[name]), (run, rank, name)
                 assert torch.allclose(got["final"][name], final[name], rtol=1e-5, atol=1e-6), (
-                    run, rank, name, (got["final"][name] - final[name]).abs().max())
+                    run,
+                    rank,
+                    name,
+                    (got["final"][name] - final[name]).abs().max(),
+                )
             assert got["step"] == BEFORE + AFTER
         moved = max(float((final[k] - saved[k]).abs().max()) for k in keys)
         assert moved > 1e-3, (run, moved)  # the steps after the load did train
@@ -245,20 +265,26 @@ def test_expert_files_carry_deepspeeds_names_and_checksums(runs):
         folder = root / run / TAG
         meta = json.loads((folder / "metadata.json").read_text())
         # DeepSpeed 0.19.8's _get_expert_ckpt_name(save_dir, layer_id, expert_id, tag), mp rank 0
-        want = {f"layer_{layer}_expert_{e}_mp_rank_{0:02d}_model_states.pt"
-                for layer, n in enumerate(NUM_EXPERTS) for e in range(n)}
+        want = {
+            f"layer_{layer}_expert_{e}_mp_rank_{0:02d}_model_states.pt"
+            for layer, n in enumerate(NUM_EXPERTS)
+            for e in range(n)
+        }
         on_disk = {p.name for p in folder.iterdir() if p.name.startswith("layer_")}
         assert on_disk == want, run
         assert want <= set(meta["files"]) and all(len(meta["files"][f]["sha256"]) == 64 for f in want)
         assert meta["moe"]["num_experts"] == list(NUM_EXPERTS)
         assert [(m["module"], m["ep_size"], m["num_local_experts"]) for m in meta["moe"]["layers"]] == [
-            ("moe", EP, 2), ("moe2", EP, 1)]
+            ("moe", EP, 2),
+            ("moe2", EP, 1),
+        ]
         assert meta["keys"] == _reference_keys()
         # DeepSpeed's content: the expert's keys under its global id (the file holds that expert only)
         content = torch.load(folder / "layer_0_expert_3_mp_rank_00_model_states.pt", weights_only=True)
         ds_keys = {k for k in content if not k.startswith("zerotrain_")}
-        assert ds_keys == {f"moe.deepspeed_moe.experts.deepspeed_experts.3.{k}" for k in ("lin.weight", "lin.bias",
-                                                                                          "scale")}
+        assert ds_keys == {
+            f"moe.deepspeed_moe.experts.deepspeed_experts.3.{k}" for k in ("lin.weight", "lin.bias", "scale")
+        }
         # no expert in the dense files
         dense = [f for f in meta["files"] if f.startswith(("model.", "shards."))]
         from zerotrain.checkpoint.format import TensorFile
@@ -274,7 +300,7 @@ def test_consolidation_gives_the_single_process_state_dict(runs, tmp_path):
 
     root, four, _ = runs
     keys = _reference_keys()
-    for run, (_, precision, _) in RUNS.items():
+    for run, (_, _precision, _) in RUNS.items():
         saved = _merged(four, run, "saved")
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / run))
         assert list(fp32) == keys
@@ -283,8 +309,12 @@ def test_consolidation_gives_the_single_process_state_dict(runs, tmp_path):
             assert torch.equal(fp32[name].to(saved[name].dtype), saved[name]), (run, name)
         MoENet(1, 0).load_state_dict(fp32)  # the single-process model takes it as it is
     out = tmp_path / "cli"
-    done = subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(root / "s1-adamw"),
-                           str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(root / "s1-adamw"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     written = torch.load(out / "pytorch_model.bin", weights_only=True)
     saved = _merged(four, "s1-adamw", "saved")

@@ -32,12 +32,12 @@ warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", c
 EP = 2
 BEFORE, AFTER = 2, 2
 SEQ = 8
-MICRO = 4   # micro-batches per optimizer step, over the ranks and accumulation steps
+MICRO = 4  # micro-batches per optimizer step, over the ranks and accumulation steps
 OPTIMIZERS = {"SGD": {"lr": 0.5, "momentum": 0.9}, "AdamW": {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}}
 # name -> (stage, optimizer) of the 4-rank ep_size 2 runs
 CASES = {"s2-sgd": (2, "SGD"), "s2-adamw": (2, "AdamW"), "s3-sgd": (3, "SGD"), "s3-adamw": (3, "AdamW")}
-RELOAD_2 = {"s2-sgd": 3, "s2-adamw": 3, "s3-sgd": 2, "s3-adamw": 2}   # stage at ep_size 1 on 2 ranks
-RELOAD_1 = {"s2-sgd": 0, "s2-adamw": 3, "s3-sgd": 2, "s3-adamw": 0}   # stage in one process
+RELOAD_2 = {"s2-sgd": 3, "s2-adamw": 3, "s3-sgd": 2, "s3-adamw": 2}  # stage at ep_size 1 on 2 ranks
+RELOAD_1 = {"s2-sgd": 0, "s2-adamw": 3, "s3-sgd": 2, "s3-adamw": 0}  # stage in one process
 TAG = "t"
 TOL = 1e-6
 
@@ -45,10 +45,20 @@ TOL = 1e-6
 def make(seed: int = 0):
     import transformers as hf
 
-    config = hf.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                              num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-                              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
-                              intermediate_size=8, num_local_experts=4)
+    config = hf.MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        intermediate_size=8,
+        num_local_experts=4,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return hf.MixtralForCausalLM(config)
@@ -66,8 +76,12 @@ def _build(ep_size: int, stage: int, optimizer: str, seed: int, accumulation: in
     model = make(seed)
     expert_parallel(model, ep_size)
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
-              "zero_optimization": zero, "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": zero,
+        "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
+    }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     return engine
 
@@ -104,9 +118,13 @@ def _four_ranks(root: str):
         engine = _build(EP, stage, opt, seed=0, accumulation=MICRO // world)
         _train(engine, rank, world, range(BEFORE))
         out[name] = save_and_resume(
-            engine, f"{root}/{name}", TAG, _full,
+            engine,
+            f"{root}/{name}",
+            TAG,
+            _full,
             train_on=lambda e: _train(e, rank, world, range(BEFORE, BEFORE + AFTER)),
-            build_fresh=lambda: _build(EP, stage, opt, seed=1, accumulation=MICRO // world))
+            build_fresh=lambda: _build(EP, stage, opt, seed=1, accumulation=MICRO // world),
+        )
     return out
 
 
@@ -244,8 +262,20 @@ def test_consolidation_gives_the_unsharded_hf_state_dict(runs, tmp_path):
         model.load_state_dict(fp32)  # strict: the plain HF model takes it as it is
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     out = tmp_path / "cli"
-    done = subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(root / "s3-sgd"),
-                           str(out), "--safe_serialization"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerotrain.launcher.cli",
+            "consolidate",
+            str(root / "s3-sgd"),
+            str(out),
+            "--safe_serialization",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
 

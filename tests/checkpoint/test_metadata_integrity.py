@@ -16,8 +16,7 @@ import torch
 
 from tests.checkpoint import integrity_runs
 from tests.checkpoint.integrity_runs import EDITS, FOLDERS, TAG, WHOLE_EDITS, flipped_bits
-from zerotrain.checkpoint import (convert_zero_checkpoint_to_fp32_state_dict,
-                                  get_fp32_state_dict_from_zero_checkpoint)
+from zerotrain.checkpoint import convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint
 from zerotrain.checkpoint.format import METADATA, METADATA_DIGEST, CheckpointError, read_metadata
 from zerotrain.launcher.cli import main as zerotrain_main
 from zerotrain.testing import run_on_ranks
@@ -73,8 +72,10 @@ def test_zero_to_fp32_never_returns_other_weights_after_a_bit_flip(run, layout):
     root, out = run
     saved = {k: v.float() for k, v in out["saved"].items()}
     folder = root / FOLDERS[layout]
-    assert torch.equal(torch.stack([v.sum() for v in saved.values()]), torch.stack(
-        [v.sum() for v in get_fp32_state_dict_from_zero_checkpoint(folder).values()]))
+    assert torch.equal(
+        torch.stack([v.sum() for v in saved.values()]),
+        torch.stack([v.sum() for v in get_fp32_state_dict_from_zero_checkpoint(folder).values()]),
+    )
     path = folder / TAG / METADATA
     original = path.read_bytes()
     outcomes = {"same": 0, "error": 0}
@@ -112,8 +113,9 @@ def test_consolidation_refuses_edited_metadata(run, name, tmp_path, capsys):
     assert not list((tmp_path / "out2").glob("*.bin"))
     # the torch-only copy inside the checkpoint folder
     script = folder / "zero_to_fp32.py"
-    done = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "out3")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), str(folder), str(tmp_path / "out3")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 1 and METADATA_DIGEST in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
@@ -129,8 +131,7 @@ def test_a_checkpoint_without_the_digest_loads_with_a_warning(run, caplog):
     finally:
         logging.getLogger("zerotrain").removeHandler(caplog.handler)
     assert METADATA_DIGEST not in meta
-    assert any(METADATA_DIGEST in r.getMessage() and "save a new checkpoint" in r.getMessage()
-               for r in caplog.records)
+    assert any(METADATA_DIGEST in r.getMessage() and "save a new checkpoint" in r.getMessage() for r in caplog.records)
     saved = {k: v.float() for k, v in out["saved"].items()}
     state = get_fp32_state_dict_from_zero_checkpoint(root / "old")
     assert all(torch.equal(state[k], saved[k]) for k in saved)

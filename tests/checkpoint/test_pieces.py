@@ -17,8 +17,7 @@ def _ids(batches) -> list[int]:
 
 
 def _loader(rank, world, batch):
-    return DistributedDataLoader(TensorDataset(torch.arange(64)), batch_size=batch, rank=rank,
-                                 world_size=world, seed=7)
+    return DistributedDataLoader(TensorDataset(torch.arange(64)), batch_size=batch, rank=rank, world_size=world, seed=7)
 
 
 def test_dataloader_resumes_inside_the_epoch():
@@ -58,8 +57,12 @@ def test_dataloader_resumes_on_another_world_size_with_the_same_global_batch():
 
 
 def test_safetensors_written_streaming_read_by_ranges_and_by_the_library(tmp_path):
-    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.randn(3, 5).to(torch.bfloat16),
-               "c": torch.tensor(7, dtype=torch.int64), "empty": torch.zeros(0)}
+    tensors = {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.randn(3, 5).to(torch.bfloat16),
+        "c": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0),
+    }
     info = write_safetensors(tmp_path / "t.safetensors", tensors, {"format": "pt"})
     assert info["bytes"] == (tmp_path / "t.safetensors").stat().st_size
     from safetensors.torch import load_file

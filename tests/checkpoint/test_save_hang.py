@@ -18,8 +18,12 @@ def _engine():
     from tests.engine.workloads import make_model
 
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 1000,
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -49,8 +53,7 @@ def _rank1_stays_away(root: str, saves_first: bool):
         engine.save_checkpoint(root, tag="second")
         result = {"message": "no error"}
     except comm.CollectiveError as error:
-        result = {"message": str(error), "missing": error.missing, "op": error.op,
-                  "elapsed": time.monotonic() - start}
+        result = {"message": str(error), "missing": error.missing, "op": error.op, "elapsed": time.monotonic() - start}
     except Exception as error:  # noqa: BLE001 - the type is what the test checks
         result = {"message": f"{type(error).__name__}: {error}"}
     store.set("test/rank0-done", "1")
@@ -63,8 +66,7 @@ def _rank1_stays_away(root: str, saves_first: bool):
 @pytest.mark.parametrize("saves_first", [True, False], ids=["exchange", "group-creation"])
 def test_a_rank_missing_from_save_checkpoint_is_named(tmp_path, saves_first):
     root = str(tmp_path / "ckpt")
-    results = run_on_ranks(_rank1_stays_away, 2, args=(root, saves_first),
-                           comm_timeout=TIMEOUT, timeout=300)
+    results = run_on_ranks(_rank1_stays_away, 2, args=(root, saves_first), comm_timeout=TIMEOUT, timeout=300)
     r = results[0]
     assert "missing" in r, r["message"]
     assert r["missing"] == [1], r["message"]

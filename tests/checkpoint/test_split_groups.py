@@ -26,9 +26,9 @@ from zerotrain.testing import run_on_ranks
 
 GROUP_SIZE = 2
 MICRO = 2
-STEPS = 2                                  # before the save, and after it
-RUNS = {0: (2, "fp32"), 1: (3, "bf16")}    # group -> (stage, precision)
-SEEDS = (3, 7)                             # model seed of each group
+STEPS = 2  # before the save, and after it
+RUNS = {0: (2, "fp32"), 1: (3, "bf16")}  # group -> (stage, precision)
+SEEDS = (3, 7)  # model seed of each group
 TAG = "s2"
 
 
@@ -44,9 +44,12 @@ def _build(group: int, data_parallel_group=None, seed: int | None = None):
 
     stage, precision = RUNS[group]
     model = make_model(seed=SEEDS[group] if seed is None else seed, dropout=0.1)
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(stage, precision),
-                                      data_parallel_group=data_parallel_group)
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_config(stage, precision),
+        data_parallel_group=data_parallel_group,
+    )
     return engine
 
 
@@ -61,7 +64,7 @@ def _train(engine, group: int, steps: int) -> list[float]:
     for _ in range(steps):
         g = torch.Generator().manual_seed(1000 * (group + 1) + engine.global_steps)
         data = torch.randint(0, TINY["vocab_size"], (MICRO * size, SEQ), generator=g)
-        batch = data[rank * MICRO:(rank + 1) * MICRO]
+        batch = data[rank * MICRO : (rank + 1) * MICRO]
         loss = engine(batch, labels=batch).loss
         engine.backward(loss)
         engine.step()
@@ -168,10 +171,18 @@ def test_each_group_saves_its_own_checkpoint_with_the_files_of_a_group_sized_wor
             meta = reader.meta
         finally:
             reader.close()
-        assert set(meta["files"]) == {"model.safetensors", shard_file(0), shard_file(1),
-                                      state_file(0), state_file(1)}, group
+        assert set(meta["files"]) == {
+            "model.safetensors",
+            shard_file(0),
+            shard_file(1),
+            state_file(0),
+            state_file(1),
+        }, group
         assert (meta["world_size"], meta["stage"], meta["param_dtype"]) == (
-            GROUP_SIZE, stage, "float32" if precision == "fp32" else "bfloat16")
+            GROUP_SIZE,
+            stage,
+            "float32" if precision == "fp32" else "bfloat16",
+        )
         assert meta["global_steps"] == STEPS
     for out in results["per_rank"]:
         assert out["client"] == {"group": out["group"]}
@@ -223,11 +234,16 @@ def test_consolidation_equals_the_saved_weights(results, tmp_path):
             assert torch.equal(fp32[name].to(want.dtype), want), (group, name)
         out = tmp_path / f"cli{group}"
         dtype = "fp32" if precision == "fp32" else "bf16"
-        done = subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(folder),
-                               str(out), "--dtype", dtype], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(folder), str(out), "--dtype", dtype],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
-        _assert_identical(torch.load(out / "pytorch_model.bin", weights_only=True), saved,
-                          f"group {group} consolidated by the CLI")
+        _assert_identical(
+            torch.load(out / "pytorch_model.bin", weights_only=True), saved, f"group {group} consolidated by the CLI"
+        )
 
 
 def test_model_files_are_written_by_each_groups_first_rank(results):
@@ -279,8 +295,7 @@ def _group_rank_stays_away(root: str) -> dict:
 
 
 def test_a_rank_missing_from_its_groups_save_is_named_and_the_other_group_saves(tmp_path):
-    results = run_on_ranks(_group_rank_stays_away, world_size=4, args=(str(tmp_path),),
-                           timeout=600, comm_timeout=3.0)
+    results = run_on_ranks(_group_rank_stays_away, world_size=4, args=(str(tmp_path),), timeout=600, comm_timeout=3.0)
     for rank in (0, 1):
         assert results[rank]["message"] == "saved", results[rank]["message"]
         assert "t" in results[rank]["files"] and (tmp_path / "away0" / "latest").read_text() == "t"

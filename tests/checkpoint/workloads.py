@@ -19,8 +19,10 @@ def config(stage: int, precision: str = "fp32", micro: int = 2, gas: int = 2, **
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupDecayLR",
-                      "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 3e-3}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 3e-3},
+        },
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
         "steps_per_print": 1000,
     }
@@ -29,8 +31,7 @@ def config(stage: int, precision: str = "fp32", micro: int = 2, gas: int = 2, **
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":  # a small window: the scale changes (and steps skip) within the run
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2,
-                       "hysteresis": 1}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
     cfg.update(extra)
     return cfg
 
@@ -43,7 +44,7 @@ def batch_for(step: int, micro_index: int, engine) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, TINY["vocab_size"], (micro * gas * world, SEQ), generator=g)
     lo = (micro_index * world + rank) * micro
-    return data[lo:lo + micro].to(engine.device)
+    return data[lo : lo + micro].to(engine.device)
 
 
 def train(engine, steps: int) -> list[float]:
@@ -77,7 +78,13 @@ def build(cfg: dict, dropout: float = 0.0):
 def final_state(engine) -> dict:
     """Whole weights (gathered at stage 3), counters, scale, lr and a random draw."""
     weights = {k: v.clone() for k, v in engine.module_state_dict().items()}
-    return {"weights": weights, "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples, "skipped": engine.skipped_steps,
-            "micro_steps": engine.micro_steps, "scale": engine.loss_scale, "lr": engine.get_lr(),
-            "draw": torch.rand(3)}
+    return {
+        "weights": weights,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "scale": engine.loss_scale,
+        "lr": engine.get_lr(),
+        "draw": torch.rand(3),
+    }

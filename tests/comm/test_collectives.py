@@ -29,8 +29,7 @@ def _cases(group=None):
     works = []
     for k, f in enumerate(fulls):
         f.narrow(0, rank * n, n).copy_(torch.arange(n, dtype=torch.float32) + 100 * rank + k)
-        works.append(collectives.all_gather_into(f, f.narrow(0, rank * n, n), group=group,
-                                                 async_op=True))
+        works.append(collectives.all_gather_into(f, f.narrow(0, rank * n, n), group=group, async_op=True))
     for w in reversed(works):
         w.wait()
     out["gather_aliased"] = fulls[0].clone()

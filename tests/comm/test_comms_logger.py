@@ -8,7 +8,9 @@ import logging
 import pytest
 
 from tests.engine.workloads import adamw_config, global_batches, make_model
-from zerotrain.comm import collectives, group as comm_group, logger as comm_logger
+from zerotrain.comm import collectives
+from zerotrain.comm import group as comm_group
+from zerotrain.comm import logger as comm_logger
 from zerotrain.comm.hooks import Call
 from zerotrain.comm.logger import CommsLogger, calc_bw_log, convert_size, trim_mean
 from zerotrain.testing import run_on_ranks
@@ -17,7 +19,7 @@ BUCKET = 3000  # elements: the tiny GPT (~31k parameters) then has many gradient
 
 
 def _one_step(engine, rank: int) -> None:
-    batch = global_batches(1, 4)[0][rank * 2:rank * 2 + 2]
+    batch = global_batches(1, 4)[0][rank * 2 : rank * 2 + 2]
     loss = engine(batch, labels=batch).loss
     engine.backward(loss)
     engine.step()
@@ -35,8 +37,11 @@ def _logged_steps():
     originals = {name: getattr(collectives, name) for name in _FUNCTIONS}
     for stage in (0, 2):
         model = make_model()
-        cfg = adamw_config(2, zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET},
-                           comms_logger={"enabled": True, "prof_all": True})
+        cfg = adamw_config(
+            2,
+            zero_optimization={"stage": stage, "reduce_bucket_size": BUCKET},
+            comms_logger={"enabled": True, "prof_all": True},
+        )
         engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
         rank = dist.get_rank()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -47,11 +52,12 @@ def _logged_steps():
         out[stage] = {
             "n_params": n_params,
             "broadcast_bytes": sum(size * row["count"] for size, row in broadcast.items()),
-            "model_bytes": sum(t.numel() * t.element_size() for t in
-                               {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()),
+            "model_bytes": sum(
+                t.numel() * t.element_size()
+                for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+            ),
             "summary": summary,
-            "padded_numel": (sum(u.layout.padded_numel for u in engine._zero.units)
-                             if stage == 2 else None),
+            "padded_numel": (sum(u.layout.padded_numel for u in engine._zero.units) if stage == 2 else None),
             "units": len(engine._zero.units) if stage == 2 else None,
         }
         engine.destroy()
@@ -60,17 +66,20 @@ def _logged_steps():
         before = comms_logger.summary()["ops"]
         zerotrain.comm.all_reduce(torch.ones(3))
         out[stage]["after_destroy"] = {
-            "enabled": comms_logger.enabled, "hooked": comms_logger in comm_group.process_hooks(),
+            "enabled": comms_logger.enabled,
+            "hooked": comms_logger in comm_group.process_hooks(),
             "unchanged": comms_logger.summary()["ops"] == before,
-            "originals": all(getattr(collectives, n) is originals[n] and getattr(zerotrain.comm, n) is
-                             originals[n] for n in _FUNCTIONS)}
+            "originals": all(
+                getattr(collectives, n) is originals[n] and getattr(zerotrain.comm, n) is originals[n]
+                for n in _FUNCTIONS
+            ),
+        }
     zerotrain.comm.configure(enabled=False)
     out["restored"] = collectives.all_reduce is originals["all_reduce"]
     return out
 
 
-_FUNCTIONS = ("all_reduce", "broadcast", "all_gather_into", "reduce_scatter_into", "all_to_all_single",
-              "barrier")
+_FUNCTIONS = ("all_reduce", "broadcast", "all_gather_into", "reduce_scatter_into", "all_to_all_single", "barrier")
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +102,12 @@ def test_stage0_all_reduces_exactly_the_gradient_bytes(logged):
         assert s0["broadcast_bytes"] == s0["model_bytes"]
         assert rank_out["restored"]
         for stage in (0, 2):
-            assert rank_out[stage]["after_destroy"] == {"enabled": False, "hooked": False, "unchanged": True,
-                                                        "originals": True}
+            assert rank_out[stage]["after_destroy"] == {
+                "enabled": False,
+                "hooked": False,
+                "unchanged": True,
+                "originals": True,
+            }
 
 
 def test_stage2_reduce_scatters_and_gathers_the_padded_units(logged):
@@ -139,16 +152,22 @@ def test_table_has_deepspeeds_layout_and_numbers(capsys):
     log.append("all_reduce", "all_reduce", 0.5, 4096)
     data = log.log_all(print_log=True)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("Comm. Op            Message Size        Count               Total Latency(ms)   "
-                        "Avg Latency(ms)     tput_avg (Gbps)     busbw_avg (Gbps)    ")
+    assert lines[0] == (
+        "Comm. Op            Message Size        Count               Total Latency(ms)   "
+        "Avg Latency(ms)     tput_avg (Gbps)     busbw_avg (Gbps)    "
+    )
     assert lines[1] == "broadcast"
-    cols = [lines[2][i:i + 20].strip() for i in range(0, 140, 20)]
+    cols = [lines[2][i : i + 20].strip() for i in range(0, 140, 20)]
     algbw = sum(size / lat * 8 / 1e6 for lat in (1.0, 2.0, 3.0)) / 3
     assert cols == ["", "4.0 MB", "3", "6.00", "2.00", f"{algbw:.2f}", f"{algbw:.2f}"]
     assert lines[3] == "all_reduce" and lines[4][20:40].strip() == "4.0 KB"
     assert data["ops"]["broadcast"][size]["algbw_gbps"] == pytest.approx(algbw)
     assert [convert_size(n) for n in (0, 1023, 113.27 * 2**10, 1.24 * 2**30)] == [
-        "0B", "1023.0 B", "113.27 KB", "1.24 GB"]
+        "0B",
+        "1023.0 B",
+        "113.27 KB",
+        "1.24 GB",
+    ]
     assert trim_mean(list(range(10)), 0.1) == pytest.approx(4.5)  # drops 0 and 9
 
 
@@ -219,9 +238,11 @@ def _logged_stage3_step():
     from zerotrain.comm import comms_logger
 
     model = make_model()
-    cfg = adamw_config(2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100,
-                                             "stage3_prefetch_bucket_size": 0},
-                       comms_logger={"enabled": True, "prof_all": True})
+    cfg = adamw_config(
+        2,
+        zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 0},
+        comms_logger={"enabled": True, "prof_all": True},
+    )
     engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
     comms_logger.reset()
     _one_step(engine, dist.get_rank())
@@ -229,11 +250,13 @@ def _logged_stage3_step():
     units = engine._zero.units
     wte_unit = zerotrain.zero.registry.unit_of(model.wte.weight)
     zerotrain.comm.configure(enabled=False)
-    return {"summary": summary,
-            "partitioned": sum(u.layout.padded_numel for u in units if u.resharded),
-            "persistent": sum(u.layout.padded_numel for u in units if not u.resharded),
-            "wte": wte_unit.layout.padded_numel,
-            "wpe": zerotrain.zero.registry.unit_of(model.wpe.weight).layout.padded_numel}
+    return {
+        "summary": summary,
+        "partitioned": sum(u.layout.padded_numel for u in units if u.resharded),
+        "persistent": sum(u.layout.padded_numel for u in units if not u.resharded),
+        "wte": wte_unit.layout.padded_numel,
+        "wpe": zerotrain.zero.registry.unit_of(model.wpe.weight).layout.padded_numel,
+    }
 
 
 def test_stage3_gathers_each_unit_for_forward_and_backward():

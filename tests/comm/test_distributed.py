@@ -54,20 +54,38 @@ def _two_ranks(mpi_port: int, env_port: int):
     # 1. An mpirun-style start: no RANK/MASTER_* at all, only Open MPI's variables.
     for name in LAUNCHER_VARS:
         os.environ.pop(name)
-    os.environ.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
-                      OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2")
-    init_distributed(distributed_port=mpi_port, timeout=datetime.timedelta(seconds=77),
-                     config={"comms_logger": {"enabled": "true", "prof_all": False, "prof_ops": ["all_reduce"]}})
+    os.environ.update(
+        OMPI_COMM_WORLD_RANK=str(rank),
+        OMPI_COMM_WORLD_SIZE="2",
+        OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+        OMPI_COMM_WORLD_LOCAL_SIZE="2",
+    )
+    init_distributed(
+        distributed_port=mpi_port,
+        timeout=datetime.timedelta(seconds=77),
+        config={"comms_logger": {"enabled": "true", "prof_all": False, "prof_ops": ["all_reduce"]}},
+    )
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    out["mpi"] = (dist.get_rank(), dist.get_world_size(), t.item(), os.environ["MASTER_PORT"],
-                  os.environ["RANK"], os.environ["LOCAL_RANK"], calls[-1]["timeout"].total_seconds())
+    out["mpi"] = (
+        dist.get_rank(),
+        dist.get_world_size(),
+        t.item(),
+        os.environ["MASTER_PORT"],
+        os.environ["RANK"],
+        os.environ["LOCAL_RANK"],
+        calls[-1]["timeout"].total_seconds(),
+    )
     out["comms_logger"] = (comms_logging.comms_logger.enabled, comms_logging.comms_logger.prof_ops)
     comms_logging.comms_logger.configure(enabled=False)
     init_distributed(dist_init_required=False)  # a group exists: nothing to do, no error
     dist.destroy_process_group()
-    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for name in (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ):
         os.environ.pop(name)
 
     # 2. A launcher that sets RANK/WORLD_SIZE but no MASTER_PORT: distributed_port is the rendezvous.
@@ -122,14 +140,16 @@ def _one_rank(tcp_port: int):
 
 def test_rank_world_size_init_method_backend_on_one_rank():
     port = distributed.free_port()
-    (out,) = run_on_ranks(_one_rank, world_size=1, args=(port,),
-                          env={"ZEROTRAIN_COMM_TIMEOUT": "", "DEEPSPEED_TIMEOUT": "3"})
+    (out,) = run_on_ranks(
+        _one_rank, world_size=1, args=(port,), env={"ZEROTRAIN_COMM_TIMEOUT": "", "DEEPSPEED_TIMEOUT": "3"}
+    )
     assert out["alone"] == (1, True, datetime.timedelta(minutes=3))
     assert out["tcp"] == ("gloo", f"tcp://127.0.0.1:{port}", 0, 1)
     assert out["logs"] == [f"initialized gloo process group: world size 1, rendezvous tcp://127.0.0.1:{port}"]
 
 
 # -- without a process group --------------------------------------------------------------
+
 
 @pytest.fixture
 def clean_env(monkeypatch):
@@ -155,13 +175,34 @@ def test_bad_timeout_and_rank_raise_before_any_group_is_made(clean_env):
         distributed.init_distributed(rank=2, world_size=2)
 
 
-@pytest.mark.parametrize("variables, expected", [
-    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, ("3", "4", "3", "127.0.0.1")),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, ("1", "2", "1", "127.0.0.1")),
-    ({"MV2_COMM_WORLD_RANK": "5", "MV2_COMM_WORLD_SIZE": "8", "MV2_COMM_WORLD_LOCAL_RANK": "1",
-      "MV2_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "node0"}, ("5", "8", "1", "node0")),
-])
+@pytest.mark.parametrize(
+    "variables, expected",
+    [
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "3",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            },
+            ("3", "4", "3", "127.0.0.1"),
+        ),
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+            ("1", "2", "1", "127.0.0.1"),
+        ),
+        (
+            {
+                "MV2_COMM_WORLD_RANK": "5",
+                "MV2_COMM_WORLD_SIZE": "8",
+                "MV2_COMM_WORLD_LOCAL_RANK": "1",
+                "MV2_COMM_WORLD_LOCAL_SIZE": "4",
+                "MASTER_ADDR": "node0",
+            },
+            ("5", "8", "1", "node0"),
+        ),
+    ],
+)
 def test_mpi_discovery_exports_the_launcher_variables(clean_env, variables, expected):
     for name, value in variables.items():
         clean_env.setenv(name, value)
@@ -170,8 +211,12 @@ def test_mpi_discovery_exports_the_launcher_variables(clean_env, variables, expe
 
 
 def test_mpi_discovery_across_nodes_needs_master_addr(clean_env):
-    for name, value in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "16",
-                        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}.items():
+    for name, value in {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "16",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+    }.items():
         clean_env.setenv(name, value)
     with pytest.raises(RuntimeError, match="set MASTER_ADDR to rank 0's host"):
         distributed.discover_mpi_environment()
@@ -184,6 +229,7 @@ def test_no_mpi_launcher_changes_nothing(clean_env):
 
 
 # -- teardown -------------------------------------------------------------------------------
+
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
@@ -198,8 +244,11 @@ def _teardown_while_the_engine_lives(folder: str):
 
     before = _threads()
     model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     ids = torch.randint(0, 64, (2, 16))
     engine.backward(engine(ids, labels=ids).loss)

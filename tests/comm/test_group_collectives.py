@@ -48,9 +48,11 @@ def _objects_and_hooks(out: dict) -> None:
     from zerotrain.comm.collectives import last_seq
 
     pair = dist.new_group([0, 1])
-    out["one_object"] = (Collectives.of(pair) is Collectives.of(pair)
-                         and Collectives.of(None) is Collectives.of(dist.GroupMember.WORLD)
-                         and Collectives.of(pair) is not Collectives.of(None))
+    out["one_object"] = (
+        Collectives.of(pair) is Collectives.of(pair)
+        and Collectives.of(None) is Collectives.of(dist.GroupMember.WORLD)
+        and Collectives.of(pair) is not Collectives.of(None)
+    )
     world_seq, pair_seq = last_seq(None), last_seq(pair)
     comm.all_reduce(torch.ones(2), group=pair)
     comm.barrier(pair)
@@ -121,9 +123,18 @@ def _moe_all_to_alls(out: dict) -> None:
     rank = dist.get_rank()
     for drop_tokens in (True, False):
         torch.manual_seed(0)
-        moe = MoE(HIDDEN, nn.Sequential(nn.Linear(HIDDEN, 10), nn.ReLU(), nn.Linear(10, HIDDEN)),
-                  num_experts=EXPERTS, ep_size=2, k=2, min_capacity=0, capacity_factor=1.0,
-                  drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False)
+        moe = MoE(
+            HIDDEN,
+            nn.Sequential(nn.Linear(HIDDEN, 10), nn.ReLU(), nn.Linear(10, HIDDEN)),
+            num_experts=EXPERTS,
+            ep_size=2,
+            k=2,
+            min_capacity=0,
+            capacity_factor=1.0,
+            drop_tokens=drop_tokens,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         moe.set_deepspeed_parallelism()
         group = moe.deepspeed_moe.ep_group
         x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
@@ -168,8 +179,11 @@ def test_one_object_per_group_with_its_own_numbers_and_hooks(ranks):
         assert out["one_object"]
         assert out["seq_steps"] == (0, 2)
         # the pair's hook saw the pair's three collectives, each with its whole buffer's bytes
-        assert out["counted"] == {"all_reduce": [1, 20], "all_gather_into_tensor": [1, 32],
-                                  "reduce_scatter_tensor": [1, 24]}
+        assert out["counted"] == {
+            "all_reduce": [1, 20],
+            "all_gather_into_tensor": [1, 32],
+            "reduce_scatter_tensor": [1, 24],
+        }
         assert out["summed"] == [2.0] * 5
 
 
@@ -203,6 +217,5 @@ def test_comms_logger_counts_the_experts_all_to_alls(ranks):
         assert dropless["all_gather"] == {} and dropless["other_ops"] == [] and dropless["x_grad"]
     # every route's row leaves its rank once and comes back once, in forward and in backward:
     # over both ranks the row bytes are 4 x (routes) x hidden x 4 bytes (k = 2 routes a token)
-    rows = sum(size * count for out in ranks for size, count in out["dropless"]["all_to_all"].items()) \
-        - 2 * 8 * EXPERTS
+    rows = sum(size * count for out in ranks for size, count in out["dropless"]["all_to_all"].items()) - 2 * 8 * EXPERTS
     assert rows == 4 * (2 * TOKENS * 2) * HIDDEN * 4

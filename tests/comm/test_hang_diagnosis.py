@@ -46,8 +46,13 @@ def _skip_one(debug: bool, op: str = "all_reduce"):
                 collectives.all_gather_into(full, t, async_op=True).wait()
             result = {"message": "no error"}
         except comm.CollectiveError as error:
-            result = {"message": str(error), "missing": error.missing, "seq": error.seq,
-                      "op": error.op, "elapsed": time.monotonic() - start}
+            result = {
+                "message": str(error),
+                "missing": error.missing,
+                "seq": error.seq,
+                "op": error.op,
+                "elapsed": time.monotonic() - start,
+            }
         store.set(f"test/failed/{rank}", "1")
     # Rank 0's process hosts the store: it must stay until no other rank needs the store (a
     # loaded machine may still have a rank diagnosing, which reads the store, after rank 0 has).
@@ -73,8 +78,11 @@ def test_skipped_collective_names_the_missing_rank():
         # it waited the backend's timeout (no upper bound: a loaded machine is slow)
         assert r["elapsed"] > TIMEOUT - 0.5 and _reported_wait(r["message"]) > TIMEOUT - 0.5
         message = r["message"]
-        assert re.match(rf"all_reduce #3 \(4.0 KB\) on the default group of 3 ranks failed on "
-                        rf"rank {rank} after \d+\.\d s: rank 2 had not arrived\.\n", message), message
+        assert re.match(
+            rf"all_reduce #3 \(4.0 KB\) on the default group of 3 ranks failed on "
+            rf"rank {rank} after \d+\.\d s: rank 2 had not arrived\.\n",
+            message,
+        ), message
         assert f"rank {1 - rank}: arrived (also blocked in all_reduce #3)" in message
         # debug mode recorded rank 2's progress, so the error quotes it
         assert "rank 2: no report" in message
@@ -90,9 +98,11 @@ def test_send_recv_gather_names_the_missing_rank():
         assert r["missing"] == [2], r["message"]
         assert (r["op"], r["seq"]) == ("all_gather_into_tensor", 3)
         assert r["elapsed"] > TIMEOUT - 0.5 and _reported_wait(r["message"]) > TIMEOUT - 0.5
-        assert re.match(rf"all_gather_into_tensor #3 \(12.0 KB\) on the default group of 3 ranks "
-                        rf"failed on rank {rank} after \d+\.\d s: rank 2 had not arrived\.",
-                        r["message"]), r["message"]
+        assert re.match(
+            rf"all_gather_into_tensor #3 \(12.0 KB\) on the default group of 3 ranks "
+            rf"failed on rank {rank} after \d+\.\d s: rank 2 had not arrived\.",
+            r["message"],
+        ), r["message"]
 
 
 def _diagnose_with_reports(monkeypatch, reports: dict, progress: dict | None = None, wrap=None, **kw):
@@ -115,19 +125,24 @@ def _diagnose_with_reports(monkeypatch, reports: dict, progress: dict | None = N
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1, 2, 3])
     exc = RuntimeError("Timed out waiting 2000ms for recv operation to complete")
-    return hang.diagnose(exc, "reduce_scatter_tensor", 2**20, 7, None, time.monotonic() - 2.0,
-                         grace=0.1, **kw)
+    return hang.diagnose(exc, "reduce_scatter_tensor", 2**20, 7, None, time.monotonic() - 2.0, grace=0.1, **kw)
 
 
 def test_each_rank_is_classified_from_its_report(monkeypatch):
-    error = _diagnose_with_reports(monkeypatch, {
-        1: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},  # arrived
-        2: {"seq": 5, "op": "all_gather_into_tensor", "bytes": 64},   # stuck earlier
-        3: {"seq": 7, "op": "all_reduce", "bytes": 4}})               # issued something else
+    error = _diagnose_with_reports(
+        monkeypatch,
+        {
+            1: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},  # arrived
+            2: {"seq": 5, "op": "all_gather_into_tensor", "bytes": 64},  # stuck earlier
+            3: {"seq": 7, "op": "all_reduce", "bytes": 4},
+        },
+    )  # issued something else
     message = str(error)
     assert error.missing == [2, 3] and error.seq == 7
-    assert message.startswith("reduce_scatter_tensor #7 (1.0 MB) on the default group of 4 ranks "
-                              "failed on rank 0 after 2.0 s: ranks 2, 3 had not arrived.")
+    assert message.startswith(
+        "reduce_scatter_tensor #7 (1.0 MB) on the default group of 4 ranks "
+        "failed on rank 0 after 2.0 s: ranks 2, 3 had not arrived."
+    )
     assert "rank 1: arrived" in message
     assert "rank 2: still blocked in an earlier collective, all_gather_into_tensor #5" in message
     assert "rank 3: blocked in all_reduce #7 (4.0 B) instead: ranks issued different collectives" in message
@@ -173,18 +188,24 @@ def test_ranks_unheard_because_the_store_is_gone_are_unknown_not_absent(monkeypa
     """Rank 0 hosts the store and leaves once it has its own error; a rank still diagnosing then
     cannot read the others' reports, and must not name them as the ranks that never came."""
     error = _diagnose_with_reports(
-        monkeypatch, {1: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},
-                      2: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20}},
-        wrap=lambda store: _StoreGoneAfter(store, reads=1))
+        monkeypatch,
+        {
+            1: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},
+            2: {"seq": 7, "op": "reduce_scatter_tensor", "bytes": 2**20},
+        },
+        wrap=lambda store: _StoreGoneAfter(store, reads=1),
+    )
     message = str(error)
     assert error.missing == [], message
-    assert "failed on rank 0 after 2.0 s: which ranks had not arrived is unknown: the rendezvous " \
-           "store is unreachable" in message
+    assert (
+        "failed on rank 0 after 2.0 s: which ranks had not arrived is unknown: the rendezvous "
+        "store is unreachable" in message
+    )
     assert "rank 1: arrived" in message
     assert "rank 2: unknown" in message and "rank 3: unknown" in message
     assert "could not consult the rendezvous store: Broken pipe" in message
     # a rank that did report a different collective is still named
     error = _diagnose_with_reports(
-        monkeypatch, {1: {"seq": 5, "op": "all_reduce", "bytes": 4}},
-        wrap=lambda store: _StoreGoneAfter(store, reads=1))
+        monkeypatch, {1: {"seq": 5, "op": "all_reduce", "bytes": 4}}, wrap=lambda store: _StoreGoneAfter(store, reads=1)
+    )
     assert error.missing == [1] and "rank 2: unknown" in str(error)

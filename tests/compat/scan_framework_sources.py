@@ -67,7 +67,9 @@ DEEPSPEED = "deepspeed==0.19.8"
 #: Files a training run does not execute: the clients' own test helpers shipped in their wheels
 #: (accelerate's test_utils scripts, transformers' testing_utils) and transformers' modular_*.py
 #: (templates its modeling_*.py files are generated from).
-TEST_HELPERS = re.compile(r"(^|/)(test_utils|testing|tests)/|(^|/)testing_utils\.py$|(^|/)modular_\w+\.py$")  # read for its engine/optimizer/parameter attribute names
+TEST_HELPERS = re.compile(
+    r"(^|/)(test_utils|testing|tests)/|(^|/)testing_utils\.py$|(^|/)modular_\w+\.py$"
+)  # read for its engine/optimizer/parameter attribute names
 
 #: A receiver named like DeepSpeed's engine: ``engine``, ``model_engine``, ``ds_engine``,
 #: ``deepspeed_engine``, alone or as the last attribute (``self.deepspeed_engine_wrapped.engine``).
@@ -77,6 +79,7 @@ ENGINE_RECEIVER = re.compile(r"^(\w+\.)*(engine|model_engine|ds_engine|deepspeed
 
 # -- download -------------------------------------------------------------------------------
 
+
 def download(requirement: str, dest: Path) -> Path:
     """Unpack ``requirement``'s wheel (or sdist) into ``dest/<name>``; the folder."""
     name = requirement.split("==")[0]
@@ -85,12 +88,12 @@ def download(requirement: str, dest: Path) -> Path:
         return folder
     archives = dest / "archives"
     archives.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(archives),
-                    requirement], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(archives), requirement], check=True
+    )
     version = requirement.split("==")[1]
     stem = name.replace("-", "_")
-    (archive,) = [p for p in archives.iterdir()
-                  if p.name.lower().startswith(f"{stem}-{version}".lower())]
+    (archive,) = [p for p in archives.iterdir() if p.name.lower().startswith(f"{stem}-{version}".lower())]
     folder.mkdir(parents=True, exist_ok=True)
     if archive.suffix == ".whl":
         zipfile.ZipFile(archive).extractall(folder)
@@ -102,6 +105,7 @@ def download(requirement: str, dest: Path) -> Path:
 
 # -- DeepSpeed's own attribute names ----------------------------------------------------------
 
+
 def _class_members(tree: ast.Module, class_name: str) -> set[str]:
     members: set[str] = set()
     for node in ast.walk(tree):
@@ -109,8 +113,12 @@ def _class_members(tree: ast.Module, class_name: str) -> set[str]:
             for item in ast.walk(node):
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     members.add(item.name)
-                elif (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
-                      and isinstance(item.value, ast.Name) and item.value.id == "self"):
+                elif (
+                    isinstance(item, ast.Attribute)
+                    and isinstance(item.ctx, ast.Store)
+                    and isinstance(item.value, ast.Name)
+                    and item.value.id == "self"
+                ):
                     members.add(item.attr)
     return members
 
@@ -127,19 +135,23 @@ def deepspeed_attribute_names(root: Path) -> dict[str, set[str]]:
         except SyntaxError:
             continue
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("ds_")
-                    and isinstance(node.ctx, ast.Store)):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("ds_") and isinstance(node.ctx, ast.Store):
                 ds_attrs.add(node.attr)
-            elif (isinstance(node, ast.FunctionDef) and node.name.startswith("ds_")):
+            elif isinstance(node, ast.FunctionDef) and node.name.startswith("ds_"):
                 ds_attrs.add(node.name)  # methods DeepSpeed attaches (module.ds_external_parameters)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr"
-                  and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                  and str(node.args[1].value).startswith("ds_")):
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "setattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith("ds_")
+            ):
                 ds_attrs.add(node.args[1].value)
     return {"engine": engine, "ds_attrs": ds_attrs}
 
 
 # -- the clients' uses ------------------------------------------------------------------------
+
 
 def _chain(node: ast.AST) -> list[str] | None:
     """``a.b.c`` -> ["a", "b", "c"]; calls and subscripts inside end the chain (None)."""
@@ -170,8 +182,12 @@ def _deepspeed_bindings(tree: ast.Module) -> dict[str, str]:
                         bound[alias.asname] = alias.name
                     else:
                         bound["deepspeed"] = "deepspeed"
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
-                node.module == "deepspeed" or node.module.startswith("deepspeed.")):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and (node.module == "deepspeed" or node.module.startswith("deepspeed."))
+        ):
             for alias in node.names:
                 if alias.name != "*":
                     bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -201,13 +217,23 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
             for alias in node.names:
                 if alias.name == "deepspeed" or alias.name.startswith("deepspeed."):
                     yield alias.name, "module name", node.lineno, ()
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and bound and (
-                node.module == "deepspeed" or node.module.startswith("deepspeed.")):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and bound
+            and (node.module == "deepspeed" or node.module.startswith("deepspeed."))
+        ):
             for alias in node.names:
                 yield f"{node.module}.{alias.name}", "module name", node.lineno, ()
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("deepspeed")):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("deepspeed")
+        ):
             yield node.args[0].value, "module name", node.lineno, ()
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in bound:
             yield bound[node.func.id], "module name", node.lineno, _keywords(node.func, calls)
@@ -228,9 +254,13 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
         if deepspeed_code and ENGINE_RECEIVER.match(receiver) and chain[-1] in ds_names["engine"]:
             yield f"engine.{chain[-1]}", "engine attr", node.lineno, _keywords(node, calls)
     for node in ast.walk(tree):  # hasattr(p, "ds_numel"), getattr(p, "ds_id", None)
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("hasattr", "getattr")
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in ds_names["ds_attrs"]):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") in ("hasattr", "getattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in ds_names["ds_attrs"]
+        ):
             yield from _ds_attribute(node.args[1].value, node.lineno)
     for node in _outermost_attributes(tree) if deepspeed_code else ():
         chain = _chain(node)
@@ -238,8 +268,12 @@ def scan_file(path: Path, ds_names: dict[str, set[str]]):
             continue
         for i in range(1, len(chain) - 1):
             if ENGINE_RECEIVER.match(".".join(chain[:i])) and chain[i] == "optimizer":
-                yield ("engine.optimizer." + ".".join(chain[i + 1:]), "optimizer attr", node.lineno,
-                       _keywords(node, calls))
+                yield (
+                    "engine.optimizer." + ".".join(chain[i + 1 :]),
+                    "optimizer attr",
+                    node.lineno,
+                    _keywords(node, calls),
+                )
                 break
 
 
@@ -266,9 +300,13 @@ def _reviewed_uses(client: str, root: Path):
                 raise SystemExit(f"reviewed use {name!r} no longer found in {client} {rel} ({pattern!r})")
             method = name.rsplit(".", 1)[1]
             for line in hits:
-                keywords = {k.arg for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)
-                            and node.lineno == line and getattr(node.func, "attr", None) == method
-                            for k in node.keywords if k.arg}
+                keywords = {
+                    k.arg
+                    for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Call) and node.lineno == line and getattr(node.func, "attr", None) == method
+                    for k in node.keywords
+                    if k.arg
+                }
                 yield name, kind, rel, line, tuple(keywords)
 
 
@@ -310,54 +348,138 @@ _ORLHF = "openrlhf/utils/deepspeed/deepspeed.py"  # `model` is the engine (Actor
 _ORLHF_UTILS = "openrlhf/utils/deepspeed/deepspeed_utils.py"
 REVIEWED: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("engine.optimizer", "engine attr", [("trl", _TRL_HOOKS, r"model\.optimizer is not None and hasattr")]),
-    ("engine.optimizer.parameter_offload", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"model\.optimizer\.parameter_offload")]),
-    ("engine.optimizer.parameter_offload.module", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"optimizer_offload\.module\b")]),
-    ("engine.optimizer.parameter_offload.forward_hooks", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"optimizer_offload\.forward_hooks")]),
-    ("engine.optimizer.parameter_offload.backward_hooks", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"optimizer_offload\.backward_hooks")]),
-    ("engine.optimizer.parameter_offload.param_coordinator", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"optimizer_offload\.param_coordinator|\"param_coordinator\"")]),
-    ("engine.optimizer.parameter_offload.param_coordinator.is_invalid_trace", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"coordinator\.is_invalid_trace\(")]),
-    ("engine.optimizer.parameter_offload.param_coordinator._invalidate_trace", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"coordinator\._invalidate_trace\(")]),
-    ("engine.optimizer.parameter_offload._register_deepspeed_module", "optimizer attr",
-     [("trl", _TRL_HOOKS, r"optimizer_offload\._register_deepspeed_module")]),
-    ("engine.optimizer.overflow", "optimizer attr",
-     [("accelerate", "accelerate/utils/deepspeed.py", r"self\.optimizer\.overflow|hasattr\(self\.optimizer, \"overflow\"\)")]),
-    ("engine.module", "engine attr", [("accelerate", "accelerate/utils/other.py", r"^        model = model\.module$"),
-                                      ("openrlhf", _ORLHF, r"return model\.module$"),
-                                      ("openrlhf", "openrlhf/trainer/ray/ppo_actor.py", r"self\.actor\.model\.module")]),
-    ("engine.save_checkpoint", "engine attr", [("accelerate", _ACC, r"model\.save_checkpoint\(output_dir, ckpt_id"),
-                                               ("transformers", _HF, r"self\.model_wrapped\.save_checkpoint"),
-                                               ("openrlhf", _ORLHF, r"model\.save_checkpoint\(save_dir")]),
-    ("engine.load_checkpoint", "engine attr", [("accelerate", _ACC, r"model\.load_checkpoint\(input_dir, ckpt_id"),
-                                               ("openrlhf", _ORLHF, r"= model\.load_checkpoint\(")]),
-    ("engine.zero_gather_16bit_weights_on_model_save", "engine attr",
-     [("accelerate", _ACC, r"model\.zero_gather_16bit_weights_on_model_save\(\)")]),
-    ("engine._zero3_consolidated_16bit_state_dict", "engine attr",
-     [("accelerate", _ACC, r"model\._zero3_consolidated_16bit_state_dict\(\)"),
-      ("transformers", _HF, r"self\.deepspeed\._zero3_consolidated_16bit_state_dict")]),
-    ("engine._consolidated_16bit_state_dict", "engine attr",
-     [("accelerate", _ACC, r"model\._consolidated_16bit_state_dict\(\)"),
-      ("openrlhf", _ORLHF, r"model\._consolidated_16bit_state_dict\(\)")]),
-    ("engine.config", "engine attr", [("transformers", _HF, r"self\.deepspeed\.config\.get"),
-                                      ("openrlhf", _ORLHF_UTILS, r"model\.config\[\"zero_optimization\"\]")]),
-    ("engine.backward", "engine attr", [("lightning", "lightning/fabric/plugins/precision/deepspeed.py",
-                                         r"model\.backward\(tensor"),
-                                        ("openrlhf", _ORLHF, r"^        model\.backward\(loss\)")]),
+    (
+        "engine.optimizer.parameter_offload",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"model\.optimizer\.parameter_offload")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.module",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"optimizer_offload\.module\b")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.forward_hooks",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"optimizer_offload\.forward_hooks")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.backward_hooks",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"optimizer_offload\.backward_hooks")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.param_coordinator",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"optimizer_offload\.param_coordinator|\"param_coordinator\"")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.param_coordinator.is_invalid_trace",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"coordinator\.is_invalid_trace\(")],
+    ),
+    (
+        "engine.optimizer.parameter_offload.param_coordinator._invalidate_trace",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"coordinator\._invalidate_trace\(")],
+    ),
+    (
+        "engine.optimizer.parameter_offload._register_deepspeed_module",
+        "optimizer attr",
+        [("trl", _TRL_HOOKS, r"optimizer_offload\._register_deepspeed_module")],
+    ),
+    (
+        "engine.optimizer.overflow",
+        "optimizer attr",
+        [
+            (
+                "accelerate",
+                "accelerate/utils/deepspeed.py",
+                r"self\.optimizer\.overflow|hasattr\(self\.optimizer, \"overflow\"\)",
+            )
+        ],
+    ),
+    (
+        "engine.module",
+        "engine attr",
+        [
+            ("accelerate", "accelerate/utils/other.py", r"^        model = model\.module$"),
+            ("openrlhf", _ORLHF, r"return model\.module$"),
+            ("openrlhf", "openrlhf/trainer/ray/ppo_actor.py", r"self\.actor\.model\.module"),
+        ],
+    ),
+    (
+        "engine.save_checkpoint",
+        "engine attr",
+        [
+            ("accelerate", _ACC, r"model\.save_checkpoint\(output_dir, ckpt_id"),
+            ("transformers", _HF, r"self\.model_wrapped\.save_checkpoint"),
+            ("openrlhf", _ORLHF, r"model\.save_checkpoint\(save_dir"),
+        ],
+    ),
+    (
+        "engine.load_checkpoint",
+        "engine attr",
+        [
+            ("accelerate", _ACC, r"model\.load_checkpoint\(input_dir, ckpt_id"),
+            ("openrlhf", _ORLHF, r"= model\.load_checkpoint\("),
+        ],
+    ),
+    (
+        "engine.zero_gather_16bit_weights_on_model_save",
+        "engine attr",
+        [("accelerate", _ACC, r"model\.zero_gather_16bit_weights_on_model_save\(\)")],
+    ),
+    (
+        "engine._zero3_consolidated_16bit_state_dict",
+        "engine attr",
+        [
+            ("accelerate", _ACC, r"model\._zero3_consolidated_16bit_state_dict\(\)"),
+            ("transformers", _HF, r"self\.deepspeed\._zero3_consolidated_16bit_state_dict"),
+        ],
+    ),
+    (
+        "engine._consolidated_16bit_state_dict",
+        "engine attr",
+        [
+            ("accelerate", _ACC, r"model\._consolidated_16bit_state_dict\(\)"),
+            ("openrlhf", _ORLHF, r"model\._consolidated_16bit_state_dict\(\)"),
+        ],
+    ),
+    (
+        "engine.config",
+        "engine attr",
+        [
+            ("transformers", _HF, r"self\.deepspeed\.config\.get"),
+            ("openrlhf", _ORLHF_UTILS, r"model\.config\[\"zero_optimization\"\]"),
+        ],
+    ),
+    (
+        "engine.backward",
+        "engine attr",
+        [
+            ("lightning", "lightning/fabric/plugins/precision/deepspeed.py", r"model\.backward\(tensor"),
+            ("openrlhf", _ORLHF, r"^        model\.backward\(loss\)"),
+        ],
+    ),
     ("engine.step", "engine attr", [("openrlhf", _ORLHF, r"^        model\.step\(\)")]),
     # Fabric steps the optimizer deepspeed.initialize returned, not the engine.
-    ("engine.optimizer.step", "optimizer attr", [("lightning", "lightning/fabric/plugins/precision/deepspeed.py",
-                                                  r"return optimizer\.step\(\*\*kwargs\)")]),
+    (
+        "engine.optimizer.step",
+        "optimizer attr",
+        [("lightning", "lightning/fabric/plugins/precision/deepspeed.py", r"return optimizer\.step\(\*\*kwargs\)")],
+    ),
     ("engine.get_global_grad_norm", "engine attr", [("openrlhf", _ORLHF, r"model\.get_global_grad_norm\(\)")]),
-    ("engine.zero_optimization_stage", "engine attr",
-     [("openrlhf", _ORLHF_UTILS, r"model\.zero_optimization_stage\(\)")]),
-    ("engine.optimizer.offload_states", "optimizer attr",
-     [("openrlhf", _ORLHF_UTILS, r"model\.optimizer\.offload_states\(")]),
+    (
+        "engine.zero_optimization_stage",
+        "engine attr",
+        [("openrlhf", _ORLHF_UTILS, r"model\.zero_optimization_stage\(\)")],
+    ),
+    (
+        "engine.optimizer.offload_states",
+        "optimizer attr",
+        [("openrlhf", _ORLHF_UTILS, r"model\.optimizer\.offload_states\(")],
+    ),
     ("engine.empty_partition_cache", "engine attr", [("openrlhf", _ORLHF_UTILS, r"model\.empty_partition_cache\(\)")]),
     ("engine.reload_states", "engine attr", [("openrlhf", _ORLHF_UTILS, r"model\.reload_states\(")]),
 ]
@@ -374,8 +496,10 @@ def _where_key(where: str):
 def dump(data: dict) -> str:
     """JSON with one line per use (the file stays readable in a diff)."""
     text = json.dumps(data, indent=1)
-    return re.sub(r'\{\s+("client": "[^"]*"),\s+("version": "[^"]*"),\s+("where": "[^"]*")\s+\}',
-                  r"{\1, \2, \3}", text) + "\n"
+    return (
+        re.sub(r'\{\s+("client": "[^"]*"),\s+("version": "[^"]*"),\s+("where": "[^"]*")\s+\}', r"{\1, \2, \3}", text)
+        + "\n"
+    )
 
 
 def default_stage(name: str, kind: str) -> int:
@@ -413,8 +537,7 @@ def main() -> None:
     if args.out.exists():
         previous = {e["name"]: e for e in json.loads(args.out.read_text())["names"]}
     found = scan(args.sources, not args.no_download)
-    data = {"clients": {c: r for c, (r, _) in CLIENTS.items()}, "deepspeed": DEEPSPEED,
-            "names": merge(found, previous)}
+    data = {"clients": {c: r for c, (r, _) in CLIENTS.items()}, "deepspeed": DEEPSPEED, "names": merge(found, previous)}
     args.out.write_text(dump(data))
     print(f"{len(data['names'])} names written to {args.out}")
 

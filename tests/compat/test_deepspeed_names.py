@@ -26,7 +26,9 @@ from tests.engine.workloads import adamw_config, global_batches, make_model
 from zerotrain.testing import run_on_ranks
 
 # deepspeed name -> zerotrain name ("import deepspeed" becomes "import zerotrain as deepspeed").
-PROVIDED = {f"deepspeed.{name}": f"zerotrain.{name}" for name in """
+PROVIDED = {
+    f"deepspeed.{name}": f"zerotrain.{name}"
+    for name in """
 initialize add_config_arguments init_distributed DeepSpeedEngine get_accelerator logger log_dist
 PipelineModule accelerator.get_accelerator ops.adam.FusedAdam ops.adam.DeepSpeedCPUAdam
 moe.utils.split_params_into_different_moe_groups_for_optimizer moe.utils.is_moe_param
@@ -51,7 +53,8 @@ runtime.progressive_layer_drop.ProgressiveLayerDrop
 profiling.flops_profiler.FlopsProfiler profiling.flops_profiler.get_model_profile
 profiling.flops_profiler.profiler.FlopsProfiler profiling.flops_profiler.profiler.get_model_profile
 runtime.engine.DeepSpeedEngine runtime.zero.partition_parameters.get_accelerator
-""".split()}
+""".split()
+}
 
 EXERCISED: set[str] = set()
 
@@ -81,9 +84,11 @@ def test_every_provided_name_is_exercised():
 # without importing ``deepspeed.runtime.utils``. The file lists every module path DeepSpeed 0.19.8
 # makes reachable that way; each zerotrain module under the same name (found by pkgutil) must be
 # reachable from a bare ``import zerotrain`` too, and so must each PROVIDED name that lives there.
-REACHABLE_IN_DEEPSPEED = [line.strip() for line in
-                          (Path(__file__).parent / "deepspeed_reachable_modules.txt").read_text().splitlines()
-                          if line.strip() and not line.startswith("#")]
+REACHABLE_IN_DEEPSPEED = [
+    line.strip()
+    for line in (Path(__file__).parent / "deepspeed_reachable_modules.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
 
 _RESOLVE_IN_FRESH_PROCESS = """
 import json, sys
@@ -111,7 +116,7 @@ def _zerotrain_modules():
 
 
 def _deepspeed_name(zerotrain_name):
-    return "deepspeed" + zerotrain_name[len("zerotrain"):]
+    return "deepspeed" + zerotrain_name[len("zerotrain") :]
 
 
 def test_deepspeed_reachable_paths_are_attributes_after_import_zerotrain():
@@ -120,15 +125,31 @@ def test_deepspeed_reachable_paths_are_attributes_after_import_zerotrain():
     # A name is reachable in DeepSpeed when the module holding it is (compression.helper's are not).
     names = [zt for ds, zt in PROVIDED.items() if ds.rpartition(".")[0] in reachable]
     # The scripts' paths (issue 29 item 15), so the discovery above cannot pass by finding nothing.
-    for expected in ("zerotrain.runtime.utils", "zerotrain.runtime.zero", "zerotrain.ops.adam",
-                     "zerotrain.moe.utils", "zerotrain.runtime.zero.partition_parameters", "zerotrain.utils.timer"):
+    for expected in (
+        "zerotrain.runtime.utils",
+        "zerotrain.runtime.zero",
+        "zerotrain.ops.adam",
+        "zerotrain.moe.utils",
+        "zerotrain.runtime.zero.partition_parameters",
+        "zerotrain.utils.timer",
+    ):
         assert expected in modules
-    names += ["zerotrain.runtime.utils.set_random_seed", "zerotrain.ops.adam.FusedAdam",
-              "zerotrain.runtime.zero.Init", "zerotrain.runtime.zero.GatheredParameters",
-              "zerotrain.runtime.zero.ZeroParamStatus", "zerotrain.utils.recursive_getattr"]
+    names += [
+        "zerotrain.runtime.utils.set_random_seed",
+        "zerotrain.ops.adam.FusedAdam",
+        "zerotrain.runtime.zero.Init",
+        "zerotrain.runtime.zero.GatheredParameters",
+        "zerotrain.runtime.zero.ZeroParamStatus",
+        "zerotrain.utils.recursive_getattr",
+    ]
     paths = modules + names
-    result = subprocess.run([sys.executable, "-c", _RESOLVE_IN_FRESH_PROCESS, json.dumps(paths)],
-                            capture_output=True, text=True, timeout=300, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _RESOLVE_IN_FRESH_PROCESS, json.dumps(paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["missing"] == {}
     # The submodules load on first access: the top-level import itself stays free of torch.
@@ -171,8 +192,7 @@ print(json.dumps({"same": first == (random.random(), float(torch.rand(()))), "co
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out == {"same": True, "config": "ds.json", "pipe": True,
-                   "loader": [[0, 1], [1, 2], [2, 1], [3, 2], [4, 1]]}
+    assert out == {"same": True, "config": "ds.json", "pipe": True, "loader": [[0, 1], [1, 2], [2, 1], [3, 2], [4, 1]]}
 
 
 # -- one 2-rank run: the training surface ------------------------------------------------
@@ -193,24 +213,37 @@ def _train_surface():
     # FusedAdam (no bias correction) as the client optimizer, its groups from the MoE helper.
     model = make_model()
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "weight_decay": 0.01})
+        {"params": list(model.parameters()), "name": "dense", "weight_decay": 0.01}
+    )
     out["groups_unchanged"] = len(groups) == 1 and groups[0]["name"] == "dense"
     optimizer = FusedAdam(groups, lr=1e-3, bias_correction=False)
     data = torch.stack([global_batches(1, 8, seed=s)[0] for s in range(3)])  # 3 steps x 8 rows
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 2}, "comms_logger": {"enabled": True}}
-    engine, _, loader, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                                training_data=list(data.reshape(-1, data.shape[-1])))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2},
+        "comms_logger": {"enabled": True},
+    }
+    engine, _, loader, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config, training_data=list(data.reshape(-1, data.shape[-1]))
+    )
     out["engine"] = isinstance(engine, deepspeed.DeepSpeedEngine)
     for step in range(3):
         for micro in range(2):
             lo = (micro * world + rank) * 2
-            batch = data[step, lo:lo + 2]
+            batch = data[step, lo : lo + 2]
             engine.backward(engine(batch, labels=batch).loss)
             engine.step()
     out["trained"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["accessors"] = (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.zero_optimization_stage(),
-                        engine.train_batch_size(), engine.global_steps, engine.get_lr())
+    out["accessors"] = (
+        engine.fp16_enabled(),
+        engine.bfloat16_enabled(),
+        engine.zero_optimization_stage(),
+        engine.train_batch_size(),
+        engine.global_steps,
+        engine.get_lr(),
+    )
     # RepeatingLoader over the engine's dataloader: more batches than one pass holds.
     repeating = RepeatingLoader(loader)
     out["repeated"] = [next(repeating).shape for _ in range(len(loader) * 2 + 1)]
@@ -239,15 +272,24 @@ def _reference_training():
     for step in range(3):
         optimizer.zero_grad()
         for micro in range(2):  # 2 micro-batches of 4 rows (2 per rank): mean of the micro losses
-            batch = data[step, micro * 4:micro * 4 + 4]
+            batch = data[step, micro * 4 : micro * 4 + 4]
             (model(batch, labels=batch).loss / 2).backward()
         optimizer.step()
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@exercises("initialize", "init_distributed", "DeepSpeedEngine", "ops.adam.FusedAdam",
-           "moe.utils.split_params_into_different_moe_groups_for_optimizer", "utils.RepeatingLoader",
-           "comm.log_summary", "runtime.utils.memory_status", "zero.Init", "zero.GatheredParameters")
+@exercises(
+    "initialize",
+    "init_distributed",
+    "DeepSpeedEngine",
+    "ops.adam.FusedAdam",
+    "moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "utils.RepeatingLoader",
+    "comm.log_summary",
+    "runtime.utils.memory_status",
+    "zero.Init",
+    "zero.GatheredParameters",
+)
 def test_training_surface_on_two_ranks():
     outs = run_on_ranks(_train_surface, 2)
     reference = _reference_training()
@@ -308,21 +350,32 @@ def test_expert_parameters_get_their_own_groups():
     expert.allreduce, expert.group_name = False, "ep_size_2"
     assert not is_moe_param(dense) and is_moe_param(expert)
     groups = split_params_into_different_moe_groups_for_optimizer(
-        [{"params": [dense, expert], "name": "all", "lr": 0.1}])
+        [{"params": [dense, expert], "name": "all", "lr": 0.1}]
+    )
     assert [g["params"] for g in groups] == [[dense], [expert]]
     assert groups[1]["moe"] and groups[1]["name"] == "ep_size_2" and groups[1]["lr"] == 0.1
 
 
-@exercises("PipelineModule", "pipe.PipelineModule", "pipe.LayerSpec", "pipe.TiedLayerSpec",
-           "runtime.pipe.module.PipelineModule", "runtime.pipe.module.LayerSpec",
-           "runtime.pipe.module.TiedLayerSpec", "runtime.pipe.module.PipelineError")
+@exercises(
+    "PipelineModule",
+    "pipe.PipelineModule",
+    "pipe.LayerSpec",
+    "pipe.TiedLayerSpec",
+    "runtime.pipe.module.PipelineModule",
+    "runtime.pipe.module.LayerSpec",
+    "runtime.pipe.module.TiedLayerSpec",
+    "runtime.pipe.module.PipelineError",
+)
 def test_pipe_specs_build_and_pipeline_module_builds_one_stage():
     import zerotrain
     import zerotrain.runtime.pipe.module as ds_module
     from zerotrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     assert (ds_module.PipelineModule, ds_module.LayerSpec, ds_module.TiedLayerSpec) == (
-        PipelineModule, LayerSpec, TiedLayerSpec)
+        PipelineModule,
+        LayerSpec,
+        TiedLayerSpec,
+    )
     assert issubclass(ds_module.PipelineError, Exception) and ds_module.PipelineError is zerotrain.pipe.PipelineError
 
     layer = LayerSpec(torch.nn.Linear, 4, 8, bias=False).build()
@@ -432,8 +485,12 @@ def test_progressive_layer_drop_after_import_zerotrain():
     assert pld.get_state() == {"progressive_layer_drop": True, "pld_theta": 0.5 * math.exp(-1.0) + 0.5}
 
 
-@exercises("profiling.flops_profiler.FlopsProfiler", "profiling.flops_profiler.get_model_profile",
-           "profiling.flops_profiler.profiler.FlopsProfiler", "profiling.flops_profiler.profiler.get_model_profile")
+@exercises(
+    "profiling.flops_profiler.FlopsProfiler",
+    "profiling.flops_profiler.get_model_profile",
+    "profiling.flops_profiler.profiler.FlopsProfiler",
+    "profiling.flops_profiler.profiler.get_model_profile",
+)
 def test_flops_profiler_after_import_zerotrain():
     # DeepSpeed's usage, counted against the layer's two matmuls (tests/monitor/test_flops_profiler.py
     # checks a GPT-2 against a hand count)
@@ -443,8 +500,7 @@ def test_flops_profiler_after_import_zerotrain():
     assert profiling.profiler.FlopsProfiler is profiling.FlopsProfiler
     assert profiling.profiler.get_model_profile is profiling.get_model_profile
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    flops, macs, params = profiling.get_model_profile(model, input_shape=(5, 8), print_profile=False,
-                                                      as_string=False)
+    flops, macs, params = profiling.get_model_profile(model, input_shape=(5, 8), print_profile=False, as_string=False)
     assert (flops, macs, params) == (2 * 5 * (8 * 16 + 16 * 4), 5 * (8 * 16 + 16 * 4), 8 * 16 + 16 + 16 * 4 + 4)
     prof = profiling.FlopsProfiler(model)
     prof.start_profile()
@@ -464,15 +520,20 @@ def test_recursive_getattr_and_setattr():
     assert model[0][0] is replacement
 
 
-@exercises("runtime.lr_schedules.WarmupLR", "runtime.lr_schedules.WarmupDecayLR",
-           "runtime.lr_schedules.WarmupCosineLR", "runtime.lr_schedules.OneCycle",
-           "runtime.lr_schedules.LRRangeTest")
+@exercises(
+    "runtime.lr_schedules.WarmupLR",
+    "runtime.lr_schedules.WarmupDecayLR",
+    "runtime.lr_schedules.WarmupCosineLR",
+    "runtime.lr_schedules.OneCycle",
+    "runtime.lr_schedules.LRRangeTest",
+)
 def test_lr_schedules_module_path():
     from zerotrain.runtime import lr_schedules
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-    schedule = lr_schedules.WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10,
-                                     warmup_type="linear")
+    schedule = lr_schedules.WarmupLR(
+        opt, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"
+    )
     for _ in range(5):
         opt.step()
         schedule.step()
@@ -481,8 +542,10 @@ def test_lr_schedules_module_path():
         assert getattr(lr_schedules, name) is getattr(importlib.import_module("zerotrain.optim"), name)
 
 
-@exercises("runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
-           "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live")
+@exercises(
+    "runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
+    "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
+)
 def test_memory_estimators_print_deepspeeds_table(capsys):
     from zerotrain.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
     from zerotrain.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
@@ -494,8 +557,9 @@ def test_memory_estimators_print_deepspeeds_table(capsys):
     assert printed.count("Estimated memory needed for params, optim states and gradients") == 2
 
 
-@exercises("utils.set_z3_leaf_modules", "utils.unset_z3_leaf_modules", "utils.get_z3_leaf_modules",
-           "utils.z3_leaf_module")
+@exercises(
+    "utils.set_z3_leaf_modules", "utils.unset_z3_leaf_modules", "utils.get_z3_leaf_modules", "utils.z3_leaf_module"
+)
 def test_leaf_module_flags():
     """DeepSpeed's MoE recipe: ``deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`` before
     initialize (tests/zero/test_leaf_modules.py trains with the flags)."""
@@ -514,14 +578,19 @@ def _topology_names_as_scripts_use_them():
 
     import zerotrain
     from zerotrain.runtime.pipe import ProcessTopology
-    from zerotrain.runtime.pipe.topology import (PipeDataParallelTopology, PipelineParallelGrid,
-                                                 PipeModelDataParallelTopology)
+    from zerotrain.runtime.pipe.topology import (
+        PipeDataParallelTopology,
+        PipelineParallelGrid,
+        PipeModelDataParallelTopology,
+    )
     from zerotrain.utils import groups
 
     zerotrain.init_distributed()
-    layouts = (ProcessTopology(["pipe", "data"], [2, 2]).get_axis_comm_lists("data"),
-               PipeDataParallelTopology(2, 2).get_axis_comm_lists("pipe"),
-               PipeModelDataParallelTopology(1, 2, 2).get_axis_comm_lists("model"))
+    layouts = (
+        ProcessTopology(["pipe", "data"], [2, 2]).get_axis_comm_lists("data"),
+        PipeDataParallelTopology(2, 2).get_axis_comm_lists("pipe"),
+        PipeModelDataParallelTopology(1, 2, 2).get_axis_comm_lists("model"),
+    )
     grid = PipelineParallelGrid(topology=PipeDataParallelTopology(1, 4))
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=adamw_config(2), mpu=grid)
     groups._create_expert_and_data_parallel(2)
@@ -531,16 +600,32 @@ def _topology_names_as_scripts_use_them():
     dist.all_reduce(edp, group=groups._get_expert_data_parallel_group("ep_size_2"))
     dp = torch.ones(1)
     dist.all_reduce(dp, group=groups._get_data_parallel_group())
-    return (layouts, engine.dp_world_size, groups._get_data_parallel_world_size(),
-            groups._get_data_parallel_rank(), t.item(), edp.item(), dp.item(), groups._get_max_expert_size_name())
+    return (
+        layouts,
+        engine.dp_world_size,
+        groups._get_data_parallel_world_size(),
+        groups._get_data_parallel_rank(),
+        t.item(),
+        edp.item(),
+        dp.item(),
+        groups._get_max_expert_size_name(),
+    )
 
 
-@exercises("runtime.pipe.ProcessTopology", "runtime.pipe.topology.ProcessTopology",
-           "runtime.pipe.topology.PipeDataParallelTopology", "runtime.pipe.topology.PipeModelDataParallelTopology",
-           "runtime.pipe.topology.PipelineParallelGrid", "utils.groups._get_data_parallel_group",
-           "utils.groups._get_data_parallel_world_size", "utils.groups._get_data_parallel_rank",
-           "utils.groups._create_expert_and_data_parallel", "utils.groups._get_expert_parallel_group",
-           "utils.groups._get_expert_data_parallel_group", "utils.groups._get_max_expert_size_name")
+@exercises(
+    "runtime.pipe.ProcessTopology",
+    "runtime.pipe.topology.ProcessTopology",
+    "runtime.pipe.topology.PipeDataParallelTopology",
+    "runtime.pipe.topology.PipeModelDataParallelTopology",
+    "runtime.pipe.topology.PipelineParallelGrid",
+    "utils.groups._get_data_parallel_group",
+    "utils.groups._get_data_parallel_world_size",
+    "utils.groups._get_data_parallel_rank",
+    "utils.groups._create_expert_and_data_parallel",
+    "utils.groups._get_expert_parallel_group",
+    "utils.groups._get_expert_data_parallel_group",
+    "utils.groups._get_max_expert_size_name",
+)
 def test_topology_and_groups_names_drive_an_engine():
     for rank, out in enumerate(run_on_ranks(_topology_names_as_scripts_use_them, world_size=4, timeout=300)):
         assert out[0] == ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1], [2, 3]])

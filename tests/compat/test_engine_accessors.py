@@ -4,7 +4,6 @@ taking effect, tput_timer against a scripted clock."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from tests.engine.workloads import adamw_config, global_batches, make_model
@@ -17,23 +16,32 @@ def _accessors(save_dir: str):
     import zerotrain
 
     out = {}
-    cfg = adamw_config(2, gas=1, bf16={"enabled": True}, zero_optimization={"stage": 2},
-                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
-                       steps_per_print=1000)
+    cfg = adamw_config(
+        2,
+        gas=1,
+        bf16={"enabled": True},
+        zero_optimization={"stage": 2},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        steps_per_print=1000,
+    )
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=cfg)
     out["bf16"] = {
-        "fp16_enabled": engine.fp16_enabled(), "bfloat16_enabled": engine.bfloat16_enabled(),
+        "fp16_enabled": engine.fp16_enabled(),
+        "bfloat16_enabled": engine.bfloat16_enabled(),
         "zero_optimization": engine.zero_optimization(),
         "partition_gradients": engine.zero_optimization_partition_gradients(),
         "partition_weights": engine.zero_optimization_partition_weights(),
-        "offload_optimizer": engine.zero_offload_optimizer(), "offload_param": engine.zero_offload_param(),
-        "data_types": engine.get_data_types(), "comm_dtype": engine.communication_data_type,
-        "batch_info": engine.get_batch_info(), "scheduler": engine.scheduler_name(),
-        "optimizer_params": engine.optimizer_params(), "reduce_bucket": engine.zero_reduce_bucket_size(),
+        "offload_optimizer": engine.zero_offload_optimizer(),
+        "offload_param": engine.zero_offload_param(),
+        "data_types": engine.get_data_types(),
+        "comm_dtype": engine.communication_data_type,
+        "batch_info": engine.get_batch_info(),
+        "scheduler": engine.scheduler_name(),
+        "optimizer_params": engine.optimizer_params(),
+        "reduce_bucket": engine.zero_reduce_bucket_size(),
         "mp_rank": (engine.get_model_parallel_rank(), engine.mp_world_size),
         "dp_rank": engine.get_data_parallel_rank(),
-        "offload_knobs": (engine.super_offload(), engine.cpuadam_cores_perc(),
-                          engine.managed_gradient_accumulation()),
+        "offload_knobs": (engine.super_offload(), engine.cpuadam_cores_perc(), engine.managed_gradient_accumulation()),
     }
     engine.save_fp16_model(save_dir)  # every rank calls; rank 0 writes DeepSpeed's default name
     out["saved"] = os.path.exists(os.path.join(save_dir, "pytorch_model.bin"))
@@ -50,9 +58,14 @@ def _accessors(save_dir: str):
 
     cfg = adamw_config(2, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50})
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=cfg)
-    out["fp16"] = {"fp16_enabled": engine.fp16_enabled(), "zero_optimization": engine.zero_optimization(),
-                   "dynamic": engine.dynamic_loss_scale(), "initial": engine.initial_dynamic_scale(),
-                   "args": engine.dynamic_loss_scale_args(), "data_types": engine.get_data_types()}
+    out["fp16"] = {
+        "fp16_enabled": engine.fp16_enabled(),
+        "zero_optimization": engine.zero_optimization(),
+        "dynamic": engine.dynamic_loss_scale(),
+        "initial": engine.initial_dynamic_scale(),
+        "args": engine.dynamic_loss_scale_args(),
+        "data_types": engine.get_data_types(),
+    }
     engine.destroy()
     return out
 
@@ -77,8 +90,13 @@ def test_accessors_report_the_config_and_set_train_batch_size_takes_effect(tmp_p
         fp16 = out["fp16"]
         assert (fp16["fp16_enabled"], fp16["zero_optimization"], fp16["dynamic"]) == (True, False, True)
         assert fp16["initial"] == 256.0
-        assert fp16["args"] == {"init_scale": 256.0, "scale_window": 50, "delayed_shift": 2,
-                                "consecutive_hysteresis": False, "min_scale": 1}
+        assert fp16["args"] == {
+            "init_scale": 256.0,
+            "scale_window": 50,
+            "delayed_shift": 2,
+            "consecutive_hysteresis": False,
+            "min_scale": 1,
+        }
         assert fp16["data_types"] == (torch.float16, torch.float16)
 
 
@@ -111,7 +129,7 @@ def _throughput(step_seconds: list[float]):
         clock.now += seconds  # the step's time, e.g. compute and data loading
     engine(data, labels=data)
     timer = engine.tput_timer
-    timed = sum(step_seconds[timer.start_step:])  # the steps after the warm-up ones
+    timed = sum(step_seconds[timer.start_step :])  # the steps after the warm-up ones
     return before, timer.global_step_count, timer.avg_samples_per_sec(), engine.train_batch_size(), timed
 
 

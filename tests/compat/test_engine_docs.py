@@ -11,7 +11,8 @@ from zerotrain.engine.engine import ZeroTrainEngine
 
 # Public methods of DeepSpeed's DeepSpeedEngine (deepspeed/runtime/engine.py, v0.19.6,
 # deepspeedai/DeepSpeed edaa722): every `def name` of the class not starting with "_".
-DEEPSPEED_ENGINE_METHODS = set("""
+DEEPSPEED_ENGINE_METHODS = set(
+    """
 aio_config all_gather_scalar allreduce_and_copy allreduce_bucket allreduce_gradients allreduce_no_retain
 amp_enabled amp_params autotp_size autotuning_enabled autotuning_end_profile_step autotuning_metric
 autotuning_metric_path autotuning_model_info_path autotuning_profile_model_info autotuning_start_profile_step
@@ -55,14 +56,15 @@ zero_optimization_partition_weights zero_optimization_stage zero_overlap_comm ze
 zero_partial_offload zero_prefetch_bucket_size zero_quantized_gradients zero_quantized_nontrainable_weights
 zero_quantized_weights zero_reduce_bucket_size zero_reduce_scatter zero_round_robin_gradients
 zero_save_muon_momentum_buffer_in_memory zero_sub_group_size zero_use_cpu_optimizer zeropp_loco_param
-""".split())
+""".split()
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
 
 
 def _table() -> dict[str, str]:
     text = DOC.read_text()
-    section = text[text.index("## DeepSpeed's engine methods"):]
+    section = text[text.index("## DeepSpeed's engine methods") :]
     status = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -30,8 +30,13 @@ INVENTORY = json.loads((Path(__file__).parent / "framework_inventory.json").read
 ENTRIES = INVENTORY["names"]
 
 #: kind -> the prefix its names start with (the object the chain is read on).
-KIND_PREFIX = {"module name": "deepspeed", "engine attr": "engine.", "optimizer attr": "engine.optimizer.",
-               "param attr": "param.ds_", "module attr": "module.ds_"}
+KIND_PREFIX = {
+    "module name": "deepspeed",
+    "engine attr": "engine.",
+    "optimizer attr": "engine.optimizer.",
+    "param attr": "param.ds_",
+    "module attr": "module.ds_",
+}
 WHERE = re.compile(r"^[\w./-]+\.py:\d+$")
 
 
@@ -69,7 +74,7 @@ def _read_chain(root, parts, keywords=()):
         try:
             obj = getattr(obj, part)
         except Exception as exc:  # a refused name may raise anything naming itself
-            return f"{'.'.join(parts[:i + 1])}: {type(exc).__name__}: {exc}"
+            return f"{'.'.join(parts[: i + 1])}: {type(exc).__name__}: {exc}"
     if keywords:
         parameters = inspect.signature(obj).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
@@ -104,8 +109,8 @@ def _read_names(entries):
     facts = {  # TRL's type hint, OpenRLHF's version check, transformers' arange wrapper
         "runtime.engine.DeepSpeedEngine": runtime.engine.DeepSpeedEngine is deepspeed.DeepSpeedEngine,
         "version": deepspeed.version == deepspeed.__version__,
-        "partition_parameters.get_accelerator":
-            partition_parameters.get_accelerator() is deepspeed.accelerator.get_accelerator(),
+        "partition_parameters.get_accelerator": partition_parameters.get_accelerator()
+        is deepspeed.accelerator.get_accelerator(),
     }
     data = global_batches(1, 4)[0]
     for stage, stage_entries in sorted(by_stage.items()):
@@ -115,9 +120,10 @@ def _read_names(entries):
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 
         facts[f"stage {stage}: optimizer is an Optimizer or DeepSpeedOptimizer"] = isinstance(
-            optimizer, (torch.optim.Optimizer, DeepSpeedOptimizer))
+            optimizer, (torch.optim.Optimizer, DeepSpeedOptimizer)
+        )
         rank = engine.get_data_parallel_rank()
-        batch = data[2 * rank:2 * rank + 2]
+        batch = data[2 * rank : 2 * rank + 2]
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
         roots = {"engine": engine, "param": next(engine.module.parameters()), "module": engine.module}

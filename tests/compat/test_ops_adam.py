@@ -54,8 +54,15 @@ def test_fused_adam_matches_the_formula(bias_correction, adam_w_mode, amsgrad):
     betas, eps, wd = (0.8, 0.95), 1e-6, 0.05
     group_lrs = [1e-2, 3e-3]  # per-group lr, as param groups allow
     opt, params, start, grads = _run(
-        FusedAdam, [{"lr": lr} for lr in group_lrs], bias_correction=bias_correction,
-        adam_w_mode=adam_w_mode, amsgrad=amsgrad, betas=betas, eps=eps, weight_decay=wd)
+        FusedAdam,
+        [{"lr": lr} for lr in group_lrs],
+        bias_correction=bias_correction,
+        adam_w_mode=adam_w_mode,
+        amsgrad=amsgrad,
+        betas=betas,
+        eps=eps,
+        weight_decay=wd,
+    )
     for p, p0, g, lr in zip(params, start, grads, group_lrs):
         expected = reference_adam(p0, g, lr, betas, eps, wd, adam_w_mode, bias_correction, amsgrad)
         torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
@@ -108,8 +115,9 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_cpu_adam_takes_deepspeeds_arguments():
     betas, wd = (0.9, 0.99), 0.1
-    opt, params, start, grads = _run(DeepSpeedCPUAdam, [{}, {}], lr=5e-3, betas=betas,
-                                     weight_decay=wd, adamw_mode=False, bias_correction=False)
+    opt, params, start, grads = _run(
+        DeepSpeedCPUAdam, [{}, {}], lr=5e-3, betas=betas, weight_decay=wd, adamw_mode=False, bias_correction=False
+    )
     for p, p0, g in zip(params, start, grads):
         expected = reference_adam(p0, g, 5e-3, betas, 1e-8, wd, False, False, False)
         torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
@@ -136,8 +144,9 @@ def test_uncorrected_group_with_parameters_at_different_steps():
         a.grad = grads_a[s].clone()
         b.grad = None if s == 1 else grads_b[s].clone()
         opt.step()
-    expected_b = reference_adam(b0, [g for s, g in enumerate(grads_b) if s != 1], 1e-2, (0.9, 0.999),
-                                1e-8, 0.1, True, False, False)
+    expected_b = reference_adam(
+        b0, [g for s, g in enumerate(grads_b) if s != 1], 1e-2, (0.9, 0.999), 1e-8, 0.1, True, False, False
+    )
     torch.testing.assert_close(b.detach().double(), expected_b, rtol=1e-5, atol=1e-6)
     expected_a = reference_adam(a0, grads_a, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, False, False)
     torch.testing.assert_close(a.detach().double(), expected_a, rtol=1e-5, atol=1e-6)
@@ -151,8 +160,9 @@ def test_given_param_groups_are_shared_as_torch_optimizers_do(cls):
     torch.manual_seed(0)
     a, b = torch.randn(5, requires_grad=True), torch.randn(3, requires_grad=True)
     a0, b0 = a.detach().clone(), b.detach().clone()
-    original = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
-                                 lr=1e-2, betas=(0.8, 0.99))
+    original = torch.optim.AdamW(
+        [{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}], lr=1e-2, betas=(0.8, 0.99)
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(original, lambda step: [0.0, 1.0, 0.5][min(step, 2)])
     kwargs = {"adamw_mode": True} if cls is DeepSpeedCPUAdam else {"adam_w_mode": True}
     opt = cls(original.param_groups, lr=1e-2, weight_decay=0.1, **kwargs)

@@ -24,8 +24,13 @@ def _parse(argv):
 
 def test_defaults():
     args = _parse([])
-    assert (args.deepspeed, args.zerotrain, args.deepspeed_config, args.deepscale, args.deepscale_config) == \
-        (False, False, None, False, None)
+    assert (args.deepspeed, args.zerotrain, args.deepspeed_config, args.deepscale, args.deepscale_config) == (
+        False,
+        False,
+        None,
+        False,
+        None,
+    )
 
 
 @pytest.mark.parametrize("flag", ["--deepspeed_config", "--zerotrain_config"])

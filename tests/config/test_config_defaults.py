@@ -148,14 +148,17 @@ def test_effective_overlap_comm(stage):
         assert zero.zero_optimization.effective_overlap_comm is given
 
 
-@pytest.mark.parametrize("prefixed, name", [
-    ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-    ("stage3_param_persistence_threshold", "param_persistence_threshold"),
-    ("stage3_model_persistence_threshold", "model_persistence_threshold"),
-    ("stage3_max_live_parameters", "max_live_parameters"),
-    ("stage3_max_reuse_distance", "max_reuse_distance"),
-    ("stage3_module_granularity_threshold", "module_granularity_threshold"),
-])
+@pytest.mark.parametrize(
+    "prefixed, name",
+    [
+        ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+        ("stage3_param_persistence_threshold", "param_persistence_threshold"),
+        ("stage3_model_persistence_threshold", "model_persistence_threshold"),
+        ("stage3_max_live_parameters", "max_live_parameters"),
+        ("stage3_max_reuse_distance", "max_reuse_distance"),
+        ("stage3_module_granularity_threshold", "module_granularity_threshold"),
+    ],
+)
 def test_stage3_aliases_both_spellings(prefixed, name):
     for spelling in (prefixed, name):
         zero = load_config({**MINIMAL, "zero_optimization": {spelling: 1234}}).zero_optimization
@@ -169,8 +172,9 @@ def test_stage3_alias_error_uses_the_spelling_given():
 
 def test_gather_16bit_both_spellings():
     for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"):
-        assert load_config({**MINIMAL, "zero_optimization": {key: True}}).zero_optimization \
-            .gather_16bit_weights_on_model_save
+        assert load_config(
+            {**MINIMAL, "zero_optimization": {key: True}}
+        ).zero_optimization.gather_16bit_weights_on_model_save
 
 
 def test_bfloat16_alias():
@@ -205,8 +209,13 @@ def test_deprecated_gather_fp16_name():
 
 
 def test_string_booleans_and_float_ints():
-    cfg = load_config({"train_batch_size": 1e3, "fp16": {"enabled": "false", "auto_cast": "true"},
-                       "zero_optimization": {"reduce_bucket_size": 2e8, "overlap_comm": "True"}})
+    cfg = load_config(
+        {
+            "train_batch_size": 1e3,
+            "fp16": {"enabled": "false", "auto_cast": "true"},
+            "zero_optimization": {"reduce_bucket_size": 2e8, "overlap_comm": "True"},
+        }
+    )
     assert cfg.train_batch_size == 1000 and isinstance(cfg.train_batch_size, int)
     assert cfg.fp16.enabled is False and cfg.fp16.auto_cast is True
     assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
@@ -249,7 +258,16 @@ def test_load_config_accepts_a_config_object():
 
 
 def test_mlflow_section():
-    cfg = load_config({**MINIMAL, "mlflow": {"enabled": False, "tracking_uri": "file:/tmp/mlruns",
-                                             "experiment_name": "exp", "run_name": "r1"}})
+    cfg = load_config(
+        {
+            **MINIMAL,
+            "mlflow": {
+                "enabled": False,
+                "tracking_uri": "file:/tmp/mlruns",
+                "experiment_name": "exp",
+                "run_name": "r1",
+            },
+        }
+    )
     mlflow = cfg.mlflow
     assert (mlflow.tracking_uri, mlflow.experiment_name, mlflow.run_name) == ("file:/tmp/mlruns", "exp", "r1")

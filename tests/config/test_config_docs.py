@@ -26,8 +26,14 @@ STATUSES = ("done", "raises if ", "no effect: ")
 def _leaf_keys(model: type[BaseModel], prefix: str = ""):
     for name, info in model.model_fields.items():
         annotation = info.annotation
-        section = next((arg for arg in (annotation, *getattr(annotation, "__args__", ()))
-                        if isinstance(arg, type) and issubclass(arg, BaseModel)), None)
+        section = next(
+            (
+                arg
+                for arg in (annotation, *getattr(annotation, "__args__", ()))
+                if isinstance(arg, type) and issubclass(arg, BaseModel)
+            ),
+            None,
+        )
         if section is not None:
             yield from _leaf_keys(section, f"{prefix}{name}.")
         else:
@@ -83,8 +89,11 @@ def _parsed(cfg, key: str):
 
 def test_every_key_is_documented():
     table = DOC.read_text()
-    missing = [key for key, spellings in _leaf_keys(ZeroTrainConfig)
-               if not all(f"`{s}`" in table or f"/ `{s.rsplit('.', 1)[-1]}`" in table for s in spellings)]
+    missing = [
+        key
+        for key, spellings in _leaf_keys(ZeroTrainConfig)
+        if not all(f"`{s}`" in table or f"/ `{s.rsplit('.', 1)[-1]}`" in table for s in spellings)
+    ]
     assert not missing, f"add these keys to docs/config.md: {missing}"
 
 
@@ -92,8 +101,10 @@ def test_one_row_per_schema_key():
     schema = {key for key, _ in _leaf_keys(ZeroTrainConfig)}
     documented = [key for key, *_ in ROWS]
     assert len(documented) == len(set(documented)), "a key has two rows"
-    assert set(documented) == schema, (f"rows without a schema key: {sorted(set(documented) - schema)}; "
-                                       f"schema keys without a row: {sorted(schema - set(documented))}")
+    assert set(documented) == schema, (
+        f"rows without a schema key: {sorted(set(documented) - schema)}; "
+        f"schema keys without a row: {sorted(schema - set(documented))}"
+    )
 
 
 @pytest.mark.parametrize("key, status, value, extra", ROWS, ids=[row[0] for row in ROWS])
@@ -112,5 +123,6 @@ def test_row_status_is_true(key, status, value, extra):
         check_supported(cfg)
     # The value reached the parsed config: it differs from what the config without it gives.
     without = load_config(_merge(BASE, extra))
-    assert _parsed(cfg, key) != _parsed(without, key), \
+    assert _parsed(cfg, key) != _parsed(without, key), (
         f"{key}: checked value {value!r} gives the default, so the row checks nothing"
+    )

@@ -13,8 +13,7 @@ PARAMS = [torch.nn.Parameter(torch.zeros(4, 3))]
 
 
 def _cfg(stage=1, allow=False, **extra):
-    return load_config({**BASE, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": allow,
-                        **extra})
+    return load_config({**BASE, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": allow, **extra})
 
 
 class TrustRatioSGD(torch.optim.SGD):
@@ -26,9 +25,20 @@ class MyLamb(torch.optim.Optimizer):
         super().__init__(params, {"lr": 0.1})
 
 
-ELEMENTWISE = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
-               torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop,
-               torch.optim.ASGD, Lion]
+ELEMENTWISE = [
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+    Lion,
+]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -40,8 +50,15 @@ def test_elementwise_optimizers_pass_at_every_zero_stage(stage):
             check_zero_optimizer(cfg, cls(PARAMS, lr=0.1))
 
 
-@pytest.mark.parametrize("extra", [{"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 3}},
-                                   {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"zero_optimization": {"stage": 1}},
+        {"zero_optimization": {"stage": 3}},
+        {"bf16": {"enabled": True}},
+        {"fp16": {"enabled": True}},
+    ],
+)
 def test_unknown_optimizer_is_refused_naming_the_key_where_shards_are_flat(extra):
     cfg = load_config({**BASE, **extra})
     for optimizer in (TrustRatioSGD(PARAMS, lr=0.1), MyLamb(PARAMS)):

@@ -22,8 +22,15 @@ def _load(name, world_size, **training_args):
 
 
 def test_hf_trainer_zero3():
-    cfg = _load("hf_trainer_zero3.json", 4, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                max_grad_norm=0.5, hidden_size=4096, bf16=True)
+    cfg = _load(
+        "hf_trainer_zero3.json",
+        4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_grad_norm=0.5,
+        hidden_size=4096,
+        bf16=True,
+    )
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 2, 4)
     assert cfg.gradient_clipping == 0.5
     zero = cfg.zero_optimization
@@ -53,8 +60,16 @@ def test_zero3_7b_offload_wrong_world_size_is_reported():
 
 
 def test_standalone_dict():
-    cfg = _load("standalone_zero2.json", 4, learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.999,
-                adam_epsilon=1e-8, weight_decay=0.01, bf16=True)
+    cfg = _load(
+        "standalone_zero2.json",
+        4,
+        learning_rate=3e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.01,
+        bf16=True,
+    )
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 4, 2)
     assert cfg.optimizer.type == "AdamW"
     assert cfg.optimizer.params == {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -68,15 +83,28 @@ def test_standalone_dict_needs_its_world_size():
 
 
 def test_accelerate_zero2():
-    cfg = _load("accelerate_zero2.json", 2, per_device_train_batch_size=200, learning_rate=1e-6, weight_decay=0.0,
-                warmup_steps=100, num_training_steps=50, max_grad_norm=1.0, fp16=True)
+    cfg = _load(
+        "accelerate_zero2.json",
+        2,
+        per_device_train_batch_size=200,
+        learning_rate=1e-6,
+        weight_decay=0.0,
+        warmup_steps=100,
+        num_training_steps=50,
+        max_grad_norm=1.0,
+        fp16=True,
+    )
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (400, 200, 1)
     assert cfg.fp16.enabled is True  # written as the string "true"
     assert cfg.fp16.initial_scale_power == 15 and cfg.fp16.loss_scale == 0
     assert cfg.optimizer.params == {"lr": 1e-6, "weight_decay": 0.0, "torch_adam": True, "adam_w_mode": True}
     assert cfg.scheduler.type == "WarmupDecayLR"
-    assert cfg.scheduler.params == {"warmup_min_lr": 0, "warmup_max_lr": 1e-6, "warmup_num_steps": 100,
-                                    "total_num_steps": 50}
+    assert cfg.scheduler.params == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 1e-6,
+        "warmup_num_steps": 100,
+        "total_num_steps": 50,
+    }
     zero = cfg.zero_optimization
     assert zero.allgather_bucket_size == zero.reduce_bucket_size == 200_000_000
     assert cfg.steps_per_print == 2000
@@ -84,9 +112,18 @@ def test_accelerate_zero2():
 
 
 def test_accelerate_zero3_offload():
-    cfg = _load("accelerate_zero3_offload.json", 2, per_device_train_batch_size=16, learning_rate=5e-4,
-                weight_decay=0.0, warmup_steps=0, num_training_steps=1000, max_grad_norm=1.0, fp16=True,
-                hidden_size=1600)
+    cfg = _load(
+        "accelerate_zero3_offload.json",
+        2,
+        per_device_train_batch_size=16,
+        learning_rate=5e-4,
+        weight_decay=0.0,
+        warmup_steps=0,
+        num_training_steps=1000,
+        max_grad_norm=1.0,
+        fp16=True,
+        hidden_size=1600,
+    )
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (32, 16)
     assert cfg.scheduler.params["warmup_num_steps"] == 1  # clamped like transformers does
     zero = cfg.zero_optimization
@@ -113,14 +150,27 @@ def test_unfilled_seed_names_every_auto_key():
     with pytest.raises(ConfigError) as info:
         load_config(SEEDS / "hf_trainer_zero3.json")
     message = str(info.value)
-    for key in ("train_batch_size", "gradient_clipping", "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.reduce_bucket_size"):
+    for key in (
+        "train_batch_size",
+        "gradient_clipping",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.reduce_bucket_size",
+    ):
         assert f"{key} is 'auto'" in message
 
 
 def test_raw_keeps_the_filled_config():
-    cfg = _load("accelerate_zero2.json", 2, per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.0,
-                warmup_steps=10, num_training_steps=100, max_grad_norm=1.0, fp16=True)
+    cfg = _load(
+        "accelerate_zero2.json",
+        2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        warmup_steps=10,
+        num_training_steps=100,
+        max_grad_norm=1.0,
+        fp16=True,
+    )
     assert cfg.raw["fp16"]["enabled"] == "true"
     assert cfg.raw["optimizer"]["params"]["lr"] == 1e-3
     assert cfg.raw["train_batch_size"] == 8

@@ -9,46 +9,95 @@ BASE = {"train_batch_size": 8}
 SUPPORTED = [
     {},
     {"zero_optimization": {"stage": 0, "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6}},
-    {"gradient_clipping": 0.0, "gradient_accumulation_steps": 2, "steps_per_print": 10,
-     "wall_clock_breakdown": True, "dataloader_drop_last": True},
+    {
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10,
+        "wall_clock_breakdown": True,
+        "dataloader_drop_last": True,
+    },
     {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {}}},
     {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": "false"}},
     {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}},
-    {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
-                           "offload_param": {"device": "cpu"}}, "aio": {"block_size": 1048576}},
+    {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+            "offload_param": {"device": "cpu"},
+        },
+        "aio": {"block_size": 1048576},
+    },
     {"zero_optimization": {"stage": 2, "cpu_offload": True}},
     {"tensorboard": {"enabled": False, "output_path": "/tmp/tb"}, "wandb": {"enabled": False}},
-    {"amp": {"enabled": False, "opt_level": "O1"}, "pipeline": {}, "elasticity": {"enabled": "false"},
-     "autotuning": {"enabled": False}, "comet": {"enabled": False}, "sparse_gradients": False,
-     "data_types": {"grad_accum_dtype": "fp32"}, "tensor_parallel": {"autotp_size": 1}},
+    {
+        "amp": {"enabled": False, "opt_level": "O1"},
+        "pipeline": {},
+        "elasticity": {"enabled": "false"},
+        "autotuning": {"enabled": False},
+        "comet": {"enabled": False},
+        "sparse_gradients": False,
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "tensor_parallel": {"autotp_size": 1},
+    },
     {"checkpoint": {"tag_validation": "warn"}, "gradient_predivide_factor": 1.0, "prescale_gradients": False},
     {"comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "prof_ops": ["all_reduce"]}},
     {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True}, "mlflow": {"enabled": True}},
     # Landed features: ZeRO 1/2, mixed precision and its dtype knobs.
-    {"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}},
+    {"zero_optimization": {"stage": 1}},
+    {"zero_optimization": {"stage": 2}},
     {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000}},
-    {"fp16": {"enabled": True, "auto_cast": True}}, {"bf16": {"enabled": True}},
-    {"communication_data_type": "fp32"}, {"data_types": {"grad_accum_dtype": "fp32"}},
+    {"fp16": {"enabled": True, "auto_cast": True}},
+    {"bf16": {"enabled": True}},
+    {"communication_data_type": "fp32"},
+    {"data_types": {"grad_accum_dtype": "fp32"}},
     {"zero_optimization": {"stage": 1}, "communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "bf16"}},
     {"bf16": {"enabled": True}, "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}},
     # Keys DeepSpeed reads only at some stages have no effect at the others, as there.
     {"zero_optimization": {"stage": 0, "ignore_unused_parameters": False}},
     # implemented at stages 1-3: tests/engine/test_state_contract.py
     {"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},
-    {"zero_optimization": {"stage": 2, "leaf_module": {"classes": "my.Block"}, "override_module_apply": False,
-                           "stage3_model_persistence_threshold": 10, "log_trace_cache_warnings": True,
-                           "enable_sanity_checks": True}},
+    {
+        "zero_optimization": {
+            "stage": 2,
+            "leaf_module": {"classes": "my.Block"},
+            "override_module_apply": False,
+            "stage3_model_persistence_threshold": 10,
+            "log_trace_cache_warnings": True,
+            "enable_sanity_checks": True,
+        }
+    },
     # Performance hints of DeepSpeed's implementation: accepted (docs/config.md says why).
-    {"zero_optimization": {"stage": 3, "contiguous_gradients": False, "round_robin_gradients": True,
-                           "sub_group_size": 1000, "stage3_max_reuse_distance": 0,
-                           "allgather_partitions": False, "memory_efficient_linear": False}},
+    {
+        "zero_optimization": {
+            "stage": 3,
+            "contiguous_gradients": False,
+            "round_robin_gradients": True,
+            "sub_group_size": 1000,
+            "stage3_max_reuse_distance": 0,
+            "allgather_partitions": False,
+            "memory_efficient_linear": False,
+        }
+    },
     # stage-3 leaf modules (tests/zero/test_leaf_modules.py)
-    {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100,
-                           "leaf_module": {"classes": "my.Block", "names": ["h.0"], "name_suffixes": "moe"}}},
+    {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_module_granularity_threshold": 100,
+            "leaf_module": {"classes": "my.Block", "names": ["h.0"], "name_suffixes": "moe"},
+        }
+    },
     {"strict": True},
     # zerotrain.recompute (deepspeed.checkpointing) reads the section (tests/recompute)
-    {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 4,
-                                  "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True, "profile": True}},
+    {
+        "activation_checkpointing": {
+            "partition_activations": True,
+            "contiguous_memory_optimization": True,
+            "number_checkpoints": 4,
+            "cpu_checkpointing": True,
+            "synchronize_checkpoint_boundary": True,
+            "profile": True,
+        }
+    },
 ]
 
 
@@ -58,9 +107,14 @@ def test_supported_configs_pass(extra):
 
 
 UNSUPPORTED = [
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),  # stage 0
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_param.device='nvme'"),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+        "zero_optimization.offload_optimizer.device",
+    ),  # stage 0
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+        "zero_optimization.offload_param.device='nvme'",
+    ),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size=8"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
@@ -86,8 +140,10 @@ UNSUPPORTED = [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update"),
     ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
-    ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 10}},
-     "zero_optimization.model_persistence_threshold=10"),
+    (
+        {"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 10}},
+        "zero_optimization.model_persistence_threshold=10",
+    ),
     ({"zero_optimization": {"stage": 3, "override_module_apply": False}}, "zero_optimization.override_module_apply"),
     ({"zero_optimization": {"stage": 1, "cpu_offload_param": True}}, "zero_optimization.offload_param.device='cpu'"),
     ({"checkpoint": {"checkpoint_serialization": False}}, "checkpoint.checkpoint_serialization=False"),
@@ -105,11 +161,15 @@ def test_unsupported_settings_raise_naming_the_key(extra, key):
 
 
 def test_every_problem_is_listed():
-    cfg = load_config({**BASE, "zero_optimization": {"legacy_stage1": True}, "sparse_gradients": True,
-                       "memory_breakdown": True})
+    cfg = load_config(
+        {**BASE, "zero_optimization": {"legacy_stage1": True}, "sparse_gradients": True, "memory_breakdown": True}
+    )
     lines = unsupported(cfg)
-    assert [line.split("=")[0] for line in lines] == ["zero_optimization.legacy_stage1",
-                                                      "memory_breakdown", "sparse_gradients"]
+    assert [line.split("=")[0] for line in lines] == [
+        "zero_optimization.legacy_stage1",
+        "memory_breakdown",
+        "sparse_gradients",
+    ]
 
 
 def test_table_rows_name_real_keys():

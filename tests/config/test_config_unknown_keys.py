@@ -36,8 +36,9 @@ def test_unknown_top_level_auto_value_is_not_reported_as_unfilled():
 def test_strict_in_config_makes_unknown_top_level_keys_errors(strict):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnknownConfigKeyWarning)
-        with pytest.raises(ConfigError, match="unknown config key 'zero_optimisation'; did you mean "
-                                              "'zero_optimization'"):
+        with pytest.raises(
+            ConfigError, match="unknown config key 'zero_optimisation'; did you mean 'zero_optimization'"
+        ):
             load_config({**BASE, "zero_optimisation": {"stage": 2}, "strict": strict})
 
 
@@ -56,8 +57,10 @@ def test_strict_false_and_known_keys_do_not_warn():
         assert load_config({**BASE, "strict": False, "zero_optimization": {"stage": 1}}).strict is False
 
 
-@pytest.mark.parametrize("section", [{"zero_optimization": {"stgae": 1}}, {"fp16": {"enabeld": True}},
-                                     {"checkpoint": {"tag_valdation": "Warn"}}])
+@pytest.mark.parametrize(
+    "section",
+    [{"zero_optimization": {"stgae": 1}}, {"fp16": {"enabeld": True}}, {"checkpoint": {"tag_valdation": "Warn"}}],
+)
 def test_nested_sections_stay_strict(section):
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config({**BASE, **section})

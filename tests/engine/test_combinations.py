@@ -43,11 +43,14 @@ CLIP = {"sgd": 1.0, "adamw": 0.0}
 
 
 def _config(stage: int, precision: str, gas: int, optimizer: str) -> dict:
-    opt = ({"type": "SGD", "params": SGD} if optimizer == "sgd"
-           else {"type": "AdamW", "params": ADAMW})
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "gradient_clipping": CLIP[optimizer], "optimizer": opt,
-           "zero_optimization": {"stage": stage}}
+    opt = {"type": "SGD", "params": SGD} if optimizer == "sgd" else {"type": "AdamW", "params": ADAMW}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": CLIP[optimizer],
+        "optimizer": opt,
+        "zero_optimization": {"stage": stage},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":
@@ -90,8 +93,9 @@ def _train_combinations(stage: int, combos: list[tuple[str, int, str]]) -> dict:
     out = {}
     for precision, gas, optimizer in combos:
         model = make_model()
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(stage, precision, gas, optimizer))
+        engine, *_ = zerotrain.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, precision, gas, optimizer)
+        )
         losses = train_steps(engine, STEPS)
         weights, disagree = _final_weights(engine, stage)
         names = [n for n, _ in make_model().named_parameters()]
@@ -117,14 +121,20 @@ def _assert_every_rank_same_whole_weights(per_rank: list[dict]) -> None:
     for combo in per_rank[0]:
         for rank in range(1, len(per_rank)):
             for name in names:
-                assert torch.equal(per_rank[rank][combo]["params"][name],
-                                   per_rank[0][combo]["params"][name]), (combo, rank, name)
+                assert torch.equal(per_rank[rank][combo]["params"][name], per_rank[0][combo]["params"][name]), (
+                    combo,
+                    rank,
+                    name,
+                )
 
 
 def _reference(gas: int, optimizer: str, world: int) -> dict:
     model = make_model()
-    opt = (torch.optim.SGD(model.parameters(), **SGD) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), **ADAMW))
+    opt = (
+        torch.optim.SGD(model.parameters(), **SGD)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), **ADAMW)
+    )
     data = global_batches(STEPS, MICRO * gas * world)
     for step in range(STEPS):
         loss = model(data[step], labels=data[step]).loss
@@ -138,8 +148,7 @@ def _reference(gas: int, optimizer: str, world: int) -> dict:
 
 def _check(results: dict, stage: int, world: int, fp32_rtol: float = 1e-5) -> list[str]:
     init = {n: p.detach().clone() for n, p in make_model().named_parameters()}
-    references = {(gas, opt): _reference(gas, opt, world)
-                  for gas, opt in itertools.product(ACCUMULATION, OPTIMIZERS)}
+    references = {(gas, opt): _reference(gas, opt, world) for gas, opt in itertools.product(ACCUMULATION, OPTIMIZERS)}
     failures = []
     for (precision, gas, optimizer), got in results.items():
         ref = references[(gas, optimizer)]
@@ -188,5 +197,4 @@ def test_four_ranks_uneven_shards():
         _assert_every_rank_same_whole_weights([r[stage] for r in per_rank])
     failures = [f for stage in (1, 2, 3) for f in _check(per_rank[0][stage], stage, world=4)]
     assert not failures, "\n".join(failures)
-    assert all(math.isfinite(v) for r in per_rank for st in r.values() for c in st.values()
-               for v in c["losses"])
+    assert all(math.isfinite(v) for r in per_rank for st in r.values() for c in st.values() for v in c["losses"])

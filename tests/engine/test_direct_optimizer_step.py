@@ -13,8 +13,10 @@ import torch
 from zerotrain.testing import run_on_ranks
 
 STEPS, MICRO, GAS = 3, 2, 2
-OPTIMIZERS = {"sgd": {"type": "SGD", "params": {"lr": 0.1}},
-              "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+OPTIMIZERS = {
+    "sgd": {"type": "SGD", "params": {"lr": 0.1}},
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+}
 
 
 def _train(stage: int, optimizer: dict, direct: bool) -> dict:
@@ -25,15 +27,19 @@ def _train(stage: int, optimizer: dict, direct: bool) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": optimizer,
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
-              "zero_optimization": {"stage": stage}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": optimizer,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+        "zero_optimization": {"stage": stage},
+    }
     engine, opt, _, _ = zerotrain.initialize(model=model, config=config)
     data = global_batches(STEPS, MICRO * GAS * world)
     for step in range(STEPS):
         for micro in range(GAS):
             lo = (micro * world + rank) * MICRO
-            batch = data[step, lo:lo + MICRO]
+            batch = data[step, lo : lo + MICRO]
             engine.backward(engine(batch, labels=batch).loss)
             if direct:  # Fabric: the optimizer's step (and zero_grad after a window), never the engine's
                 opt.step()
@@ -44,16 +50,23 @@ def _train(stage: int, optimizer: dict, direct: bool) -> dict:
     state = engine.module_state_dict()
     steps = engine.global_steps
     engine.destroy()
-    return {"state": {k: v.clone() for k, v in state.items()}, "global_steps": steps,
-            "step_restored": "step" not in vars(opt)}
+    return {
+        "state": {k: v.clone() for k, v in state.items()},
+        "global_steps": steps,
+        "step_restored": "step" not in vars(opt),
+    }
 
 
 def _all():
     import zerotrain
 
     zerotrain.init_distributed()
-    return {(stage, name, direct): _train(stage, optimizer, direct)
-            for stage in (0, 1, 2, 3) for name, optimizer in OPTIMIZERS.items() for direct in (False, True)}
+    return {
+        (stage, name, direct): _train(stage, optimizer, direct)
+        for stage in (0, 1, 2, 3)
+        for name, optimizer in OPTIMIZERS.items()
+        for direct in (False, True)
+    }
 
 
 def test_direct_optimizer_step_is_the_engines_step():

@@ -8,7 +8,6 @@ import torch
 from tests.engine.workloads import adamw_config, global_batches, make_model
 from zerotrain.testing import RankFailed, run_on_ranks
 
-
 NO_SYNC_STEPS = 2
 NO_SYNC_SGD = {"lr": 0.05, "momentum": 0.9}
 
@@ -17,16 +16,18 @@ def _no_sync_optimizer(name: str) -> dict:
     # SGD moves the weights by the gradient itself: a gradient off by a factor (accumulation
     # steps, ranks, a micro-batch counted twice or dropped) shows in the weights. Adam's first
     # update is about lr * sign(g) and hides such factors, so it is the second case, not the only one.
-    return ({"type": "SGD", "params": NO_SYNC_SGD} if name == "sgd"
-            else adamw_config(2)["optimizer"])
+    return {"type": "SGD", "params": NO_SYNC_SGD} if name == "sgd" else adamw_config(2)["optimizer"]
 
 
 def _no_sync_reference(optimizer: str) -> torch.Tensor:
     """Single-process fp32: each step on the whole 12-row global batch."""
     model = make_model()
     params = _no_sync_optimizer(optimizer)["params"]
-    opt = (torch.optim.SGD(model.parameters(), **params) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), **params))
+    opt = (
+        torch.optim.SGD(model.parameters(), **params)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), **params)
+    )
     data = global_batches(NO_SYNC_STEPS, 12)
     for step in range(NO_SYNC_STEPS):
         model(data[step], labels=data[step]).loss.backward()
@@ -54,7 +55,7 @@ def _no_sync_equals_accumulation(stage: int):
             engine, _, _, _ = zerotrain.initialize(model=model, config=cfg)
             for step in range(NO_SYNC_STEPS):
                 for m in range(3):
-                    batch = data[step, (m * 2 + rank) * 2:(m * 2 + rank) * 2 + 2]
+                    batch = data[step, (m * 2 + rank) * 2 : (m * 2 + rank) * 2 + 2]
                     loss = engine(batch, labels=batch).loss
                     if use_no_sync and m < 2:
                         with engine.no_sync():
@@ -82,8 +83,9 @@ def test_no_sync_accumulates_then_reduces(stage):
         for (optimizer, use_no_sync), weights in got.items():
             want = references[optimizer]
             assert not torch.equal(want, init)  # the reference moved: the comparison means something
-            torch.testing.assert_close(weights, want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {optimizer} no_sync={use_no_sync}: {m}")
+            torch.testing.assert_close(
+                weights, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {optimizer} no_sync={use_no_sync}: {m}"
+            )
 
 
 def _misuse(kind: str):
@@ -105,11 +107,14 @@ def _misuse(kind: str):
                 pass
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("raw_backward", "run the forward as engine(...)"),
-    ("step_in_no_sync", "inside engine.no_sync()"),
-    ("nested_no_sync", "not re-entrant"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("raw_backward", "run the forward as engine(...)"),
+        ("step_in_no_sync", "inside engine.no_sync()"),
+        ("nested_no_sync", "not re-entrant"),
+    ],
+)
 def test_misuse_gives_clear_error(kind, message):
     with pytest.raises(RankFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
         run_on_ranks(_misuse, 1, args=(kind,))
@@ -119,8 +124,14 @@ def _bookkeeping():
     import zerotrain
 
     model = make_model()
-    cfg = adamw_config(2, gas=2, scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    cfg = adamw_config(
+        2,
+        gas=2,
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+    )
     engine, opt, loader, sched = zerotrain.initialize(model=model, config=cfg)
     record = []
     data = global_batches(6, 2)
@@ -132,10 +143,16 @@ def _bookkeeping():
     engine.set_gradient_accumulation_boundary(True)
     forced = engine.is_gradient_accumulation_boundary()
     return {
-        "record": record, "forced": forced, "stage": engine.zero_optimization_stage(),
-        "tbs": engine.train_batch_size(), "loader": loader, "opt_is_engine_opt": opt is engine.optimizer,
-        "sched_is_engine_sched": sched is engine.lr_scheduler, "world": engine.dp_world_size,
-        "rank": engine.global_rank, "device": str(engine.device),
+        "record": record,
+        "forced": forced,
+        "stage": engine.zero_optimization_stage(),
+        "tbs": engine.train_batch_size(),
+        "loader": loader,
+        "opt_is_engine_opt": opt is engine.optimizer,
+        "sched_is_engine_sched": sched is engine.lr_scheduler,
+        "world": engine.dp_world_size,
+        "rank": engine.global_rank,
+        "device": str(engine.device),
         "module_attr": engine.config is not None and engine.wte is model.wte,
     }
 
@@ -173,8 +190,9 @@ def _dataloader():
     import zerotrain
 
     model = make_model()
-    _, _, loader, _ = zerotrain.initialize(model=model, config=adamw_config(2),
-                                           training_data=_Squares(), collate_fn=_collate)
+    _, _, loader, _ = zerotrain.initialize(
+        model=model, config=adamw_config(2), training_data=_Squares(), collate_fn=_collate
+    )
     epochs = [[b.tolist() for b in loader] for _ in range(2)]
     return epochs, len(loader)
 

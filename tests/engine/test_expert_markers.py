@@ -18,10 +18,16 @@ from torch import nn
 from zerotrain.testing import run_on_ranks
 
 STAGES = (0, 1, 2, 3)
-MARKINGS = {"both": {"allreduce": False, "group_name": "ep_size_1"},
-            "group_name": {"group_name": "ep_size_1"}, "dense": {"allreduce": True}}
-BAD = {"no_group_name": {"allreduce": False}, "malformed": {"allreduce": False, "group_name": "experts"},
-       "not_dividing": {"allreduce": False, "group_name": "ep_size_3"}}
+MARKINGS = {
+    "both": {"allreduce": False, "group_name": "ep_size_1"},
+    "group_name": {"group_name": "ep_size_1"},
+    "dense": {"allreduce": True},
+}
+BAD = {
+    "no_group_name": {"allreduce": False},
+    "malformed": {"allreduce": False, "group_name": "experts"},
+    "not_dividing": {"allreduce": False, "group_name": "ep_size_3"},
+}
 
 
 def _model(marking: dict | None) -> nn.Module:
@@ -33,8 +39,12 @@ def _model(marking: dict | None) -> nn.Module:
 
 
 def _config(stage: int, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, **zero},
-            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage, **zero},
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
 
 
 def _error(model, config):
@@ -78,8 +88,8 @@ def _try_stages():
             out[(stage, label)] = _error(_model(marking), _config(stage))
     with tempfile.TemporaryDirectory() as path:
         engine, _, _, _ = zerotrain.initialize(
-            model=_model(MARKINGS["both"]),
-            config=_config(2, offload_optimizer={"device": "nvme", "nvme_path": path}))
+            model=_model(MARKINGS["both"]), config=_config(2, offload_optimizer={"device": "nvme", "nvme_path": path})
+        )
         engine.backward(engine(x).square().sum())
         engine.step()
         state = engine.module_state_dict()
@@ -101,14 +111,18 @@ def test_expert_markers_train_or_are_refused_naming_the_parameter():
         if stage < 3:
             message = out.get((stage, "checkpoint"))
             assert message and "\n" not in message and "not supported yet" in message, (stage, message)
-        for label, needle in (("no_group_name", "has allreduce=False but no group_name"),
-                              ("malformed", "group_name='experts' is not of the form 'ep_size_N'"),
-                              ("not_dividing", "needs ep_size 3 to divide the data-parallel size 1")):
+        for label, needle in (
+            ("no_group_name", "has allreduce=False but no group_name"),
+            ("malformed", "group_name='experts' is not of the form 'ep_size_N'"),
+            ("not_dividing", "needs ep_size 3 to divide the data-parallel size 1"),
+        ):
             kind, message = out[(stage, label)]
             assert kind == "ValueError" and "\n" not in message, (stage, label, message)
             assert message.startswith(prefix) and needle in message, (stage, label, message)
     assert out["nvme"] is True
     kind, message = out["pipeline"]  # still refused: experts inside a PipelineModule
     assert kind == "NotImplementedError" and "\n" not in message, message
-    assert message.startswith("parameter '2.weight' carries DeepSpeed's expert markers") and \
-        "in a PipelineModule are not supported yet" in message, message
+    assert (
+        message.startswith("parameter '2.weight' carries DeepSpeed's expert markers")
+        and "in a PipelineModule are not supported yet" in message
+    ), message

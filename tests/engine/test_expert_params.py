@@ -85,8 +85,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def _config(stage: int, precision: str, optimizer: str) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
-           "zero_optimization": {"stage": stage}}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
     if optimizer == "sgd":
         cfg["optimizer"] = {"type": "SGD", "params": SGD}
     elif optimizer == "adamw":
@@ -99,8 +98,11 @@ def _config(stage: int, precision: str, optimizer: str) -> dict:
 def _reference(ep_size: int, world: int, optimizer: str):
     """Weights after STEPS (expert keys as ``experts.<global index>``) and the norm per step."""
     model = ExpertModel(ep_size)
-    opt = (torch.optim.SGD(model.parameters(), **SGD) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), **ADAMW))
+    opt = (
+        torch.optim.SGD(model.parameters(), **SGD)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), **ADAMW)
+    )
     norms = []
     for batch in _batches(world):
         opt.zero_grad()
@@ -131,11 +133,13 @@ def _train_all(ep_sizes: tuple[int, ...]):
                     client = None
                     if optimizer == "adamw-client":
                         param_groups = split_params_into_different_moe_groups_for_optimizer(
-                            {"params": list(model.parameters()), "name": "dense"})
+                            {"params": list(model.parameters()), "name": "dense"}
+                        )
                         assert any(g.get("moe") for g in param_groups)
                         client = torch.optim.AdamW(param_groups, **ADAMW)
-                    engine, _, _, _ = zerotrain.initialize(model=model, optimizer=client,
-                                                           config=_config(stage, precision, optimizer))
+                    engine, _, _, _ = zerotrain.initialize(
+                        model=model, optimizer=client, config=_config(stage, precision, optimizer)
+                    )
                     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
                     norms = []
                     for batch in _batches(world):

@@ -20,8 +20,13 @@ ADAMW = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}
 
 
 def _config(stage: int, optimizer: dict, precision: str | None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "gradient_clipping": 0.0, "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.0,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage},
+    }
     if stage == 3:  # partition every parameter of the tiny model (none is below the threshold)
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if precision:
@@ -37,7 +42,7 @@ def _micro_batches(steps: int):
     for step in range(steps):
         for m in range(GAS):
             lo = (m * world + rank) * MICRO
-            yield data[step, lo:lo + MICRO]
+            yield data[step, lo : lo + MICRO]
 
 
 def _state(engine) -> dict:
@@ -74,8 +79,9 @@ def _train(config: dict, steps: int, interrupt=None) -> dict:
 def _differences(want: dict, got: dict) -> list[str]:
     if want.keys() != got.keys():
         return [f"keys differ: {sorted(want.keys() ^ got.keys())[:4]}"]
-    return [f"{k} (max diff {(got[k] - want[k]).abs().max().item():g})"
-            for k in want if not torch.equal(got[k], want[k])]
+    return [
+        f"{k} (max diff {(got[k] - want[k]).abs().max().item():g})" for k in want if not torch.equal(got[k], want[k])
+    ]
 
 
 def _outcome(call) -> str:
@@ -97,8 +103,10 @@ def _round_trips() -> dict:
     zerotrain.init_distributed()
     failures, seen = [], {}
     cases = [(0, SGD, None), (0, ADAMW, "bf16")] + [
-        (stage, optimizer, precision) for stage in (1, 2, 3)
-        for optimizer, precision in ((SGD, None), (ADAMW, None), (SGD, "bf16"), (ADAMW, "bf16"))]
+        (stage, optimizer, precision)
+        for stage in (1, 2, 3)
+        for optimizer, precision in ((SGD, None), (ADAMW, None), (SGD, "bf16"), (ADAMW, "bf16"))
+    ]
     for stage, optimizer, precision in cases:
         key = f"stage={stage} {optimizer['type']} {precision or 'fp32'}"
         cfg = _config(stage, optimizer, precision)
@@ -117,14 +125,16 @@ def _round_trips() -> dict:
                 tensors = engine.zero_stage_object.state_tensors(engine.module, engine.optimizer)
                 engine.offload_states()  # everything
                 after = engine.memory_breakdown()
-                seen[key] = {"before": before, "after": after,
-                             "left": {k: _storage_bytes(v) for k, v in tensors.items()}}
+                seen[key] = {
+                    "before": before,
+                    "after": after,
+                    "left": {k: _storage_bytes(v) for k, v in tensors.items()},
+                }
                 seen[key]["forward"] = _outcome(lambda: engine(batch))
                 engine.reload_states()
             elif (i, phase) == (4, "before"):  # a window boundary: between optimizer steps
                 # through the optimizer, as OpenRLHF calls them (DeepSpeed's ZeRO optimizer has them)
-                engine.optimizer.offload_states(include=include, device=OffloadDeviceEnum.cpu,
-                                                pin_memory=True)
+                engine.optimizer.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=True)
                 with torch.no_grad():
                     engine(batch)
                 seen[key]["step"] = _outcome(engine.step)
@@ -147,8 +157,12 @@ def _round_trips() -> dict:
             held = engine.memory_breakdown()
             engine.empty_partition_cache()
             cache.setdefault(key, []).append(
-                (phase, held["gathered_parameters"] + held["gather_pool"],
-                 engine.memory_breakdown()["gathered_parameters"] + engine.memory_breakdown()["gather_pool"]))
+                (
+                    phase,
+                    held["gathered_parameters"] + held["gather_pool"],
+                    engine.memory_breakdown()["gathered_parameters"] + engine.memory_breakdown()["gather_pool"],
+                )
+            )
 
         got = _train(cfg, 4, empty_cache)
         failures += [f"empty_partition_cache {key}: {d}" for d in _differences(want, got)]

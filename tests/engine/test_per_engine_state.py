@@ -70,8 +70,7 @@ def _policies_and_reports() -> dict:
     model_a, model_b = make_model(), make_model(seed=1)
     engine_a, *_ = zerotrain.initialize(model=model_a, config=_config(2, "off"))
     engine_b, *_ = zerotrain.initialize(model=model_b, config=_config(3, "eager"))
-    out["policies"] = (engine_a.zero_stage_object.memory_release.name,
-                       engine_b.zero_stage_object.memory_release.name)
+    out["policies"] = (engine_a.zero_stage_object.memory_release.name, engine_b.zero_stage_object.memory_release.name)
     out["a_trims"] = _trained(engine_a, 2, fake)  # built before B: still "off"
     out["b_trims"] = _trained(engine_b, 2, fake)
     out["beside"] = _params(model_a)
@@ -84,8 +83,7 @@ def _policies_and_reports() -> dict:
     model_d = make_model(seed=3)
     engine_d, *_ = zerotrain.initialize(model=model_d, config=_config(3, "eager"))
     ids_d = [p.ds_id for p in model_d.parameters()]
-    out["ids"] = (len(set(ids_b)), len(set(ids_d)), len(set(ids_b) | set(ids_d)),
-                  len(ids_b) + len(ids_d))
+    out["ids"] = (len(set(ids_b)), len(set(ids_d)), len(set(ids_b) | set(ids_d)), len(ids_b) + len(ids_d))
     engine_d.destroy()
     engine_c.destroy()
 
@@ -97,10 +95,15 @@ def _policies_and_reports() -> dict:
         only_a = zerotrain.memory_status("a", engine=engine_a)
         both = zerotrain.memory_status("both")
     held_a, held_b = engine_a.memory_breakdown(), engine_b.memory_breakdown()
-    out["report"] = {"only_a": only_a["engine"], "both": both["engine"], "each": both["engines"],
-                     "held_a": held_a, "held_b": held_b,
-                     "sum": {k: held_a.get(k, 0) + held_b.get(k, 0) for k in held_a | held_b},
-                     "line": printed.getvalue().splitlines()[-1]}
+    out["report"] = {
+        "only_a": only_a["engine"],
+        "both": both["engine"],
+        "each": both["engines"],
+        "held_a": held_a,
+        "held_b": held_b,
+        "sum": {k: held_a.get(k, 0) + held_b.get(k, 0) for k in held_a | held_b},
+        "line": printed.getvalue().splitlines()[-1],
+    }
 
     # an engine left in backward, then destroyed: A must still refuse a backward it cannot see
     # begin (a forward through engine_a.module, not through the engine's outputs)
@@ -163,8 +166,11 @@ def _nvme_engines(nvme_path: str) -> dict:
 
     aio.time = types.SimpleNamespace(perf_counter=tick)
     zerotrain.init_distributed()
-    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
-                                              "buffer_count": 2}, "sub_group_size": 2000}
+    zero = {
+        "stage": 2,
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2},
+        "sub_group_size": 2000,
+    }
     config = _config(2, "off", aio={"thread_count": 1})
     config["zero_optimization"] = zero
     engine_e, *_ = zerotrain.initialize(model=make_model(), config=config)

@@ -24,8 +24,7 @@ ADAMW = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}
 def _client_loss(out, batch):
     """Next-token cross-entropy the client computes from the logits."""
     logits = out.logits[:, :-1].float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                             batch[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
 def _train(config: dict, how: str, steps: int = STEPS) -> dict:
@@ -44,7 +43,7 @@ def _train(config: dict, how: str, steps: int = STEPS) -> dict:
     for step in range(steps):
         for m in range(gas):
             lo = (m * world + rank) * MICRO
-            batch = data[step, lo:lo + MICRO]
+            batch = data[step, lo : lo + MICRO]
             if loss_kind == "client":
                 loss = _client_loss(engine(batch), batch)
             else:
@@ -67,8 +66,13 @@ def _train(config: dict, how: str, steps: int = STEPS) -> dict:
 
 
 def _config(stage: int, gas: int, optimizer: dict, precision: str | None = None, **fp16) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "gradient_clipping": 0.0, "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage},
+    }
     if stage == 3:  # partition every parameter of the tiny model (none is below the threshold)
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if precision == "bf16":
@@ -102,13 +106,15 @@ def _all_cases() -> dict:
                 cfg = _config(stage, gas, optimizer, precision)
                 # The client's losses where the accumulation factor matters for SGD.
                 losses = ("model", "client", "both") if (gas, optimizer) == (2, SGD) else ("model",)
-                runs = {f"{backward}:{loss}": _train(cfg, f"{backward}:{loss}")
-                        for backward in ("engine", "plain") for loss in losses}
+                runs = {
+                    f"{backward}:{loss}": _train(cfg, f"{backward}:{loss}")
+                    for backward in ("engine", "plain")
+                    for loss in losses
+                }
                 for loss in losses:
                     _compare(runs, key, f"engine:{loss}", f"plain:{loss}", failures)
                 if precision is None:
-                    fp32_weights[key] = {k: v for k, v in runs["plain:model"].items()
-                                         if not k.startswith("stepped.")}
+                    fp32_weights[key] = {k: v for k, v in runs["plain:model"].items() if not k.startswith("stepped.")}
     # fp16: scale() with a static and a dynamic loss scale; a bare backward under static scaling.
     scales = {}
     for stage in (0, 1, 2, 3):
@@ -116,17 +122,23 @@ def _all_cases() -> dict:
             key = f"stage={stage} fp16 {fp16}"
             cfg = _config(stage, 2, SGD, "fp16", **fp16)
             # Static: a bare backward is scaled at the outputs. Dynamic: it raises (below).
-            hows = (("engine:model", "scale:model", "plain:model") if fp16["loss_scale"] else
-                    ("engine:model", "scale:model", "engine:client", "scale:client"))
+            hows = (
+                ("engine:model", "scale:model", "plain:model")
+                if fp16["loss_scale"]
+                else ("engine:model", "scale:model", "engine:client", "scale:client")
+            )
             runs = {how: _train(cfg, how) for how in hows}
             for how in hows:
                 if not how.startswith("engine"):
                     _compare(runs, key, "engine:" + how.split(":")[1], how, failures)
     # What scale() returns, and the refusal of a bare backward under dynamic scaling.
-    batch = global_batches(1, 2 * MICRO)[0, rank * MICRO:(rank + 1) * MICRO]
-    for name, precision, fp16 in (("fp32", None, {}), ("bf16", "bf16", {}),
-                                  ("static", "fp16", {"loss_scale": 64}),
-                                  ("dynamic", "fp16", {"loss_scale": 0, "initial_scale_power": 8})):
+    batch = global_batches(1, 2 * MICRO)[0, rank * MICRO : (rank + 1) * MICRO]
+    for name, precision, fp16 in (
+        ("fp32", None, {}),
+        ("bf16", "bf16", {}),
+        ("static", "fp16", {"loss_scale": 64}),
+        ("dynamic", "fp16", {"loss_scale": 0, "initial_scale_power": 8}),
+    ):
         engine, *_ = zerotrain.initialize(model=make_model(), config=_config(1, 2, SGD, precision, **fp16))
         loss = engine(batch, labels=batch).loss
         scales[name] = (engine.scale(loss) / loss.float()).item()
@@ -155,5 +167,4 @@ def test_plain_backward_and_scale_equal_engine_backward():
         optimizer = SGD if key.endswith("SGD") else ADAMW
         _, want = reference_run(STEPS, MICRO * gas * 2, optimizer)
         for name, value in want.items():
-            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{key} {name}: {m}")
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")

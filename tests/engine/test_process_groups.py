@@ -37,18 +37,20 @@ def _train_in_groups() -> dict:
     group = groups[mine]
     stage, precision = PLAN[mine]
     model = make_model()
-    kwargs = ({"data_parallel_group": group} if mine == 0 else {"mpu": _DataParallelOnly(group)})
-    engine, *_ = zerotrain.initialize(model=model, config=_config(stage, precision, 1, "sgd"),
-                                      **kwargs)
+    kwargs = {"data_parallel_group": group} if mine == 0 else {"mpu": _DataParallelOnly(group)}
+    engine, *_ = zerotrain.initialize(model=model, config=_config(stage, precision, 1, "sgd"), **kwargs)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     data = global_batches(STEPS, MICRO * world)
     for step in range(STEPS):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+        batch = data[step, rank * MICRO : (rank + 1) * MICRO]
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
     state = engine.module_state_dict()  # stage 3: on the group's first rank
-    out = {"group": mine, "dp_world_size": engine.dp_world_size,
-           "params": {k: v.float().clone() for k, v in state.items()}}
+    out = {
+        "group": mine,
+        "dp_world_size": engine.dp_world_size,
+        "params": {k: v.float().clone() for k, v in state.items()},
+    }
     engine.destroy()
     return out
 

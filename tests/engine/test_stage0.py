@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.workloads import (adamw_config, assert_close_trajectory, engine_trajectory,
-                                    make_model, reference_trajectory, global_batches)
+from tests.engine.workloads import (
+    adamw_config,
+    assert_close_trajectory,
+    engine_trajectory,
+    global_batches,
+    make_model,
+    reference_trajectory,
+)
 from zerotrain.testing import run_on_ranks
 
 STEPS = 20

@@ -20,9 +20,12 @@ LR = 0.1
 
 
 def _config(stage: int, precision: str, lr: float = LR, momentum: float = 0.0, **zero) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-           "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": momentum}},
-           "zero_optimization": {"stage": stage, **zero}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": momentum}},
+        "zero_optimization": {"stage": stage, **zero},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -32,7 +35,7 @@ def _step(engine, batch):
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    mine = batch[2 * rank:2 * rank + 2]
+    mine = batch[2 * rank : 2 * rank + 2]
     loss = engine(mine, labels=mine).loss
     engine.backward(loss)
     engine.step()
@@ -66,8 +69,12 @@ def _loads_and_edits(stage: int, precision: str) -> dict:
                 p.mul_(0.5)
     after_edit = _whole(engine)
     _step(engine, data[2])
-    out = {"after_load": after_load, "after_load_step": after_load_step, "after_edit": after_edit,
-           "final": _whole(engine)}
+    out = {
+        "after_load": after_load,
+        "after_load_step": after_load_step,
+        "after_edit": after_edit,
+        "final": _whole(engine),
+    }
     engine.destroy()
     return out
 
@@ -89,8 +96,11 @@ def _reference_loads_and_edits() -> dict:
         for p in model.parameters():
             p.mul_(0.5)
     step(data[2])
-    return {"after_load": loaded, "after_load_step": after_load_step,
-            "final": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "after_load": loaded,
+        "after_load_step": after_load_step,
+        "final": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _relative(got: dict, want: dict) -> float:
@@ -162,15 +172,19 @@ def _destroy_and_reuse() -> dict:
     data = global_batches(4, 4)
     model = make_model(seed=0)
     classes_before = {type(m): type(m).__init__ for m in model.modules()}
-    engine, *_ = zerotrain.initialize(model=model, config=_config(
-        3, "fp32", stage3_param_persistence_threshold=0))
+    engine, *_ = zerotrain.initialize(model=model, config=_config(3, "fp32", stage3_param_persistence_threshold=0))
     _step(engine, data[0])
     from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
 
     weight = model.wte.weight  # DeepSpeed's read-outs, which scripts test before gathering
-    ds = {"status": weight.ds_status, "shape": tuple(weight.ds_shape), "numel": weight.ds_numel,
-          "ids": len({p.ds_id for p in model.parameters()}), "tensor": weight.ds_tensor.numel(),
-          "partition_numel": weight.partition_numel()}  # DeepSpeed's method (Lightning's summary)
+    ds = {
+        "status": weight.ds_status,
+        "shape": tuple(weight.ds_shape),
+        "numel": weight.ds_numel,
+        "ids": len({p.ds_id for p in model.parameters()}),
+        "tensor": weight.ds_tensor.numel(),
+        "partition_numel": weight.partition_numel(),
+    }  # DeepSpeed's method (Lightning's summary)
     with zerotrain.zero.GatheredParameters([weight]):
         ds["status_gathered"] = weight.ds_status
     ds["status_after"] = weight.ds_status
@@ -182,14 +196,17 @@ def _destroy_and_reuse() -> dict:
     assert ds["partition_numel"] == ds["tensor"]
     before = engine.module_state_dict()
     engine.destroy()
-    out = {"plain_dicts": all(type(m._parameters) is dict for m in model.modules()),
-           "no_attrs": not any(k.startswith(("_zerotrain", "ds_")) or k == "partition_numel"
-                               for p in model.parameters() for k in vars(p)),
-           "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
-           "state": {k: v.clone() for k, v in model.state_dict().items()},
-           "before": before,
-           "inits_restored": all(type(m).__init__ is classes_before[type(m)] for m in model.modules()),
-           "no_hooks": all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())}
+    out = {
+        "plain_dicts": all(type(m._parameters) is dict for m in model.modules()),
+        "no_attrs": not any(
+            k.startswith(("_zerotrain", "ds_")) or k == "partition_numel" for p in model.parameters() for k in vars(p)
+        ),
+        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "before": before,
+        "inits_restored": all(type(m).__init__ is classes_before[type(m)] for m in model.modules()),
+        "no_hooks": all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()),
+    }
     with torch.no_grad():
         out["eval_loss"] = float(model(data[1][:2], labels=data[1][:2]).loss)
     # A second engine (stage 2) takes the returned module and trains it.
@@ -222,19 +239,24 @@ def _policy_and_reference() -> dict:
     data = global_batches(1, 4).repeat(5, 1, 1)  # one batch, five steps: the loss must fall
     policy_model, ref_model = make_model(seed=0), make_model(seed=0)
     ref_init = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    policy, *_ = zerotrain.initialize(model=policy_model, config=_config(
-        3, "fp32", stage3_param_persistence_threshold=0))
+    policy, *_ = zerotrain.initialize(
+        model=policy_model, config=_config(3, "fp32", stage3_param_persistence_threshold=0)
+    )
     ref_cfg = _config(3, "fp32", stage3_param_persistence_threshold=0)
     del ref_cfg["optimizer"]
     reference, *_ = zerotrain.initialize(model=ref_model, config=ref_cfg)
     rank = dist.get_rank()
     losses = []
     for batch in data:
-        mine = batch[2 * rank:2 * rank + 2]
+        mine = batch[2 * rank : 2 * rank + 2]
         with torch.no_grad():
             ref_logits = reference(mine).logits
         out = policy(mine, labels=mine)
-        kl = (out.logits.log_softmax(-1).exp() * (out.logits.log_softmax(-1) - ref_logits.log_softmax(-1))).sum(-1).mean()
+        kl = (
+            (out.logits.log_softmax(-1).exp() * (out.logits.log_softmax(-1) - ref_logits.log_softmax(-1)))
+            .sum(-1)
+            .mean()
+        )
         loss = out.loss + 0.1 * kl
         policy.backward(loss)
         policy.step()
@@ -248,8 +270,7 @@ def _policy_and_reference() -> dict:
         stepped = str(error)
     policy.destroy()
     reference.destroy()
-    return {"losses": losses, "held": held, "ref_state": ref_state, "ref_init": ref_init,
-            "stepped": stepped}
+    return {"losses": losses, "held": held, "ref_state": ref_state, "ref_init": ref_init, "stepped": stepped}
 
 
 def test_stage3_engine_without_optimizer_beside_a_trained_one():
@@ -271,13 +292,15 @@ def _outside_optimizer(stage: int, precision: str) -> dict:
     model = make_model(seed=0)
     skipped = model.ln_f.bias  # trainable, but no optimizer group holds it
     params = [p for p in model.parameters() if p is not skipped]
-    engine, opt, *_ = zerotrain.initialize(model=model, model_parameters=params,
-                                           config=_config(stage, precision, lr=0.0))
+    engine, opt, *_ = zerotrain.initialize(
+        model=model, model_parameters=params, config=_config(stage, precision, lr=0.0)
+    )
     data = global_batches(2, 4)
     grads = []
     for batch in data[:1].repeat(2, 1, 1):  # the same batch twice, weights fixed (lr 0)
         import torch.distributed as dist
-        mine = batch[2 * dist.get_rank():2 * dist.get_rank() + 2]
+
+        mine = batch[2 * dist.get_rank() : 2 * dist.get_rank() + 2]
         engine.backward(engine(mine, labels=mine).loss)
         grads.append(skipped.grad.detach().float().clone())
         engine.step()
@@ -348,9 +371,9 @@ class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.inner = nn.Linear(64, 64)   # partitioned
-        self.outer = nn.Linear(64, 64)   # partitioned
-        self.extra = nn.Linear(64, 64)   # used on rank 0 only
+        self.inner = nn.Linear(64, 64)  # partitioned
+        self.outer = nn.Linear(64, 64)  # partitioned
+        self.extra = nn.Linear(64, 64)  # used on rank 0 only
         self.tail = nn.Linear(64, 8)
 
     def forward(self, x, branch: bool):
@@ -376,7 +399,7 @@ def _train_branchy(threshold: int) -> dict:
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
     rank = dist.get_rank()
     for batch in _branch_data():
-        out = engine(batch[2 * rank:2 * rank + 2], branch=rank == 0)
+        out = engine(batch[2 * rank : 2 * rank + 2], branch=rank == 0)
         engine.backward(out.square().mean())
         engine.step()
     state = engine.module_state_dict()
@@ -407,8 +430,7 @@ def _unused_parameter(stage: int, ignore: bool) -> str:
     zerotrain.init_distributed()
     model = make_model(seed=0)
     model.unused = nn.Linear(3, 3)  # trainable, never called in forward
-    cfg = _config(stage, "fp32", ignore_unused_parameters=ignore,
-                  stage3_param_persistence_threshold=0)
+    cfg = _config(stage, "fp32", ignore_unused_parameters=ignore, stage3_param_persistence_threshold=0)
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
     try:
         _step(engine, global_batches(1, 4)[0])
@@ -438,15 +460,20 @@ def _named_state(stage: int) -> dict:
 
     zerotrain.init_distributed()
     model = make_model(seed=0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, opt, *_ = zerotrain.initialize(model=model, config=cfg)
     for batch in global_batches(2, 4):
         _step(engine, batch)
     named = engine._zero.named_optimizer_state(opt)
-    out = {name: [(start, {k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.dim()})
-                  for start, s in pieces] for name, pieces in named.items()}
+    out = {
+        name: [(start, {k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.dim()}) for start, s in pieces]
+        for name, pieces in named.items()
+    }
     engine.destroy()
     return out
 
@@ -471,7 +498,7 @@ def test_optimizer_state_addressable_by_parameter_name():
             for rank_state in per_rank:
                 for start, sliced in rank_state.get(name, []):
                     for k in whole:
-                        whole[k][start:start + sliced[k].numel()] = sliced[k]
+                        whole[k][start : start + sliced[k].numel()] = sliced[k]
             for k in whole:  # every element covered by exactly the rank that owns it
                 assert torch.allclose(whole[k], ref[k].flatten(), rtol=1e-4, atol=1e-7), (stage, name, k)
 
@@ -496,8 +523,10 @@ def _grouped_stage3() -> dict:
 
     zerotrain.init_distributed()
     model = make_model(seed=0)
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     cfg = _config(3, "fp32", stage3_param_persistence_threshold=0)
     engine, *_ = zerotrain.initialize(model=model, model_parameters=groups, config=cfg)
     for batch in global_batches(3, 4):
@@ -512,8 +541,13 @@ def test_stage3_units_of_one_module_gathered_in_the_same_order_on_every_rank():
     module; backward gathered them in set (id) order, which differs between ranks: a collective
     mismatch. The check names any disagreement; the weights must match the reference."""
     model = make_model(seed=0)
-    opt = torch.optim.SGD([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                           {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=LR)
+    opt = torch.optim.SGD(
+        [
+            {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim < 2]},
+        ],
+        lr=LR,
+    )
     for batch in global_batches(3, 4):
         model(batch, labels=batch).loss.backward()
         opt.step()

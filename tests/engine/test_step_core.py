@@ -15,8 +15,14 @@ from tests.engine.workloads import adamw_config, global_batches, make_model
 from zerotrain.engine.step_core import StepCore, StepOutcome, StepSettings, TrainingState
 from zerotrain.testing import run_on_ranks
 
-FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 4,
-        "hysteresis": 2, "min_loss_scale": 16}
+FP16 = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 8,
+    "loss_scale_window": 4,
+    "hysteresis": 2,
+    "min_loss_scale": 16,
+}
 
 
 def _weights(model) -> torch.Tensor:
@@ -49,23 +55,37 @@ def _data_parallel_states() -> dict:
         out["after_backward_in_no_sync"] = engine.training_state
     out["after_no_sync"] = engine.training_state
     engine.step()
-    out["after_accumulating_step"] = (engine.step_outcome, engine.was_step_applied(), engine.micro_steps,
-                                      engine.global_steps)
+    out["after_accumulating_step"] = (
+        engine.step_outcome,
+        engine.was_step_applied(),
+        engine.micro_steps,
+        engine.global_steps,
+    )
     # micro-step 2 of 2: a backward the engine did not start, then the boundary step
     before = _weights(model)
     backward(engine(batch, labels=batch).loss, plain=True)
     out["after_plain_backward"] = engine.training_state
     engine.step()
-    out["after_boundary_step"] = (engine.step_outcome, engine.was_step_applied(), engine.micro_steps,
-                                  engine.global_steps, engine.training_state)
+    out["after_boundary_step"] = (
+        engine.step_outcome,
+        engine.was_step_applied(),
+        engine.micro_steps,
+        engine.global_steps,
+        engine.training_state,
+    )
     out["moved"] = not torch.equal(before, _weights(model))
     # an overflow at the boundary: skipped, nothing moves
     engine.set_gradient_accumulation_boundary(True)
     before = _weights(model)
     backward(engine(batch, labels=batch).loss * float("inf"))
     engine.step()
-    out["after_overflow_step"] = (engine.step_outcome, engine.was_step_applied(), engine.skipped_steps,
-                                  torch.equal(before, _weights(model)), opt.overflow)
+    out["after_overflow_step"] = (
+        engine.step_outcome,
+        engine.was_step_applied(),
+        engine.skipped_steps,
+        torch.equal(before, _weights(model)),
+        opt.overflow,
+    )
     out["seen"] = seen
     # misuse: same messages as before the core; the state comes back to IDLE
     errors = []
@@ -95,19 +115,32 @@ def _pipeline_states() -> dict:
 
     torch.manual_seed(0)
     module = PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=1, loss_fn=nn.functional.mse_loss)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
     engine, opt, _, _ = zerotrain.initialize(model=module, config=cfg)
     seen: list = []
     opt.register_step_pre_hook(lambda *_: seen.append(engine.training_state))
-    out = {"core_type": type(engine._core), "is_engine": isinstance(engine, ZeroTrainEngine),
-           "initial": (engine.training_state, engine.step_outcome)}
+    out = {
+        "core_type": type(engine._core),
+        "is_engine": isinstance(engine, ZeroTrainEngine),
+        "initial": (engine.training_state, engine.step_outcome),
+    }
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)) for _ in range(2)]
     before = _weights(module)
     engine.train_batch(iter(data))
-    out["after_train_batch"] = (engine.training_state, engine.step_outcome, engine.was_step_applied(),
-                                engine.micro_steps, engine.global_steps, engine.global_samples)
+    out["after_train_batch"] = (
+        engine.training_state,
+        engine.step_outcome,
+        engine.was_step_applied(),
+        engine.micro_steps,
+        engine.global_steps,
+        engine.global_samples,
+    )
     out["moved"] = not torch.equal(before, _weights(module))
     out["seen"] = seen
     refused = []
@@ -146,10 +179,15 @@ def test_states_through_forward_backward_no_sync_and_step(engines):
     assert got["moved"]
     # three forwards, three backwards (explicit, loss.backward() through the outputs, explicit),
     # one optimizer step: each saw its own phase
-    assert got["seen"] == [("forward", S.FORWARD), ("backward", S.BACKWARD),
-                           ("forward", S.FORWARD), ("backward", S.BACKWARD),
-                           ("optimizer.step", S.STEPPING),
-                           ("forward", S.FORWARD), ("backward", S.BACKWARD)]
+    assert got["seen"] == [
+        ("forward", S.FORWARD),
+        ("backward", S.BACKWARD),
+        ("forward", S.FORWARD),
+        ("backward", S.BACKWARD),
+        ("optimizer.step", S.STEPPING),
+        ("forward", S.FORWARD),
+        ("backward", S.BACKWARD),
+    ]
 
 
 def test_overflow_is_a_skipped_step(engines):
@@ -160,9 +198,12 @@ def test_overflow_is_a_skipped_step(engines):
 def test_misuse_keeps_its_messages(engines):
     got = engines["data_parallel"]
     assert got["errors"] == [
-        ("engine.step() was called inside engine.no_sync(): gradients there are not reduced across ranks; "
-         "leave the no_sync() block before stepping"),
-        "engine.no_sync() is not re-entrant"]
+        (
+            "engine.step() was called inside engine.no_sync(): gradients there are not reduced across ranks; "
+            "leave the no_sync() block before stepping"
+        ),
+        "engine.no_sync() is not re-entrant",
+    ]
     assert got["after_errors"] is TrainingState.IDLE
     assert got["counters_shared"]
 
@@ -183,10 +224,24 @@ class _Scaler:
 
 
 def _bare_core(accumulation: int) -> StepCore:
-    settings = StepSettings(gradient_clipping=0.0, steps_per_print=None, train_batch_size=4 * accumulation,
-                            micro_batch_size=4, accumulation_steps=accumulation)
-    return StepCore(_bare_core, settings, zero=None, loss_scaler=_Scaler(), check_overflow=False,
-                    optimizer_surface=None, timers=None, monitor=None, topology=None)
+    settings = StepSettings(
+        gradient_clipping=0.0,
+        steps_per_print=None,
+        train_batch_size=4 * accumulation,
+        micro_batch_size=4,
+        accumulation_steps=accumulation,
+    )
+    return StepCore(
+        _bare_core,
+        settings,
+        zero=None,
+        loss_scaler=_Scaler(),
+        check_overflow=False,
+        optimizer_surface=None,
+        timers=None,
+        monitor=None,
+        topology=None,
+    )
 
 
 def test_core_rules_without_an_engine():

@@ -18,8 +18,11 @@ STEPS, MICRO = 2, 2
 
 
 def _group_config(out: str, group: int) -> dict:
-    return adamw_config(MICRO, zero_optimization={"stage": 1},
-                        csv_monitor={"enabled": True, "output_path": f"{out}/csv", "job_name": f"group{group}"})
+    return adamw_config(
+        MICRO,
+        zero_optimization={"stage": 1},
+        csv_monitor={"enabled": True, "output_path": f"{out}/csv", "job_name": f"group{group}"},
+    )
 
 
 def _attempt(fn):
@@ -47,15 +50,27 @@ def _ranks_in_groups(out: str) -> dict:
     logger.addHandler(Keep())
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = dist.get_rank() // 2
-    engine, *_ = zerotrain.initialize(model=make_model(), config=_group_config(out, mine),
-                                      data_parallel_group=groups[mine])
+    engine, *_ = zerotrain.initialize(
+        model=make_model(), config=_group_config(out, mine), data_parallel_group=groups[mine]
+    )
     res = {
         "data_rank": engine.get_data_parallel_rank(),  # DeepSpeed's; it was the global rank
-        "data": _attempt(lambda: (engine.get_data_parallel_rank(), engine.get_data_parallel_world_size(),
-                                  dist.get_process_group_ranks(engine.get_data_parallel_group()))),
+        "data": _attempt(
+            lambda: (
+                engine.get_data_parallel_rank(),
+                engine.get_data_parallel_world_size(),
+                dist.get_process_group_ranks(engine.get_data_parallel_group()),
+            )
+        ),
         "pipe": _attempt(lambda: (engine.get_pipe_parallel_rank(), engine.get_pipe_parallel_world_size())),
-        "model": _attempt(lambda: (engine.get_model_parallel_rank(), engine.get_model_parallel_world_size(),
-                                   engine.mp_world_size, engine.get_tensor_parallel_rank())),
+        "model": _attempt(
+            lambda: (
+                engine.get_model_parallel_rank(),
+                engine.get_model_parallel_world_size(),
+                engine.mp_world_size,
+                engine.get_tensor_parallel_rank(),
+            )
+        ),
         "writers": len(engine.monitor.monitors),
         "monitor_rank": (engine.monitor.rank, engine.monitor.world_size),
         "unbuilt_expert": _attempt(lambda: engine.get_expert_parallel_rank("ep_size_2")),
@@ -64,7 +79,7 @@ def _ranks_in_groups(out: str) -> dict:
     data = global_batches(STEPS, MICRO * 2, seed=1 + mine)
     losses = []
     for step in range(STEPS):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+        batch = data[step, rank * MICRO : (rank + 1) * MICRO]
         loss = engine(batch, labels=batch).loss
         engine.backward(loss)
         engine.step()
@@ -88,11 +103,16 @@ def _ranks_in_groups(out: str) -> dict:
     world_engine, *_ = zerotrain.initialize(model=make_model(), config=adamw_config(MICRO))
     ds_groups._create_expert_and_data_parallel(2)
     e = world_engine
-    res["expert"] = _attempt(lambda: (
-        e.get_expert_parallel_rank("ep_size_2"), e.get_expert_parallel_world_size("ep_size_2"),
-        dist.get_process_group_ranks(e.get_expert_parallel_group("ep_size_2")),
-        e.get_expert_data_parallel_rank("ep_size_2"), e.get_expert_data_parallel_world_size("ep_size_2"),
-        dist.get_process_group_ranks(e.get_expert_data_parallel_group("ep_size_2"))))
+    res["expert"] = _attempt(
+        lambda: (
+            e.get_expert_parallel_rank("ep_size_2"),
+            e.get_expert_parallel_world_size("ep_size_2"),
+            dist.get_process_group_ranks(e.get_expert_parallel_group("ep_size_2")),
+            e.get_expert_data_parallel_rank("ep_size_2"),
+            e.get_expert_data_parallel_world_size("ep_size_2"),
+            dist.get_process_group_ranks(e.get_expert_data_parallel_group("ep_size_2")),
+        )
+    )
     res["world_data"] = _attempt(lambda: (e.get_data_parallel_rank(), e.get_data_parallel_world_size()))
     world_engine.destroy()
     res["lines"] = lines
@@ -112,10 +132,12 @@ def test_each_engine_reports_its_own_group(per_rank):
     for r in res:
         assert r["pipe"] == (0, 1) and r["model"] == (0, 1, 1, 0)
         assert r["monitor_rank"][1] == 2
-        assert r["unbuilt_expert"] == ("ValueError: expert group 'ep_size_2' is not built on this engine "
-                                       "(built: none); build it on every rank with zerotrain.utils.groups."
-                                       "_create_expert_and_data_parallel(N) for the engine's topology, or "
-                                       "engine.topology.expert_groups(N)")
+        assert r["unbuilt_expert"] == (
+            "ValueError: expert group 'ep_size_2' is not built on this engine "
+            "(built: none); build it on every rank with zerotrain.utils.groups."
+            "_create_expert_and_data_parallel(N) for the engine's topology, or "
+            "engine.topology.expert_groups(N)"
+        )
 
 
 def test_each_group_first_rank_writes_its_monitor_files(per_rank):
@@ -133,10 +155,10 @@ def test_each_group_first_rank_writes_its_monitor_files(per_rank):
 
 def test_logs_come_from_the_right_ranks(per_rank):
     _, res = per_rank
-    per_engine = [[l for l in r["lines"] if l.startswith("per-engine")] for r in res]
+    per_engine = [[line for line in r["lines"] if line.startswith("per-engine")] for r in res]
     assert per_engine == [["per-engine 0"], [], ["per-engine 1"], []]
-    assert [sum(l == "process-wide" for l in r["lines"]) for r in res] == [1, 0, 0, 0]
-    assert [[l for l in r["lines"] if "to rank 2" in l] for r in res] == [[], [], ["[Rank 2] to rank 2"], []]
+    assert [sum(line == "process-wide" for line in r["lines"]) for r in res] == [1, 0, 0, 0]
+    assert [[line for line in r["lines"] if "to rank 2" in line] for r in res] == [[], [], ["[Rank 2] to rank 2"], []]
 
 
 def test_divergence_names_global_ranks(per_rank):
@@ -150,6 +172,10 @@ def test_world_engine_answers_expert_accessors_from_its_topology(per_rank):
     _, res = per_rank
     # DeepSpeed's ep_size_2 layout over data ranks [0,1,2,3]: expert groups are blocks, expert-data
     # groups stride by 2.
-    assert [r["expert"] for r in res] == [(0, 2, [0, 1], 0, 2, [0, 2]), (1, 2, [0, 1], 0, 2, [1, 3]),
-                                          (0, 2, [2, 3], 1, 2, [0, 2]), (1, 2, [2, 3], 1, 2, [1, 3])]
+    assert [r["expert"] for r in res] == [
+        (0, 2, [0, 1], 0, 2, [0, 2]),
+        (1, 2, [0, 1], 0, 2, [1, 3]),
+        (0, 2, [2, 3], 1, 2, [0, 2]),
+        (1, 2, [2, 3], 1, 2, [1, 3]),
+    ]
     assert [r["world_data"] for r in res] == [(0, 4), (1, 4), (2, 4), (3, 4)]

@@ -51,17 +51,21 @@ def _engines(stage: int) -> dict:
 
     zerotrain.init_distributed()
     netG, netD = _nets()
-    cfg = {"train_micro_batch_size_per_gpu": BATCH // 2, "gradient_clipping": 0.0,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH // 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engineG, *_ = zerotrain.initialize(model=netG, config=cfg)
     engineD, *_ = zerotrain.initialize(model=netD, config=cfg)
     rank = dist.get_rank()
     reals, noises = _data()
     for real, noise in zip(reals, noises):
         rows = slice(2 * rank, 2 * rank + 2)
-        _iteration(engineG, engineD, real[rows], noise[rows], engineD.backward,
-                   engineD.step, engineG.backward, engineG.step)
+        _iteration(
+            engineG, engineD, real[rows], noise[rows], engineD.backward, engineD.step, engineG.backward, engineG.step
+        )
     out = {"G": engineG.module_state_dict(), "D": engineD.module_state_dict()}
     engineG.destroy()
     engineD.destroy()
@@ -75,8 +79,9 @@ def test_generator_loss_through_discriminator_engine(stage):
     optD = torch.optim.SGD(netD.parameters(), lr=LR)
     reals, noises = _data()
     for real, noise in zip(reals, noises):
-        _iteration(netG, netD, real, noise, lambda l: l.backward(), optD.step,
-                   lambda l: l.backward(), optG.step)
+        _iteration(
+            netG, netD, real, noise, lambda loss: loss.backward(), optD.step, lambda loss: loss.backward(), optG.step
+        )
     got = run_on_ranks(_engines, 2, args=(stage,))[0]
     for name, net in (("G", netG), ("D", netD)):
         for key, want in net.state_dict().items():

@@ -43,13 +43,11 @@ def adamw_config(micro: int, gas: int = 1, clip: float = 0.0, **extra) -> dict:
 def engine_trajectory(config: dict, steps: int, model_kwargs: dict | None = None) -> dict:
     """Train with zerotrain on this rank; returns per-step mean losses (over the global batch,
     averaged across ranks) and the final parameters."""
-    import torch.distributed as dist
 
     import zerotrain
 
     model = make_model(**(model_kwargs or {}))
-    engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
+    engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = train_steps(engine, steps)
     return {
         "losses": losses,
@@ -75,7 +73,7 @@ def train_steps(engine, steps: int) -> list[float]:
         step_loss = torch.zeros((), device=engine.device)
         for m in range(gas):
             lo = (m * world + rank) * micro
-            batch = data[step, lo:lo + micro]
+            batch = data[step, lo : lo + micro]
             loss = engine(batch, labels=batch).loss
             engine.backward(loss)
             engine.step()
@@ -94,7 +92,7 @@ def recorded_steps(engine, steps: int, micro: int) -> tuple[list[float], list[fl
     data = global_batches(steps, micro * world)
     losses, lrs, samples = [], [], []
     for step in range(steps):
-        batch = data[step, rank * micro:(rank + 1) * micro]
+        batch = data[step, rank * micro : (rank + 1) * micro]
         loss = engine(batch, labels=batch).loss
         engine.backward(loss)
         engine.step()
@@ -104,8 +102,7 @@ def recorded_steps(engine, steps: int, micro: int) -> tuple[list[float], list[fl
     return losses, lrs, samples
 
 
-def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0,
-                         model_kwargs: dict | None = None) -> dict:
+def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0, model_kwargs: dict | None = None) -> dict:
     """Single-process fp32 training on the full global batch each step."""
     model = make_model(**(model_kwargs or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -118,8 +115,7 @@ def reference_trajectory(steps: int, global_batch: int, clip: float = 0.0,
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def reference_run(steps: int, global_batch: int, optimizer: dict, **model_kwargs) -> tuple[list, dict]:

@@ -47,10 +47,13 @@ def predict(stage: int, world: int):
     zero = load_config(cfg, world_size=world).zero_optimization
     with torch.device("meta"):
         meta = GPT(GPTConfig(**GPT_SHAPE))
-    settings = Settings(world_size=world, precision="fp32", optimizer="adamw",
-                        bucket_numel=bucket_numel(zero, 4))
-    est = estimate(from_module(meta), Hardware(gpus_per_node=world, gpu_reserve=0, process_bytes=0),
-                   Workload(micro_batch=MICRO, seq_len=SEQ), settings)
+    settings = Settings(world_size=world, precision="fp32", optimizer="adamw", bucket_numel=bucket_numel(zero, 4))
+    est = estimate(
+        from_module(meta),
+        Hardware(gpus_per_node=world, gpu_reserve=0, process_bytes=0),
+        Workload(micro_batch=MICRO, seq_len=SEQ),
+        settings,
+    )
     return est.row(stage)
 
 
@@ -76,8 +79,9 @@ def train_all_stages(written_config: dict | None = None) -> dict:
         base = _reset_peak()
         torch.manual_seed(0)
         model = GPT(GPTConfig(**GPT_SHAPE))
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                          config=example_config(stage))
+        engine, *_ = zerotrain.initialize(
+            model=model, model_parameters=model.parameters(), config=example_config(stage)
+        )
         g = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(STEPS):
             ids = torch.randint(0, GPT_SHAPE["vocab_size"], (MICRO, SEQ), generator=g)
@@ -85,8 +89,15 @@ def train_all_stages(written_config: dict | None = None) -> dict:
             engine.backward(loss)
             engine.step()
             del loss
-        out.append({"stage": stage, "base": base, "peak": _status("VmHWM"),
-                    "measured": engine.memory_breakdown(), "gpu": dict(row.gpu)})
+        out.append(
+            {
+                "stage": stage,
+                "base": base,
+                "peak": _status("VmHWM"),
+                "measured": engine.memory_breakdown(),
+                "gpu": dict(row.gpu),
+            }
+        )
         del engine, model
         gc.collect()
         release_freed_memory()

@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import pytest
 
-from zerotrain.estimate import (Hardware, Settings, Workload, estimate, fine_tuning_rows, formula_activations,
-                                from_hf_config, from_params, stage_bytes)
+from zerotrain.estimate import (
+    Hardware,
+    Settings,
+    Workload,
+    estimate,
+    fine_tuning_rows,
+    formula_activations,
+    from_hf_config,
+    from_params,
+    stage_bytes,
+)
 from zerotrain.estimate.units import GiB, parse_bytes, parse_count
 
 # Seed 001's BLOOM-560m: 24 layers, hidden 1024, 16 heads, vocab 250880 (559,214,592 parameters).
 BLOOM = {"model_type": "bloom", "vocab_size": 250880, "hidden_size": 1024, "n_layer": 24, "n_head": 16}
-LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-             "tie_word_embeddings": False}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}
 
 
 def within(value: float, want: float, rel: float) -> bool:
@@ -53,8 +69,12 @@ def test_bloom_zero1_and_zero2_arithmetic_for_8_gpus():
 
 
 def test_seed_002_7b_model_states_and_what_fits():
-    est = estimate(from_params(parse_count("7e9")), Hardware(gpus_per_node=4, gpu_memory=parse_bytes("80GiB")),
-                   Workload(), Settings(world_size=4, precision="bf16"))
+    est = estimate(
+        from_params(parse_count("7e9")),
+        Hardware(gpus_per_node=4, gpu_memory=parse_bytes("80GiB")),
+        Workload(),
+        Settings(world_size=4, precision="bf16"),
+    )
     # "Without offloading, you'd need roughly 112GB of GPU memory just for the model states."
     assert est.row(0).gpu["model_states"] == 16 * 7_000_000_000
     assert est.row(0).fits_gpu is False
@@ -76,8 +96,12 @@ def test_7b_where_nothing_fits_points_at_offload_rows_it_does_not_recommend():
     # that fits is stage 1 with the optimizer on the host. (At 24 GiB stage 3 fits with
     # activation checkpointing: it keeps no 16-bit shard beside the fp32 master, 14 bytes per
     # parameter / 4 = 22.0 GiB of model states.)
-    est = estimate(shape, Hardware(gpus_per_node=4, gpu_memory=23 * GiB), Workload(micro_batch=1, seq_len=512),
-                   Settings(world_size=4, precision="bf16"))
+    est = estimate(
+        shape,
+        Hardware(gpus_per_node=4, gpu_memory=23 * GiB),
+        Workload(micro_batch=1, seq_len=512),
+        Settings(world_size=4, precision="bf16"),
+    )
     assert [est.row(s).fits_gpu for s in range(4)] == [False, False, False, False]
     rec = est.recommendation
     assert rec.row is None and est.ds_config() is None
@@ -90,16 +114,24 @@ def test_7b_where_nothing_fits_points_at_offload_rows_it_does_not_recommend():
     assert 2 * shape.params // 4 * 0.99 < kept <= 2 * shape.params // 4 + 2 * 4096
     assert est.row(3).gpu["parameters"] < 2 * shape.params // 4 / 1000  # the small units only
     # 8 x 12 GiB: even one replica of the weights is too much: stage 3 with offload, as seed 002.
-    est = estimate(shape, Hardware(gpus_per_node=8, gpu_memory=12 * GiB), Workload(micro_batch=1, seq_len=512),
-                   Settings(world_size=8, precision="bf16"))
+    est = estimate(
+        shape,
+        Hardware(gpus_per_node=8, gpu_memory=12 * GiB),
+        Workload(micro_batch=1, seq_len=512),
+        Settings(world_size=8, precision="bf16"),
+    )
     alt = est.recommendation.offload_alternative
     assert est.recommendation.row is None and (alt.stage, alt.offload) == (3, "optimizer_cpu")
     assert "stage 3, offload optimizer->cpu" in est.text()
 
 
 def test_why_it_does_not_fit_names_activations_and_checkpointing():
-    est = estimate(from_hf_config(LLAMA2_7B), Hardware(gpus_per_node=8, gpu_memory=48 * GiB),
-                   Workload(micro_batch=8, seq_len=2048), Settings(world_size=8, precision="bf16"))
+    est = estimate(
+        from_hf_config(LLAMA2_7B),
+        Hardware(gpus_per_node=8, gpu_memory=48 * GiB),
+        Workload(micro_batch=8, seq_len=2048),
+        Settings(world_size=8, precision="bf16"),
+    )
     first = est.recommendation.steps[0]
     assert first.startswith("stage 0 does not fit")
     assert "activations: " in first and "at micro-batch 8; with activation checkpointing" in first
@@ -123,16 +155,29 @@ def test_activation_checkpointing_keeps_layer_inputs_plus_one_layer():
 
 
 def test_largest_micro_batch_is_the_boundary():
-    est = estimate(from_hf_config(BLOOM), Hardware(gpus_per_node=8, gpu_memory=16 * GiB),
-                   Workload(micro_batch=1, seq_len=512), Settings(world_size=8, precision="fp32", optimizer="adam"))
+    est = estimate(
+        from_hf_config(BLOOM),
+        Hardware(gpus_per_node=8, gpu_memory=16 * GiB),
+        Workload(micro_batch=1, seq_len=512),
+        Settings(world_size=8, precision="fp32", optimizer="adam"),
+    )
     rec = est.recommendation
     assert rec.row.stage == 0  # 10.7 GB + buffers fits 16 GiB, as seed 001 measured on V100s
     from zerotrain.estimate.planner import build_row
 
     def fits(m):
-        return build_row(0, "none", est.shape, est.settings, est.hardware, m, False,
-                         lambda mb, c: formula_activations(est.shape, mb, 512, 4, c),
-                         512 * 250880 * 4).fits
+        return build_row(
+            0,
+            "none",
+            est.shape,
+            est.settings,
+            est.hardware,
+            m,
+            False,
+            lambda mb, c: formula_activations(est.shape, mb, 512, 4, c),
+            512 * 250880 * 4,
+        ).fits
+
     assert fits(rec.max_micro_batch) and not fits(rec.max_micro_batch + 1)
 
 
@@ -151,10 +196,14 @@ def test_seed_000_rules_of_thumb_rows():
 def test_deepspeed_helpers_print_deepspeeds_table(capsys):
     from torch import nn
 
-    from zerotrain.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                               estimate_zero3_model_states_mem_needs_all_live)
-    from zerotrain.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
-                                                      estimate_zero2_model_states_mem_needs_all_live)
+    from zerotrain.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs_all_live,
+    )
+    from zerotrain.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_live,
+    )
 
     model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))  # 1,011,010 parameters
     estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=4, num_nodes=1)

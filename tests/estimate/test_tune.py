@@ -16,6 +16,7 @@ def test_search_doubles_then_bisects_to_the_boundary():
         def run(m, boundary=boundary):
             seen.append(m)
             return Trial(2, m, m <= boundary, peak_bytes=m, samples_per_s=float(m))
+
         best, trials = largest_fitting(run, max_micro=64)
         assert best.micro_batch == boundary, (boundary, seen)
         assert [t.micro_batch for t in trials] == seen and len(seen) == len(set(seen))
@@ -24,21 +25,55 @@ def test_search_doubles_then_bisects_to_the_boundary():
 
 
 def test_trial_config_sets_stage_and_micro_batch_and_drops_the_global_batch():
-    base = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-            "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e5}}
+    base = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e5},
+    }
     cfg = trial_config(base, 3, 16)
-    assert cfg == {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2,
-                   "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5}}
+    assert cfg == {
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5},
+    }
     assert base["zero_optimization"]["stage"] == 0  # the user's config is not modified
 
 
 def test_tune_runs_trials_and_writes_the_fastest_config(tmp_path, capsys):
     out = tmp_path / "tuned.json"
     # Tune's flags after the script, as in the issue; the script's own --steps after "--".
-    code = main(["tune", "examples/train_gpt.py", "--config", "examples/ds_config.json", "--memory-limit",
-                 "100GiB", "--nproc", "1", "--stages", "1", "--steps", "1", "--max-micro-batch", "2",
-                 "--write-config", str(out), "--", "--text_bytes", "20000", "--n_embd", "32", "--n_layer", "1",
-                 "--seq_len", "32", "--steps", "20"])
+    code = main(
+        [
+            "tune",
+            "examples/train_gpt.py",
+            "--config",
+            "examples/ds_config.json",
+            "--memory-limit",
+            "100GiB",
+            "--nproc",
+            "1",
+            "--stages",
+            "1",
+            "--steps",
+            "1",
+            "--max-micro-batch",
+            "2",
+            "--write-config",
+            str(out),
+            "--",
+            "--text_bytes",
+            "20000",
+            "--n_embd",
+            "32",
+            "--n_layer",
+            "1",
+            "--seq_len",
+            "32",
+            "--steps",
+            "20",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0, text
     assert "stage 1 micro-batch    1: fits" in text and "stage 1 micro-batch    2: fits" in text

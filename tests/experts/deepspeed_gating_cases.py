@@ -21,18 +21,38 @@ import torch
 CASES = {
     # seed 12: random token selection keeps other tokens than use_rts=False would
     "top1_rts_drops": ("top1", 12, 4, dict(capacity_factor=1.0, min_capacity=0, use_rts=True), 12),
-    "top1_rsample_rts": ("top1", 12, 4, dict(capacity_factor=0.5, min_capacity=2, use_rts=True,
-                                             noisy_gate_policy="RSample"), 12),
-    "top1_used_token": ("top1", 10, 3, dict(capacity_factor=2.0, min_capacity=1, use_rts=False,
-                                            used_token=[1, 1, 0, 1, 1, 1, 0, 1, 1, 1]), None),
+    "top1_rsample_rts": (
+        "top1",
+        12,
+        4,
+        dict(capacity_factor=0.5, min_capacity=2, use_rts=True, noisy_gate_policy="RSample"),
+        12,
+    ),
+    "top1_used_token": (
+        "top1",
+        10,
+        3,
+        dict(capacity_factor=2.0, min_capacity=1, use_rts=False, used_token=[1, 1, 0, 1, 1, 1, 0, 1, 1, 1]),
+        None,
+    ),
     "top1_dropless": ("top1", 12, 4, dict(capacity_factor=0.5, min_capacity=0, use_rts=False, drop_tokens=False), None),
     "top2_drops": ("top2", 12, 4, dict(capacity_factor=0.5, min_capacity=0, top2_2nd_expert_sampling=False), None),
     "top2_sampling": ("top2", 12, 4, dict(capacity_factor=1.0, min_capacity=0, top2_2nd_expert_sampling=True), 21),
-    "top2_dropless": ("top2", 12, 4, dict(capacity_factor=0.5, min_capacity=0, top2_2nd_expert_sampling=False,
-                                          drop_tokens=False), None),
+    "top2_dropless": (
+        "top2",
+        12,
+        4,
+        dict(capacity_factor=0.5, min_capacity=0, top2_2nd_expert_sampling=False, drop_tokens=False),
+        None,
+    ),
     "top3_probs_drops": ("topk", 12, 5, dict(k=3, capacity_factor=0.5, min_capacity=0, drop_policy="probs"), None),
-    "top3_position_drops": ("topk", 12, 5, dict(k=3, capacity_factor=0.5, min_capacity=0, drop_policy="position"),
-                            None),
+    "top3_position_drops": (
+        "topk",
+        12,
+        5,
+        dict(k=3, capacity_factor=0.5, min_capacity=0, drop_policy="position"),
+        None,
+    ),
     "top3_dropless": ("topk", 12, 5, dict(k=3, capacity_factor=0.5, min_capacity=0, drop_tokens=False), None),
 }
 
@@ -47,7 +67,7 @@ def main() -> None:
 
     gates = {"top1": top1gating, "top2": top2gating, "topk": topkgating}
     print('"""What DeepSpeed 0.19.8 (torch 2.13.0 CPU) returned for deepspeed_gating_cases.py\'s cases;')
-    print("written by that file (its docstring has the command): do not edit by hand.\"\"\"")
+    print('written by that file (its docstring has the command): do not edit by hand."""')
     print()
     print("DEEPSPEED_CASES = {")
     for name, (gate, S, E, kwargs, seed) in CASES.items():
@@ -58,11 +78,13 @@ def main() -> None:
             torch.manual_seed(seed)
         l_aux, combine, dispatch, counts = gates[gate](torch.tensor(logits_of(name, S, E)), **kwargs)
         weights = [(s, e, c, round(float(combine[s, e, c]), 7)) for s, e, c in combine.nonzero().tolist()]
-        print(f"    {name!r}: dict(capacity={combine.shape[2]}, l_aux={float(l_aux)!r}, "
-              f"exp_counts={counts.tolist()},")
+        print(f"    {name!r}: dict(capacity={combine.shape[2]}, l_aux={float(l_aux)!r}, exp_counts={counts.tolist()},")
         print("        combine=" + textwrap.indent(pprint.pformat(weights, width=100), " " * 16).lstrip() + ",")
-        print("        dispatch=" + textwrap.indent(pprint.pformat(dispatch.nonzero().tolist(), width=100),
-                                                    " " * 17).lstrip() + "),")
+        print(
+            "        dispatch="
+            + textwrap.indent(pprint.pformat(dispatch.nonzero().tolist(), width=100), " " * 17).lstrip()
+            + "),"
+        )
     print("}")
 
 

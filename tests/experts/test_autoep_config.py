@@ -23,10 +23,20 @@ STEPS = 3
 def make():
     import transformers as hf
 
-    config = hf.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                              num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-                              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
-                              intermediate_size=8, num_local_experts=4)
+    config = hf.MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        intermediate_size=8,
+        num_local_experts=4,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return hf.MixtralForCausalLM(config)
@@ -64,8 +74,11 @@ def _on_rank():
     engine.destroy()
     model = make()
     section = {"enabled": True, "autoep_size": 2, "top_k": "auto", "use_grouped_mm": True}
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=list(model.parameters()),
-                                      config={**base, "optimizer": adamw, "expert_parallel": section})
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        model_parameters=list(model.parameters()),
+        config={**base, "optimizer": adamw, "expert_parallel": section},
+    )
     out["config"] = _run(engine, rank)
     out["sliced"] = tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape)
     engine.destroy()
@@ -77,14 +90,17 @@ def _on_rank():
     engine.destroy()
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, *_ = zerotrain.initialize(model=model, optimizer=opt,
-                                      config={**base, "expert_parallel": {"enabled": True, "autoep_size": 2}})
+    engine, *_ = zerotrain.initialize(
+        model=model, optimizer=opt, config={**base, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    )
     out["sgd_config"] = _run(engine, rank)
     engine.destroy()
     # a model without fused experts
     try:
-        zerotrain.initialize(model=nn.Linear(4, 4), config={**base, "optimizer": adamw,
-                                                              "expert_parallel": {"enabled": True, "autoep_size": 2}})
+        zerotrain.initialize(
+            model=nn.Linear(4, 4),
+            config={**base, "optimizer": adamw, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+        )
         out["no_experts"] = None
     except ValueError as error:
         out["no_experts"] = str(error)
@@ -109,16 +125,25 @@ def test_initialize_with_the_section_equals_expert_parallel_by_hand():
         assert "\n" not in out["no_experts"]
 
 
-@pytest.mark.parametrize("section, error, named", [
-    ({"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}, NotImplementedError,
-     "expert_parallel.preset_model"),
-    ({"enabled": True, "autoep_size": 2, "comm_backend": "deepep", "top_k": 2}, NotImplementedError,
-     "expert_parallel.comm_backend='deepep', expert_parallel.top_k=2"),
-    ({"enabled": True, "autoep_sz": 2}, ValueError, "autoep_sz"),
-    ({"enabled": True, "autoep_size": 0}, ValueError, "expert_parallel.autoep_size"),
-    ({"enabled": "yes"}, ValueError, "expert_parallel.enabled"),
-    (True, ValueError, "expert_parallel"),
-])
+@pytest.mark.parametrize(
+    "section, error, named",
+    [
+        (
+            {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"},
+            NotImplementedError,
+            "expert_parallel.preset_model",
+        ),
+        (
+            {"enabled": True, "autoep_size": 2, "comm_backend": "deepep", "top_k": 2},
+            NotImplementedError,
+            "expert_parallel.comm_backend='deepep', expert_parallel.top_k=2",
+        ),
+        ({"enabled": True, "autoep_sz": 2}, ValueError, "autoep_sz"),
+        ({"enabled": True, "autoep_size": 0}, ValueError, "expert_parallel.autoep_size"),
+        ({"enabled": "yes"}, ValueError, "expert_parallel.enabled"),
+        (True, ValueError, "expert_parallel"),
+    ],
+)
 def test_bad_sections_raise_one_line_naming_the_key(section, error, named):
     from zerotrain.experts.autoep import autoep_size
 

@@ -46,8 +46,11 @@ def test_script_is_deepspeed_examples_and_only_its_imports_change():
     assert [(a, b) for a, b in zip(theirs, ours) if a != b] == [
         ("import deepspeed", "import zerotrain as deepspeed"),
         ("from deepspeed.accelerator import get_accelerator", "from zerotrain.accelerator import get_accelerator"),
-        ("from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer",
-         "from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer")]
+        (
+            "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer",
+            "from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer",
+        ),
+    ]
 
 
 class _Net(nn.Module):
@@ -61,8 +64,21 @@ class _Net(nn.Module):
         self.conv1, self.pool, self.conv2 = nn.Conv2d(3, 6, 5), nn.MaxPool2d(2, 2), nn.Conv2d(6, 16, 5)
         self.fc1, self.fc2 = nn.Linear(400, 120), nn.Linear(120, 84)
         fc3 = nn.Linear(84, 84)
-        self.moe_layer_list = nn.ModuleList([MoE(84, fc3, n, ep_size=1, use_residual=residual, k=k, min_capacity=0,
-                                       noisy_gate_policy=noisy_gate_policy) for n in num_experts])
+        self.moe_layer_list = nn.ModuleList(
+            [
+                MoE(
+                    84,
+                    fc3,
+                    n,
+                    ep_size=1,
+                    use_residual=residual,
+                    k=k,
+                    min_capacity=0,
+                    noisy_gate_policy=noisy_gate_policy,
+                )
+                for n in num_experts
+            ]
+        )
         self.fc4 = nn.Linear(84, 10)
 
     def forward(self, x):
@@ -80,8 +96,7 @@ def _reference(num_experts, k, noisy_gate_policy, residual):
     data = CIFAR10(train=True)
     torch.manual_seed(SEED)
     net = _Net(num_experts, k, noisy_gate_policy, residual)
-    samplers = [torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)
-                for r in (0, 1)]
+    samplers = [torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0) for r in (0, 1)]
     order = [list(s) for s in samplers]
     iter(torch.utils.data.DataLoader(data, batch_size=PER_RANK, sampler=samplers[0]))  # its base-seed draw
     opt = torch.optim.AdamW(net.parameters(), lr=0.0, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
@@ -94,7 +109,7 @@ def _reference(num_experts, k, noisy_gate_policy, residual):
         total = 0.0
         for r in (0, 1):  # each rank draws its gate noise from the same generator state
             torch.set_rng_state(rng)
-            idx = order[r][step * PER_RANK:(step + 1) * PER_RANK]
+            idx = order[r][step * PER_RANK : (step + 1) * PER_RANK]
             loss = F.cross_entropy(net(data.data[idx]), data.targets[idx])
             losses[r].append(float(loss.detach()))
             total = total + loss / 2
@@ -118,14 +133,39 @@ def _expert_key(name: str, rank: int, num_experts: list) -> str:
 
 
 def _launch(tmp_path, args) -> list:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_RECORD_DIR": str(tmp_path), "EXAMPLE_ENGINE": "zerotrain",
-           "EXAMPLE_SAMPLES": str(SAMPLES), "EXAMPLE_SEED": str(SEED)}
-    cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", "2", "cpu_harness.py", SCRIPT,
-           "--moe", "--ep-world-size", "2", "--moe-param-group", "--dtype", "fp32", "-e", "1", *args]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "EXAMPLE_RECORD_DIR": str(tmp_path),
+        "EXAMPLE_ENGINE": "zerotrain",
+        "EXAMPLE_SAMPLES": str(SAMPLES),
+        "EXAMPLE_SEED": str(SEED),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerotrain.launcher.cli",
+        "launch",
+        "--nproc",
+        "2",
+        "cpu_harness.py",
+        SCRIPT,
+        "--moe",
+        "--ep-world-size",
+        "2",
+        "--moe-param-group",
+        "--dtype",
+        "fp32",
+        "-e",
+        "1",
+        *args,
+    ]
     done = subprocess.run(cmd, cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [(json.loads((tmp_path / f"rank{r}.json").read_text()), torch.load(tmp_path / f"rank{r}.pt",
-                                                                               weights_only=True)) for r in (0, 1)]
+    return [
+        (json.loads((tmp_path / f"rank{r}.json").read_text()), torch.load(tmp_path / f"rank{r}.pt", weights_only=True))
+        for r in (0, 1)
+    ]
 
 
 @needs_script

@@ -36,8 +36,17 @@ def test_layer_saves_only_expert_inputs_and_routed_rows(k, drop_tokens):
     from zerotrain.moe.layer import MoE
 
     torch.manual_seed(0)
-    moe = MoE(H, nn.Linear(H, H), num_experts=E, k=k, capacity_factor=1.25, min_capacity=4,
-              drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False)
+    moe = MoE(
+        H,
+        nn.Linear(H, H),
+        num_experts=E,
+        k=k,
+        capacity_factor=1.25,
+        min_capacity=4,
+        drop_tokens=drop_tokens,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     x = torch.randn(S, H, requires_grad=True)
     sizes, counts = _big_saved_storages(moe, x)
     cap = moe.deepspeed_moe.capacity

@@ -41,7 +41,7 @@ def _reference(logits, k, capacity_factor, min_capacity, drop_tokens=True, drop_
     for e in range(E):
         if k == 2:
             order = [(s, 0) for s in range(S) if choices[s][0] == e] + [(s, 1) for s in range(S) if choices[s][1] == e]
-            for position, (s, r) in enumerate(order):
+            for position, (s, _r) in enumerate(order):
                 if position < cap:
                     kept.add((s, e))
                     slot[(s, e)] = position
@@ -87,8 +87,11 @@ def _gate(logits, k, cf, min_cap, drop_tokens=True, drop_policy="probs"):
     return topkgating(logits, k, cf, min_cap, drop_tokens=drop_tokens, drop_policy=drop_policy)
 
 
-CASES = [(k, cf, min_cap, S, E) for k in (1, 2, 3) for (cf, min_cap, S, E) in
-         [(1.0, 1, 20, 4), (0.5, 0, 24, 6), (0.3, 2, 17, 5), (2.0, 4, 12, 4)]]
+CASES = [
+    (k, cf, min_cap, S, E)
+    for k in (1, 2, 3)
+    for (cf, min_cap, S, E) in [(1.0, 1, 20, 4), (0.5, 0, 24, 6), (0.3, 2, 17, 5), (2.0, 4, 12, 4)]
+]
 
 
 @pytest.mark.parametrize("k,cf,min_cap,S,E", CASES)
@@ -114,7 +117,7 @@ def test_cases_drop_tokens():
     # The parameter grid above really exercises capacity drops for every k.
     for k in (1, 2, 3):
         dropped = 0
-        for (kk, cf, min_cap, S, E) in CASES:
+        for kk, cf, min_cap, S, E in CASES:
             if kk != k:
                 continue
             torch.manual_seed(1000 * k + S + E)
@@ -143,9 +146,11 @@ def test_sparse_routes_match_dense():
     torch.manual_seed(3)
     logits = torch.randn(16, 4)
     for k in (1, 2, 3):
-        fn = {1: lambda **kw: top1gating(logits, 0.5, 0, use_rts=False, **kw),
-              2: lambda **kw: top2gating(logits, 0.5, 0, top2_2nd_expert_sampling=False, **kw),
-              3: lambda **kw: topkgating(logits, 3, 0.5, 0, **kw)}[k]
+        fn = {
+            1: lambda **kw: top1gating(logits, 0.5, 0, use_rts=False, **kw),
+            2: lambda **kw: top2gating(logits, 0.5, 0, top2_2nd_expert_sampling=False, **kw),
+            3: lambda **kw: topkgating(logits, 3, 0.5, 0, **kw),
+        }[k]
         l_aux, combine, _, counts = fn()
         l2, cap, E, idx, loc, gates, counts2 = fn(sparse_routes=True)
         assert idx.shape == (k, 16) and idx.dtype == torch.int32 and E == 4 and cap == combine.shape[2]
@@ -221,7 +226,7 @@ def test_deepspeed_cases_drop_tokens():
     # dropless ones keep them all
     from tests.experts.deepspeed_gating_cases import CASES
 
-    for name, (gate, S, E, kwargs, _) in CASES.items():
+    for name, (gate, S, _E, kwargs, _) in CASES.items():
         k = {"top1": 1, "top2": 2}.get(gate, kwargs.get("k"))
         routes = k * (sum(kwargs["used_token"]) if "used_token" in kwargs else S)
         kept = len(DEEPSPEED_CASES[name]["dispatch"])

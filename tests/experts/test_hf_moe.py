@@ -42,25 +42,60 @@ def make(kind: str):
     """A tiny model from a config, random init under seed 0 (every rank builds the same one)."""
     import transformers as hf
 
-    common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-                  num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+    common = dict(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )
     if kind == "mixtral":
         config, cls = hf.MixtralConfig(intermediate_size=8, num_local_experts=4, **common), hf.MixtralForCausalLM
     elif kind == "qwen2_moe":
-        config = hf.Qwen2MoeConfig(intermediate_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=8,
-                                   num_experts=4, norm_topk_prob=False, decoder_sparse_step=1, **common)
+        config = hf.Qwen2MoeConfig(
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+            num_experts=4,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            **common,
+        )
         cls = hf.Qwen2MoeForCausalLM
     elif kind == "qwen3_moe":
-        config = hf.Qwen3MoeConfig(intermediate_size=16, moe_intermediate_size=8, num_experts=4, head_dim=8,
-                                   norm_topk_prob=True, decoder_sparse_step=1, **common)
+        config = hf.Qwen3MoeConfig(
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            num_experts=4,
+            head_dim=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            **common,
+        )
         cls = hf.Qwen3MoeForCausalLM
     else:  # DeepSeek-V3: no aux loss (bias-balanced), multi-head latent attention
         common.update(num_key_value_heads=2)
         common.pop("router_aux_loss_coef")
-        config = hf.DeepseekV3Config(intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4, n_group=2,
-                                     topk_group=1, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None,
-                                     kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, **common)
+        config = hf.DeepseekV3Config(
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            q_lora_rank=None,
+            kv_lora_rank=8,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=4,
+            v_head_dim=4,
+            **common,
+        )
         cls = hf.DeepseekV3ForCausalLM
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -93,8 +128,12 @@ def _grads(module) -> dict:
 
 def _config(stage: int, optimizer: str) -> dict:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
-    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "gradient_clipping": CLIP,
-            "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": zero,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
+    }
 
 
 def _on_rank(kinds, train_kinds, stages, bf16=False):
@@ -114,8 +153,9 @@ def _on_rank(kinds, train_kinds, stages, bf16=False):
         res["local_state"] = {k: v.clone() for k, v in state.items()}
         res["gathered"] = gather_expert_state_dict(model)
         model.load_state_dict(shard_expert_state_dict(model, full.state_dict()))
-        res["markers"] = {k: (getattr(p, "allreduce", True), getattr(p, "group_name", None))
-                          for k, p in model.named_parameters()}
+        res["markers"] = {
+            k: (getattr(p, "allreduce", True), getattr(p, "group_name", None)) for k, p in model.named_parameters()
+        }
         # One MoE block: output and every gradient.
         block = model.model.layers[0].mlp
         x, grad_out = _block_inputs(rank)
@@ -175,7 +215,7 @@ def _slice(name: str, tensor: torch.Tensor, experts: set[str], rank: int) -> tor
     if name not in experts:
         return tensor
     local, ep_rank = tensor.shape[0] // EP, rank % EP
-    return tensor[ep_rank * local:(ep_rank + 1) * local]
+    return tensor[ep_rank * local : (ep_rank + 1) * local]
 
 
 def _compare(what: str, got: dict, want: dict, failures: list, tol: float = TOL) -> None:
@@ -208,7 +248,7 @@ def test_block_and_model_equal_unsharded(two_ranks, kind):
     full = make(kind)
     reference_state = full.state_dict()
     experts_in_model = _expert_keys(full)
-    block_experts = {k[len("model.layers.0.mlp."):] for k in experts_in_model if k.startswith("model.layers.0.mlp.")}
+    block_experts = {k[len("model.layers.0.mlp.") :] for k in experts_in_model if k.startswith("model.layers.0.mlp.")}
     assert experts_in_model and len(block_experts) == 2
     for res in two_ranks:
         rank = res["rank"]
@@ -219,8 +259,13 @@ def test_block_and_model_equal_unsharded(two_ranks, kind):
             expected = (False, f"ep_size_{EP}") if k in experts_in_model else (True, None)
             if (allreduce, group) != expected:
                 failures.append(f"rank {rank}: {k} markers {(allreduce, group)} != {expected}")
-        _compare(f"rank {rank} local state", got["local_state"],
-                 {k: _slice(k, v, experts_in_model, rank) for k, v in reference_state.items()}, failures, 0)
+        _compare(
+            f"rank {rank} local state",
+            got["local_state"],
+            {k: _slice(k, v, experts_in_model, rank) for k, v in reference_state.items()},
+            failures,
+            0,
+        )
         _compare(f"rank {rank} gathered state", got["gathered"], reference_state, failures, 0)
 
         # The block: output and input gradient from this rank's tokens alone.
@@ -236,8 +281,12 @@ def test_block_and_model_equal_unsharded(two_ranks, kind):
         y = ref_block(x)
         y.backward(grad_out)
         out, x_grad, grads = got["block"]
-        _compare(f"{kind} rank {rank} block", {"output": out, "input grad": x_grad},
-                 {"output": y.detach(), "input grad": x.grad}, failures)
+        _compare(
+            f"{kind} rank {rank} block",
+            {"output": out, "input grad": x_grad},
+            {"output": y.detach(), "input grad": x.grad},
+            failures,
+        )
         want = _reference_grads(lambda: make(kind).model.layers[0].mlp, run_block, block_experts, rank)
         _compare(f"{kind} rank {rank} block grads", grads, want, failures)
 

@@ -38,25 +38,48 @@ def _moe(num_experts, ep_size, k, drop_tokens=True, seed=0, **kw):
     from zerotrain.moe.layer import MoE
 
     torch.manual_seed(seed)
-    full = MoE(HIDDEN, _MLP(), num_experts=num_experts, ep_size=1, k=k, min_capacity=0, capacity_factor=0.6,
-               drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False, **kw)
+    full = MoE(
+        HIDDEN,
+        _MLP(),
+        num_experts=num_experts,
+        ep_size=1,
+        k=k,
+        min_capacity=0,
+        capacity_factor=0.6,
+        drop_tokens=drop_tokens,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        **kw,
+    )
     with torch.no_grad():
         for p in full.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
     if ep_size == 1:
         return full, copy.deepcopy(full)
     import torch.distributed as dist
+
     from zerotrain.topology import current
 
-    local = MoE(HIDDEN, _MLP(), num_experts=num_experts, ep_size=ep_size, k=k, min_capacity=0, capacity_factor=0.6,
-                drop_tokens=drop_tokens, use_rts=False, top2_2nd_expert_sampling=False, **kw)
+    local = MoE(
+        HIDDEN,
+        _MLP(),
+        num_experts=num_experts,
+        ep_size=ep_size,
+        k=k,
+        min_capacity=0,
+        capacity_factor=0.6,
+        drop_tokens=drop_tokens,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        **kw,
+    )
     n_local = num_experts // ep_size
     ep_rank = current().expert_groups(ep_size).expert_rank if dist.is_initialized() else 0
     prefix = "deepspeed_moe.experts.deepspeed_experts."
     state = {}
     for key, value in full.state_dict().items():
         if key.startswith(prefix):
-            index, rest = key[len(prefix):].split(".", 1)
+            index, rest = key[len(prefix) :].split(".", 1)
             if ep_rank * n_local <= int(index) < (ep_rank + 1) * n_local:
                 state[f"{prefix}{int(index) - ep_rank * n_local}.{rest}"] = value
         else:
@@ -72,14 +95,17 @@ def _dense_reference(moe, x):
     logits = nn.functional.linear(flat.float(), gate.wg.weight.float())
     cf = gate.capacity_factor
     if gate.k == 1:
-        l_aux, combine, dispatch, counts = top1gating(logits, cf, gate.min_capacity, drop_tokens=gate.drop_tokens,
-                                                      use_rts=False)
+        l_aux, combine, dispatch, counts = top1gating(
+            logits, cf, gate.min_capacity, drop_tokens=gate.drop_tokens, use_rts=False
+        )
     elif gate.k == 2:
-        l_aux, combine, dispatch, counts = top2gating(logits, cf, gate.min_capacity, drop_tokens=gate.drop_tokens,
-                                                      top2_2nd_expert_sampling=False)
+        l_aux, combine, dispatch, counts = top2gating(
+            logits, cf, gate.min_capacity, drop_tokens=gate.drop_tokens, top2_2nd_expert_sampling=False
+        )
     else:
-        l_aux, combine, dispatch, counts = topkgating(logits, gate.k, cf, gate.min_capacity,
-                                                      drop_tokens=gate.drop_tokens)
+        l_aux, combine, dispatch, counts = topkgating(
+            logits, gate.k, cf, gate.min_capacity, drop_tokens=gate.drop_tokens
+        )
     dispatched = torch.einsum("sec,sm->ecm", dispatch.to(flat.dtype), flat)
     outs = torch.stack([expert(dispatched[e]) for e, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts)])
     out = torch.einsum("sec,ecm->sm", combine, outs).reshape(x.shape)
@@ -142,7 +168,12 @@ def test_expert_markers_and_names(without_process_group):
     assert {p.group_name for p in moe.deepspeed_moe.experts.parameters()} == {"ep_size_2"}
     assert not is_moe_param(moe.deepspeed_moe.gate.wg.weight) and not is_moe_param(moe.mlp.weight)
     assert sorted(k for k in moe.state_dict() if "experts" not in k) == [
-        "coefficient.bias", "coefficient.weight", "deepspeed_moe.gate.wg.weight", "mlp.bias", "mlp.weight"]
+        "coefficient.bias",
+        "coefficient.weight",
+        "deepspeed_moe.gate.wg.weight",
+        "mlp.bias",
+        "mlp.weight",
+    ]
     with pytest.raises(ValueError, match="num_experts=3 must be a positive multiple of ep_size=2"):
         MoE(HIDDEN, nn.Linear(HIDDEN, HIDDEN), num_experts=3, ep_size=2)
     with pytest.raises(NotImplementedError, match="use_tutel"):
@@ -152,6 +183,7 @@ def test_expert_markers_and_names(without_process_group):
 
 
 # --- two ranks ---------------------------------------------------------------------------------
+
 
 def _step(moe, x, target):
     moe.zero_grad()
@@ -199,15 +231,23 @@ def _expert_parallel(cases):
             o, la, c = full(xr)
             ((o - tr).square().sum() + 0.1 * la).backward()
             if r == rank:
-                ref = (o.detach(), float(la.detach()), c.tolist(), xr.grad.clone(),
-                       full.deepspeed_moe.gate.wg.weight.grad.clone())
+                ref = (
+                    o.detach(),
+                    float(la.detach()),
+                    c.tolist(),
+                    xr.grad.clone(),
+                    full.deepspeed_moe.gate.wg.weight.grad.clone(),
+                )
         ref_out, ref_l_aux, ref_counts, ref_gx, _ = ref
         # the gate is dense: its gradient here is this rank's tokens only; summed over ranks it is the reference's
         summed = gate_grad.clone()
         dist.all_reduce(summed)
         label = f"E={num_experts} ep={ep_size} k={k} drop={drop_tokens} tokens={counts}"
-        checks = [("output", out, ref_out), ("input grad", gx, ref_gx),
-                  ("gate grad summed", summed, full.deepspeed_moe.gate.wg.weight.grad)]
+        checks = [
+            ("output", out, ref_out),
+            ("input grad", gx, ref_gx),
+            ("gate grad summed", summed, full.deepspeed_moe.gate.wg.weight.grad),
+        ]
         for name, grad in expert_grads.items():
             index, rest = name.split(".", 2)[1], name.split(".", 2)[2]
             global_name = f"deepspeed_experts.{ep_rank * n_local + int(index)}.{rest}"
@@ -232,13 +272,13 @@ def _expert_parallel(cases):
 
 
 CASES = [
-    (2, 2, 1, True, (12, 12)),    # one expert per rank, top-1 with drops
-    (2, 2, 2, True, (12, 12)),    # top-2 with drops
-    (2, 2, 1, False, (12, 12)),   # dropless
-    (2, 2, 2, False, (11, 5)),    # dropless, different token counts: uneven all-to-all
-    (4, 2, 3, True, (10, 10)),    # two experts per rank, top-3
-    (4, 2, 2, False, (9, 14)),    # two experts per rank, dropless, uneven
-    (2, 1, 1, True, (12, 12)),    # ep_size=1 on two ranks: every expert local
+    (2, 2, 1, True, (12, 12)),  # one expert per rank, top-1 with drops
+    (2, 2, 2, True, (12, 12)),  # top-2 with drops
+    (2, 2, 1, False, (12, 12)),  # dropless
+    (2, 2, 2, False, (11, 5)),  # dropless, different token counts: uneven all-to-all
+    (4, 2, 3, True, (10, 10)),  # two experts per rank, top-3
+    (4, 2, 2, False, (9, 14)),  # two experts per rank, dropless, uneven
+    (2, 1, 1, True, (12, 12)),  # ep_size=1 on two ranks: every expert local
     (4, 1, 2, False, (7, 12)),
 ]
 

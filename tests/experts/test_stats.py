@@ -52,10 +52,13 @@ def _rank(out_dir):
     model = _Model()
     # deterministic gates (no sampling): the reference can recompute them
     model.moe_a.deepspeed_moe.gate.top2_2nd_expert_sampling = False
-    config = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": GAS, "steps_per_print": 2,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "csv_monitor": {"enabled": True, "output_path": f"{out_dir}/rank{rank}",
-                              "job_name": "stats"}}
+    config = {
+        "train_micro_batch_size_per_gpu": TOKENS,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "csv_monitor": {"enabled": True, "output_path": f"{out_dir}/rank{rank}", "job_name": "stats"},
+    }
     engine, _, _, _ = zerotrain.initialize(model=model, config=config, model_parameters=model.parameters())
     events, lines = [], []
     write_events = engine.monitor.write_events

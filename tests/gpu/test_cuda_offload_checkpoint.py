@@ -21,8 +21,7 @@ from tests.engine.workloads import make_model, train_steps
 from tests.offload import test_offload
 from zerotrain.testing import run_on_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,15 +55,16 @@ def _offload_runs(nvme_path: str) -> dict:
     for name, (stage, device, bf16, sgd) in test_offload.CASES.items():
         model = make_model()
         cfg = test_offload._config(stage, device, nvme_path, bf16, sgd)
-        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                                 config=cfg)
+        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         losses = train_steps(engine, test_offload.STEPS)
         state = _state_tensors(opt)
-        out[name] = {"losses": losses,
-                     "state_devices": {t.device.type for t in state},
-                     "crossing_pinned": [t.is_pinned() for t in _crossing_host_tensors(engine)],
-                     "module_devices": {p.device.type for p in engine.module.parameters()},
-                     "params": {n: v.float().cpu() for n, v in engine.module_state_dict().items()}}
+        out[name] = {
+            "losses": losses,
+            "state_devices": {t.device.type for t in state},
+            "crossing_pinned": [t.is_pinned() for t in _crossing_host_tensors(engine)],
+            "module_devices": {p.device.type for p in engine.module.parameters()},
+            "params": {n: v.float().cpu() for n, v in engine.module_state_dict().items()},
+        }
         engine.destroy()
         out[name]["swap_left"] = [f for _, _, files in os.walk(nvme_path) for f in files]
     return out
@@ -82,9 +82,17 @@ def test_offload_matches_the_in_memory_trajectory_on_device(tmp_path):
         # bf16: the host step and the device step round a few weights apart by one bf16 ulp,
         # which is percents of a near-zero bias: compare the whole model there.
         names = sorted(want["params"])
-        pairs = ([(n, got["params"][n], want["params"][n]) for n in names] if "bf" not in reference
-                 else [("whole model", torch.cat([got["params"][n].flatten() for n in names]),
-                        torch.cat([want["params"][n].flatten() for n in names]))])
+        pairs = (
+            [(n, got["params"][n], want["params"][n]) for n in names]
+            if "bf" not in reference
+            else [
+                (
+                    "whole model",
+                    torch.cat([got["params"][n].flatten() for n in names]),
+                    torch.cat([want["params"][n].flatten() for n in names]),
+                )
+            ]
+        )
         for n, a, b in pairs:
             if _rel(a, b) > tol:
                 failures.append(f"{offloaded}: {n} off by {_rel(a, b):.2e}")
@@ -93,8 +101,10 @@ def test_offload_matches_the_in_memory_trajectory_on_device(tmp_path):
             failures.append(f"{name}: module parameters on {r['module_devices']}")
         if name.endswith("cpu"):  # optimizer state on the host; what crosses the bus page-locked
             if r["state_devices"] != {"cpu"} or not r["crossing_pinned"] or not all(r["crossing_pinned"]):
-                failures.append(f"{name}: state on {r['state_devices']}, host tensors copied to "
-                                f"the device pinned: {r['crossing_pinned']}")
+                failures.append(
+                    f"{name}: state on {r['state_devices']}, host tensors copied to "
+                    f"the device pinned: {r['crossing_pinned']}"
+                )
         elif not name.endswith("nvme") and r["state_devices"] != {"cuda"}:
             failures.append(f"{name}: in-memory optimizer state on {r['state_devices']}")
         if r["swap_left"]:
@@ -113,8 +123,7 @@ def _checkpoint_runs(folder: str) -> dict:
 
             def build():
                 model = make_model()
-                return zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                            config=cfg)[0]
+                return zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
 
             tag, engine = f"s{stage}{precision}", build()
             train(engine, 3)
@@ -127,10 +136,13 @@ def _checkpoint_runs(folder: str) -> dict:
             engine.load_checkpoint(folder, tag)
             resumed = train(engine, 3)
             got = {n: v.float().cpu() for n, v in engine.module_state_dict().items()}
-            out[tag] = {"reference": reference, "resumed": resumed,
-                        "error": max(_rel(got[n], v) for n, v in want.items()),
-                        "scales": (want_scale, engine.loss_scale),
-                        "devices": {p.device.type for p in engine.module.parameters()}}
+            out[tag] = {
+                "reference": reference,
+                "resumed": resumed,
+                "error": max(_rel(got[n], v) for n, v in want.items()),
+                "scales": (want_scale, engine.loss_scale),
+                "devices": {p.device.type for p in engine.module.parameters()},
+            }
             engine.destroy()
     return out
 

@@ -15,13 +15,11 @@ import itertools
 import pytest
 import torch
 
-from tests.engine.test_combinations import (ACCUMULATION, MICRO, OPTIMIZERS, PRECISIONS, STEPS,
-                                            _check, _config)
+from tests.engine.test_combinations import ACCUMULATION, MICRO, OPTIMIZERS, PRECISIONS, STEPS, _check, _config
 from tests.engine.workloads import global_batches, make_model, train_steps
 from zerotrain.testing import run_on_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 COMBOS = list(itertools.product((0, 1, 2, 3), PRECISIONS, ACCUMULATION, OPTIMIZERS))
 
@@ -37,17 +35,25 @@ def _train_on_device(combos) -> dict:
     out = {}
     for stage, precision, gas, optimizer in combos:
         model = make_model()
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(stage, precision, gas, optimizer))
+        engine, *_ = zerotrain.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, precision, gas, optimizer)
+        )
         assert engine.device.type == device.type
         train_steps(engine, STEPS)
         devices = {p.device.type for p in engine.module.parameters()}
-        devices |= {t.device.type for s in engine.optimizer.state.values() for t in s.values()
-                    if torch.is_tensor(t) and t.dim() > 0}
+        devices |= {
+            t.device.type
+            for s in engine.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        }
         state = engine.module_state_dict()
         out[(stage, precision, gas, optimizer)] = {
             "params": {n: v.float().cpu() for n, v in state.items()},
-            "devices": devices, "skipped": engine.skipped_steps, "dist_backend": dist.get_backend()}
+            "devices": devices,
+            "skipped": engine.skipped_steps,
+            "dist_backend": dist.get_backend(),
+        }
         engine.destroy()
     return out
 
@@ -96,14 +102,16 @@ def _shard_placement(offload: bool) -> dict:
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     data = global_batches(STEPS, MICRO * world).to(device)
     for step in range(STEPS):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+        batch = data[step, rank * MICRO : (rank + 1) * MICRO]
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
     trained = [u for u in engine._zero.units if u.trained and u.resharded]
-    out = {"derived": {u.derived for u in trained},
-           "master_devices": {u.master.device.type for u in trained},
-           "shard_devices": {u.shard.device.type for u in trained if not u.derived},
-           "params": {n: v.float().cpu() for n, v in engine.module_state_dict().items()}}
+    out = {
+        "derived": {u.derived for u in trained},
+        "master_devices": {u.master.device.type for u in trained},
+        "shard_devices": {u.shard.device.type for u in trained if not u.derived},
+        "params": {n: v.float().cpu() for n, v in engine.module_state_dict().items()},
+    }
     engine.destroy()
     return out
 

@@ -27,8 +27,10 @@ NO_DECAY = ("bias", "ln_")
 
 def grouped(model) -> list[dict]:
     named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if not any(k in n for k in NO_DECAY)], "weight_decay": 0.01},
-            {"params": [p for n, p in named if any(k in n for k in NO_DECAY)], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if not any(k in n for k in NO_DECAY)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if any(k in n for k in NO_DECAY)], "weight_decay": 0.0},
+    ]
 
 
 def run(model_dir: str, out: str) -> None:
@@ -47,8 +49,9 @@ def run(model_dir: str, out: str) -> None:
     loader = torch.utils.data.DataLoader(TokenDataset(MICRO * STEPS * world), batch_size=MICRO)
     optimizer = torch.optim.AdamW(grouped(model), lr=LR)
     # run_clm_no_trainer's counts: accelerate steps a prepared scheduler once per process.
-    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=WARMUP * world,
-                              num_training_steps=STEPS * world)
+    scheduler = get_scheduler(
+        "linear", optimizer=optimizer, num_warmup_steps=WARMUP * world, num_training_steps=STEPS * world
+    )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     engine = accelerator.deepspeed_engine_wrapped.engine
     losses, lrs = [], []
@@ -63,8 +66,12 @@ def run(model_dir: str, out: str) -> None:
     weights = engine.module_state_dict()  # gathered on rank 0 at stage 3
     if accelerator.is_main_process:
         result = {
-            "losses": losses, "lrs": lrs, "world": world, "stage": engine.zero_optimization_stage(),
-            "optimizer": type(engine.optimizer).__name__, "config": engine.config.raw,
+            "losses": losses,
+            "lrs": lrs,
+            "world": world,
+            "stage": engine.zero_optimization_stage(),
+            "optimizer": type(engine.optimizer).__name__,
+            "config": engine.config.raw,
             "param_dtype": str(next(engine.module.parameters()).dtype),
             "from_config_local_numel": from_config_local,
             "weights": {k: v.float().flatten().tolist() for k, v in weights.items()},
@@ -85,11 +92,12 @@ def plain_reference(model_dir: str, world: int = 2) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = TokenDataset(MICRO * STEPS * world).ids
     optimizer = torch.optim.AdamW(grouped(model), lr=LR)
-    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=WARMUP * world,
-                              num_training_steps=STEPS * world)
+    scheduler = get_scheduler(
+        "linear", optimizer=optimizer, num_warmup_steps=WARMUP * world, num_training_steps=STEPS * world
+    )
     losses, lrs = [], []
     for step in range(STEPS):
-        batch = data[step * MICRO * world:(step + 1) * MICRO * world]
+        batch = data[step * MICRO * world : (step + 1) * MICRO * world]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

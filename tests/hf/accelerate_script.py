@@ -29,8 +29,7 @@ def train(accelerator=None) -> list[float]:
     accelerator = accelerator or Accelerator()
     model = make_model()
     config = accelerator.state.deepspeed_plugin.deepspeed_config
-    loader = torch.utils.data.DataLoader(TokenDataset(MICRO * STEPS * accelerator.num_processes),
-                                         batch_size=MICRO)
+    loader = torch.utils.data.DataLoader(TokenDataset(MICRO * STEPS * accelerator.num_processes), batch_size=MICRO)
     if "optimizer" in config:
         optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=0.01)
     else:
@@ -71,11 +70,12 @@ def plain_reference(schedule: str, world: int = 2) -> list[float]:
     if schedule == "linear":
         scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=STEPS)
     else:
-        scheduler = WarmupDecayLR(optimizer, total_num_steps=math.ceil(STEPS / world), warmup_min_lr=0,
-                                  warmup_max_lr=LR, warmup_num_steps=1)
+        scheduler = WarmupDecayLR(
+            optimizer, total_num_steps=math.ceil(STEPS / world), warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=1
+        )
     losses = []
     for step in range(STEPS):
-        batch = data[step * MICRO * world:(step + 1) * MICRO * world]
+        batch = data[step * MICRO * world : (step + 1) * MICRO * world]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,8 +98,13 @@ def config_file_form(path: str) -> dict:
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path, zero3_init_flag=True))
     losses = train(accelerator)
     engine = accelerator.deepspeed_engine_wrapped.engine
-    return {"losses": losses, "raw": engine.config.raw, "stage": engine.zero_optimization_stage(),
-            "optimizer": type(engine.optimizer).__name__, "lr_scheduler": type(engine.lr_scheduler).__name__}
+    return {
+        "losses": losses,
+        "raw": engine.config.raw,
+        "stage": engine.zero_optimization_stage(),
+        "optimizer": type(engine.optimizer).__name__,
+        "lr_scheduler": type(engine.lr_scheduler).__name__,
+    }
 
 
 if __name__ == "__main__":
@@ -107,8 +112,11 @@ if __name__ == "__main__":
     from accelerate import Accelerator
 
     acc = Accelerator()
-    result = {"losses": train(acc), "engine": type(acc.deepspeed_engine_wrapped.engine).__module__,
-              "stage": acc.deepspeed_engine_wrapped.engine.zero_optimization_stage(),
-              "world": acc.num_processes}
+    result = {
+        "losses": train(acc),
+        "engine": type(acc.deepspeed_engine_wrapped.engine).__module__,
+        "stage": acc.deepspeed_engine_wrapped.engine.zero_optimization_stage(),
+        "world": acc.num_processes,
+    }
     if acc.is_main_process:
         print("RESULT " + json.dumps(result), flush=True)

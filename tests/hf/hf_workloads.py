@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-TINY_GPT2 = dict(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+TINY_GPT2 = dict(
+    vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
 SEQ = 16
 MICRO, GAS = 2, 4
 STEPS, WORLD = 4, 2
@@ -19,12 +20,26 @@ def seed002_config(stage: int, bf16="auto") -> dict:
     """Seed 002's ds_config.json, at `stage` (its bf16 `true` replaced by "auto" for fp32 runs)."""
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto"}
     if stage == 3:
-        zero.update({"sub_group_size": 1e9, "stage3_prefetch_bucket_size": "auto",
-                     "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-                     "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True})
-    return {"bf16": {"enabled": bf16}, "zero_optimization": zero, "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "steps_per_print": 100, "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+        zero.update(
+            {
+                "sub_group_size": 1e9,
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+                "stage3_max_live_parameters": 1e9,
+                "stage3_max_reuse_distance": 1e9,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
+    return {
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 100,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
 
 
 def make_model(seed: int = 0, **config):
@@ -46,15 +61,30 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def training_args(out_dir: str, *, deepspeed=None, per_device: int = MICRO, steps: int = 4,
-                  save_steps: int = 2, **overrides):
+def training_args(
+    out_dir: str, *, deepspeed=None, per_device: int = MICRO, steps: int = 4, save_steps: int = 2, **overrides
+):
     from transformers import TrainingArguments
 
-    kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=GAS,
-                  max_steps=steps, learning_rate=3e-3, warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0,
-                  logging_steps=1, save_strategy="steps", save_steps=save_steps, report_to=[], seed=0,
-                  data_seed=0, train_sampling_strategy="sequential", deepspeed=deepspeed,
-                  disable_tqdm=True)
+    kwargs = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=GAS,
+        max_steps=steps,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=save_steps,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        train_sampling_strategy="sequential",
+        deepspeed=deepspeed,
+        disable_tqdm=True,
+    )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 
@@ -96,8 +126,12 @@ def seed002_offload_config(precision: str) -> dict:
     every precision value "auto" (`precision` names the one the TrainingArguments turn on)."""
     config = seed002_config(3)
     config["fp16"] = {"enabled": "auto"}
-    config["zero_optimization"].update({"offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                        "offload_param": {"device": "cpu", "pin_memory": True}})
+    config["zero_optimization"].update(
+        {
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        }
+    )
     return config
 
 
@@ -118,8 +152,13 @@ def zerotrain_trainer_offload_runs(out_dir: str, model_dir: str, untied_dir: str
     data = TokenDataset(16 * STEPS)
     result = {}
     for precision in ("fp32", "fp16"):
-        args = training_args(f"{out_dir}/{precision}", deepspeed=seed002_offload_config(precision), steps=STEPS,
-                             save_strategy="no", fp16=precision == "fp16")
+        args = training_args(
+            f"{out_dir}/{precision}",
+            deepspeed=seed002_offload_config(precision),
+            steps=STEPS,
+            save_strategy="no",
+            fp16=precision == "fp16",
+        )
         built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         result[f"{precision}_from_config_local_numel"] = sum(p.numel() for p in built.parameters())
         del built
@@ -131,21 +170,24 @@ def zerotrain_trainer_offload_runs(out_dir: str, model_dir: str, untied_dir: str
         trainer.train()
         engine = trainer.model_wrapped
         result[precision] = {
-            "losses": losses(trainer), "lrs": recorder.lrs, "stage": engine.zero_optimization_stage(),
-            "optimizer": type(engine.optimizer).__name__, "config": engine.config.raw,
+            "losses": losses(trainer),
+            "lrs": recorder.lrs,
+            "stage": engine.zero_optimization_stage(),
+            "optimizer": type(engine.optimizer).__name__,
+            "config": engine.config.raw,
             "param_dtype": str(next(engine.module.parameters()).dtype),
             "weights": {k: v.float().clone() for k, v in engine.module_state_dict().items()},
         }
 
     # resize_token_embeddings at ZeRO-3 (DeepSpeed-Chat does it after from_pretrained).
-    args = training_args(f"{out_dir}/resize", deepspeed=seed002_offload_config("fp32"), steps=STEPS,
-                         save_strategy="no")
+    args = training_args(f"{out_dir}/resize", deepspeed=seed002_offload_config("fp32"), steps=STEPS, save_strategy="no")
     model = AutoModelForCausalLM.from_pretrained(untied_dir)
     old_vocab = model.config.vocab_size
     model.resize_token_embeddings(old_vocab + 8)  # as DeepSpeed-Chat: mean_resizing on
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
-        result["resized"] = {k: v.clone() for k, v in model.state_dict().items()
-                             if k in ("transformer.wte.weight", "lm_head.weight")}
+        result["resized"] = {
+            k: v.clone() for k, v in model.state_dict().items() if k in ("transformer.wte.weight", "lm_head.weight")
+        }
     result["resized_vocab"] = model.config.vocab_size
     # Repeats are skipped too: rank 0's edit through a list naming the weight twice lands once.
     weight = model.lm_head.weight
@@ -169,16 +211,21 @@ def zerotrain_trainer_runs(out_dir: str) -> dict:
     result = {}
 
     # Stage 3, seed 002's flow (gradient checkpointing on), saving every 2 steps.
-    args = training_args(f"{out_dir}/z3", deepspeed=seed002_config(3), steps=STEPS, save_steps=2,
-                         gradient_checkpointing=True)
+    args = training_args(
+        f"{out_dir}/z3", deepspeed=seed002_config(3), steps=STEPS, save_steps=2, gradient_checkpointing=True
+    )
     trainer = Trainer(model=make_model(), args=args, train_dataset=data)
     trainer.train()
     engine = trainer.model_wrapped
     result["z3"] = losses(trainer)
     result["engine_type"] = type(engine).__module__ + "." + type(engine).__name__
     result["filled"] = engine.config.raw
-    result["batch"] = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                       engine.train_batch_size(), engine.zero_optimization_stage())
+    result["batch"] = (
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+        engine.train_batch_size(),
+        engine.zero_optimization_stage(),
+    )
 
     # Resume from step 2 into a differently initialised model: steps 3-4 must repeat exactly.
     args = training_args(f"{out_dir}/resumed", deepspeed=seed002_config(3), steps=STEPS, save_steps=2)
@@ -216,10 +263,18 @@ def zerotrain_trainer_runs(out_dir: str) -> dict:
     del keep
 
     # Values that contradict the TrainingArguments: one error listing every one of them.
-    wrong = {**seed002_config(2), "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
-             "gradient_clipping": 0.5, "fp16": {"enabled": True}, "bf16": {"enabled": False},
-             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-8,
-                                                       "weight_decay": "auto"}}}
+    wrong = {
+        **seed002_config(2),
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "fp16": {"enabled": True},
+        "bf16": {"enabled": False},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-8, "weight_decay": "auto"},
+        },
+    }
     try:
         args = training_args(f"{out_dir}/wrong", deepspeed=wrong, steps=STEPS, save_strategy="no")
         Trainer(model=make_model(), args=args, train_dataset=data).train()
@@ -238,7 +293,7 @@ def train_causal_lm(engine, batches, micro: int) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for ids in batches:
-        ids = ids[rank * micro:(rank + 1) * micro]
+        ids = ids[rank * micro : (rank + 1) * micro]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -251,8 +306,7 @@ def train_causal_lm(engine, batches, micro: int) -> list[float]:
 def plain_causal_lm(model, batches, lr: float) -> list[float]:
     """The single-process fp32 reference: AdamW (weight decay 0) over ``model``'s trainable
     parameters, one step per whole global batch (labels = inputs); the losses."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     losses = []
     for ids in batches:
         loss = model(input_ids=ids, labels=ids).loss

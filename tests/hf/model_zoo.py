@@ -18,19 +18,55 @@ COMBOS = [(stage, "fp32") for stage in (0, 1, 2, 3)] + [(stage, "bf16") for stag
 
 # name: (config class, model class, config kwargs)
 MODELS = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
-             dict(n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, max_position_embeddings=32)),
-    "bert": ("BertConfig", "BertForMaskedLM",
-             dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-    "opt": ("OPTConfig", "OPTForCausalLM",
-            dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2, max_position_embeddings=32,
-                 word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
-    "bloom": ("BloomConfig", "BloomForCausalLM",
-              dict(hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0)),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        ),
+    ),
+    "bert": (
+        "BertConfig",
+        "BertForMaskedLM",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0),
+    ),
 }
 
 
@@ -50,10 +86,15 @@ def batches() -> torch.Tensor:
 
 
 def config(stage: int, precision: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "bf16": {"enabled": precision == "bf16"}, "zero_optimization": {"stage": stage},
-            "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
 
 
 def zoo_runs(models=tuple(MODELS), combos=tuple(COMBOS)) -> dict:
@@ -70,13 +111,15 @@ def zoo_runs(models=tuple(MODELS), combos=tuple(COMBOS)) -> dict:
     for name in models:
         for stage, precision in combos:
             model = make_model(name)
-            engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                              config=config(stage, precision))
+            engine, *_ = zerotrain.initialize(
+                model=model, model_parameters=model.parameters(), config=config(stage, precision)
+            )
             losses = train_causal_lm(engine, data[:STEPS], MICRO)
             weights = engine.module_state_dict()  # gathered at stage 3 (collective)
             out[(name, stage, precision)] = {
                 "losses": losses,
-                "params": {k: v.detach().float().clone() for k, v in weights.items()} if rank == 0 else None}
+                "params": {k: v.detach().float().clone() for k, v in weights.items()} if rank == 0 else None,
+            }
             engine.destroy()  # what a script should do between engines (collective)
             del engine, model
     return out

@@ -14,9 +14,12 @@ import time
 import torch
 
 BIG = dict(vocab_size=1024, n_positions=64, n_embd=512, n_layer=8, n_head=8)
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-             "zero_optimization": {"stage": 3}}
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3},
+}
 
 
 def make_model(seed: int = 0):
@@ -95,8 +98,12 @@ def load_on_ranks(path: str, route: str) -> dict:
         keep = None
     with PeakRss() as memory:
         model = GPT2LMHeadModel.from_pretrained(path)
-    result = {"rise": memory.rise, "local_numel": sum(p.numel() for p in model.parameters()),
-              "route": route, "kept": type(keep).__name__}
+    result = {
+        "rise": memory.rise,
+        "local_numel": sum(p.numel() for p in model.parameters()),
+        "route": route,
+        "kept": type(keep).__name__,
+    }
     saved = safetensors.torch.load_file(f"{path}/model.safetensors")
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
         if dist.get_rank() == 0:

@@ -32,17 +32,32 @@ def main() -> None:
 
     from tests.hf.hf_workloads import STEPS, TokenDataset, losses, make_model, training_args
 
-    training = training_args(args.output_dir, deepspeed=args.deepspeed,
-                             per_device=args.per_device_train_batch_size, steps=STEPS, save_strategy="no",
-                             gradient_accumulation_steps=args.gradient_accumulation_steps, use_cpu=args.use_cpu)
+    training = training_args(
+        args.output_dir,
+        deepspeed=args.deepspeed,
+        per_device=args.per_device_train_batch_size,
+        steps=STEPS,
+        save_strategy="no",
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        use_cpu=args.use_cpu,
+    )
     trainer = Trainer(model=make_model(), args=training, train_dataset=TokenDataset(16 * STEPS))
     trainer.train()
     engine = trainer.model_wrapped
     if training.process_index == 0:
-        print("RESULT " + json.dumps({"engine": type(engine).__module__ + "." + type(engine).__name__,
-                                      "stage": engine.zero_optimization_stage(), "world": training.world_size,
-                                      "distributed_type": str(trainer.accelerator.distributed_type),
-                                      "losses": losses(trainer)}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "engine": type(engine).__module__ + "." + type(engine).__name__,
+                    "stage": engine.zero_optimization_stage(),
+                    "world": training.world_size,
+                    "distributed_type": str(trainer.accelerator.distributed_type),
+                    "losses": losses(trainer),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

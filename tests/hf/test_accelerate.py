@@ -62,28 +62,58 @@ use_cpu: false
 # Seed 003's zero3_offload_config_accelerate.json with offload off (not implemented yet) and fp32.
 SEED003_ZERO3_FILE = {
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9,
-                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                          "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": 1, "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "sub_group_size": 1e9,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
 
 
 def test_accelerate_launch_with_seed003_plugin_yaml(tmp_path):
     config = tmp_path / "cfg.yaml"
     config.write_text(SEED003_PLUGIN_YAML)
-    command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
-               "--main_process_port", str(free_port()), str(ROOT / "tests/hf/accelerate_script.py"), str(ROOT)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "zerotrain.hf",
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "tests/hf/accelerate_script.py"),
+        str(ROOT),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(lines[0][len("RESULT "):])
+    result = json.loads(lines[0][len("RESULT ") :])
     assert (result["engine"], result["stage"], result["world"]) == ("zerotrain.engine.engine", 2, 2)
     # fp16 compute (10-bit mantissa) against fp32: the losses agree to ~1e-4 relative.
     assert result["losses"] == pytest.approx(plain_reference("linear"), rel=1e-3)
@@ -98,8 +128,12 @@ def test_accelerate_deepspeed_config_file_form_with_dummy_optimizer_and_schedule
     raw = result["raw"]
     # "auto" filled by accelerate from DummyOptim / DummyScheduler / the dataloader / the model.
     assert raw["optimizer"]["params"] == {"lr": 3e-3, "weight_decay": 0.01}
-    assert raw["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 1,
-                                          "total_num_steps": 2}
+    assert raw["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 3e-3,
+        "warmup_num_steps": 1,
+        "total_num_steps": 2,
+    }
     assert (raw["train_micro_batch_size_per_gpu"], raw["train_batch_size"], raw["gradient_clipping"]) == (2, 4, 1.0)
     assert raw["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     assert ranks[0]["losses"] == ranks[1]["losses"]
@@ -108,22 +142,32 @@ def test_accelerate_deepspeed_config_file_form_with_dummy_optimizer_and_schedule
 
 def _offload_plugin_yaml(mixed_precision: str) -> str:
     """Seed 003's plugin YAML at ZeRO-3 with both offloads and zero3_init_flag."""
-    return (SEED003_PLUGIN_YAML.replace("zero_stage: 2", "zero_stage: 3")
-            .replace("offload_optimizer_device: none", "offload_optimizer_device: cpu")
-            .replace("offload_param_device: none", "offload_param_device: cpu")
-            .replace("zero3_init_flag: false", "zero3_init_flag: true")
-            .replace("mixed_precision: fp16", f"mixed_precision: {mixed_precision}"))
+    return (
+        SEED003_PLUGIN_YAML.replace("zero_stage: 2", "zero_stage: 3")
+        .replace("offload_optimizer_device: none", "offload_optimizer_device: cpu")
+        .replace("offload_param_device: none", "offload_param_device: cpu")
+        .replace("zero3_init_flag: false", "zero3_init_flag: true")
+        .replace("mixed_precision: fp16", f"mixed_precision: {mixed_precision}")
+    )
 
 
 # Seed 003's zero3_offload_config_accelerate.json without its optimizer/scheduler sections (the
 # script brings a torch AdamW and schedule): fp16, offload to the CPU, "auto" values.
 SEED003_OFFLOAD_FILE = {
     **{k: v for k, v in SEED003_ZERO3_FILE.items() if k not in ("optimizer", "scheduler")},
-    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "zero_optimization": {**SEED003_ZERO3_FILE["zero_optimization"],
-                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "offload_param": {"device": "cpu", "pin_memory": True}},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "zero_optimization": {
+        **SEED003_ZERO3_FILE["zero_optimization"],
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+    },
 }
 
 # accelerate refuses `mixed_precision` next to `deepspeed_config_file` (the file decides).
@@ -159,8 +203,7 @@ def flows_reference(saved_model):
 
 
 @pytest.mark.parametrize("form", ["plugin-fp32", "plugin-bf16", "config-file-fp16"])
-def test_accelerate_launch_zero3_offload_flow_matches_plain_pytorch(form, tmp_path, saved_model,
-                                                                      flows_reference):
+def test_accelerate_launch_zero3_offload_flow_matches_plain_pytorch(form, tmp_path, saved_model, flows_reference):
     config = tmp_path / "cfg.yaml"
     if form.startswith("plugin"):
         config.write_text(_offload_plugin_yaml({"fp32": '"no"', "bf16": "bf16"}[form.split("-")[1]]))
@@ -168,17 +211,33 @@ def test_accelerate_launch_zero3_offload_flow_matches_plain_pytorch(form, tmp_pa
         (tmp_path / "zero3.json").write_text(json.dumps(SEED003_OFFLOAD_FILE))
         config.write_text(CONFIG_FILE_YAML.format(path=tmp_path / "zero3.json"))
     out = tmp_path / "result.json"
-    command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
-               "--main_process_port", str(free_port()), str(ROOT / "tests/hf/accelerate_flows.py"), str(ROOT),
-               str(saved_model), str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "zerotrain.hf",
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "tests/hf/accelerate_flows.py"),
+        str(ROOT),
+        str(saved_model),
+        str(out),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(out.read_text())
-    dtype = {"plugin-fp32": "torch.float32", "plugin-bf16": "torch.bfloat16",
-             "config-file-fp16": "torch.float16"}[form]
+    dtype = {"plugin-fp32": "torch.float32", "plugin-bf16": "torch.bfloat16", "config-file-fp16": "torch.float16"}[form]
     assert (result["stage"], result["world"], result["optimizer"], result["param_dtype"]) == (
-        3, 2, "DeepSpeedCPUAdam", dtype)
+        3,
+        2,
+        "DeepSpeedCPUAdam",
+        dtype,
+    )
     assert result["from_config_local_numel"] == 0  # built partitioned, "auto" values unfilled
     zero = result["config"]["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"

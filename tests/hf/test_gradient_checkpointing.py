@@ -25,8 +25,18 @@ WORLD, MICRO, SEQ, STEPS, LR = 2, 2, 16, 4, 1e-3
 # With and without checkpointing, fp32 and bf16, at these stages; stage 1 (forward and
 # recomputation exactly like stage 2, whole parameters) runs once, fp32 with checkpointing.
 STAGES = (0, 2, 3)
-TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+TINY = dict(
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    vocab_size=64,
+    n_positions=SEQ,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def _model(**config):
@@ -56,8 +66,7 @@ def _enable(model, how):
     elif how == "zerotrain":  # zerotrain.checkpointing.checkpoint as the layers' checkpoint function
         import zerotrain.checkpointing
 
-        model._set_gradient_checkpointing(enable=True,
-                                          gradient_checkpointing_func=zerotrain.checkpointing.checkpoint)
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=zerotrain.checkpointing.checkpoint)
 
 
 def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None):
@@ -67,9 +76,12 @@ def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None)
     zerotrain.init_distributed()
     model = _model()
     _enable(model, how)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if section is not None:
@@ -81,7 +93,8 @@ def _train(stage: int, bf16: bool, how: str | None, section: dict | None = None)
         if name.endswith("attn.c_attn"):
             # dict.get bypasses stage 3's gather-on-access, so this only looks
             module.register_forward_pre_hook(
-                lambda m, args: seen.append((in_backward(), dict.get(m._parameters, "weight").numel() > 0)))
+                lambda m, args: seen.append((in_backward(), dict.get(m._parameters, "weight").numel() > 0))
+            )
     losses = train_causal_lm(engine, _batches(), MICRO)
     state = {k: v.float() for k, v in engine.module_state_dict().items()}
     engine.destroy()
@@ -112,7 +125,7 @@ def _all_cases():
 def test_gradient_checkpointing_at_every_stage_and_precision():
     want_losses, want_state = _plain_reference()
     results = run_on_ranks(_all_cases, WORLD, timeout=600)
-    for rank, out in enumerate(results):
+    for _rank, out in enumerate(results):
         assert_close_trajectory(out[1, False, "non_reentrant"]["losses"], want_losses)
         for stage in STAGES:
             for how in (None, "non_reentrant"):
@@ -144,16 +157,27 @@ def test_gradient_checkpointing_at_every_stage_and_precision():
                 # The key bias gets an exactly-zero gradient in theory (softmax ignores a shift
                 # along the key axis), so Adam steps on rounding noise there: compare q and v.
                 h = TINY["n_embd"]
-                got, want = torch.cat([got[:h], got[2 * h:]]), torch.cat([want[:h], want[2 * h:]])
+                got, want = torch.cat([got[:h], got[2 * h :]]), torch.cat([want[:h], want[2 * h :]])
             # atol 5e-5 = 5% of one Adam step (lr 1e-3): an element whose gradient is near
             # zero moves by a rounding-noise-sized fraction of lr differently
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5,
-                                       msg=lambda m, key=key, name=name: f"{key} {name}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=5e-5, msg=lambda m, key=key, name=name: f"{key} {name}: {m}"
+            )
 
 
 # -- memory ------------------------------------------------------------------------------------
-BIG = dict(n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=384, resid_pdrop=0.0, embd_pdrop=0.0,
-           attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+BIG = dict(
+    n_layer=12,
+    n_embd=64,
+    n_head=4,
+    vocab_size=256,
+    n_positions=384,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 BIG_MICRO, BIG_SEQ = 4, 384
 
 
@@ -176,12 +200,15 @@ def _peak_growth(stage: int, how: str | None) -> float:
     zerotrain.init_distributed()
     model = _model(**BIG, attn_implementation="eager")  # eager attention saves its T x T weights
     _enable(model, how)
-    cfg = {"train_micro_batch_size_per_gpu": BIG_MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BIG_MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
     rank, rises = dist.get_rank(), []
     for ids in _batches(BIG["vocab_size"], BIG_SEQ, BIG_MICRO, steps=2):
-        ids = ids[rank * BIG_MICRO:(rank + 1) * BIG_MICRO]
+        ids = ids[rank * BIG_MICRO : (rank + 1) * BIG_MICRO]
         dist.barrier()
         release_freed_memory()
         before = _status_mib("VmRSS")
@@ -219,6 +246,5 @@ def test_deepspeed_checkpointing_resolves_under_the_switch():
         assert deepspeed.checkpointing.is_configured()
         print("ok")
     """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr

@@ -19,8 +19,18 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 WORLD, MICRO, SEQ, STEPS, LR = 2, 2, 16, 4, 1e-2
-GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+GPT2 = dict(
+    n_layer=2,
+    n_embd=64,
+    n_head=4,
+    vocab_size=128,
+    n_positions=SEQ,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def _lora_model():
@@ -29,8 +39,12 @@ def _lora_model():
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(**GPT2))
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, fan_in_fan_out=True,
-                                           target_modules=["c_attn", "c_proj", "c_fc"]))
+    return get_peft_model(
+        base,
+        LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, fan_in_fan_out=True, target_modules=["c_attn", "c_proj", "c_fc"]
+        ),
+    )
 
 
 def _batches():
@@ -51,23 +65,26 @@ def _plain_reference():
     return losses, adapters, _counts(model)
 
 
-def _train(stage: int, bf16: bool = False, prefetch: bool = True, leaves: bool = False,
-           reentrant_checkpointing: bool = False):
+def _train(
+    stage: int, bf16: bool = False, prefetch: bool = True, leaves: bool = False, reentrant_checkpointing: bool = False
+):
     import zerotrain
 
     model = _lora_model()
     if reentrant_checkpointing:  # each block runs again in backward; its first forward has no grad
-        model.base_model.model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.base_model.model.enable_input_require_grads()
     adapter_numel, base_numel = _counts(model)
     transformer = model.base_model.model.transformer
     block_numel = sum(p.numel() for p in transformer.h[0].parameters())
     embedding_numel = transformer.wte.weight.numel()
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     if not prefetch:  # gathered = what is in use: shows when frozen units are released
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     if bf16:
@@ -78,18 +95,26 @@ def _train(stage: int, bf16: bool = False, prefetch: bool = True, leaves: bool =
     # All parameters are handed over, as a Trainer does: the frozen ones must stay out of the optimizer.
     engine, optimizer, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = train_causal_lm(engine, _batches(), MICRO)
-    state_numel = sum(t.numel() for s in optimizer.state.values() for k, t in s.items()
-                      if torch.is_tensor(t) and k != "step")
+    state_numel = sum(
+        t.numel() for s in optimizer.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step"
+    )
     optimized_numel = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     frozen_local = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
     memory = engine.memory_breakdown()
     state = engine.module_state_dict()
-    out = {"losses": losses, "state_numel": state_numel, "optimized_numel": optimized_numel,
-           "memory": memory, "frozen_local": frozen_local, "adapter_numel": adapter_numel,
-           "base_numel": base_numel, "block_numel": block_numel, "embedding_numel": embedding_numel,
-           "adapters": {k: v.float() for k, v in state.items() if "lora_" in k},
-           "frozen_unchanged": all(torch.equal(state[k].float(), v) for k, v in frozen_before.items()
-                                   if k in state)}
+    out = {
+        "losses": losses,
+        "state_numel": state_numel,
+        "optimized_numel": optimized_numel,
+        "memory": memory,
+        "frozen_local": frozen_local,
+        "adapter_numel": adapter_numel,
+        "base_numel": base_numel,
+        "block_numel": block_numel,
+        "embedding_numel": embedding_numel,
+        "adapters": {k: v.float() for k, v in state.items() if "lora_" in k},
+        "frozen_unchanged": all(torch.equal(state[k].float(), v) for k, v in frozen_before.items() if k in state),
+    }
     engine.destroy()
     return out
 
@@ -108,7 +133,7 @@ def _all_cases():
 def test_lora_trains_adapters_only_at_every_stage():
     want_losses, want_adapters, (adapter, base) = _plain_reference()
     results = run_on_ranks(_all_cases, WORLD, timeout=600)
-    for rank, out in enumerate(results):
+    for _rank, out in enumerate(results):
         for stage in range(4):
             r = out[stage]
             assert_close_trajectory(r["losses"], want_losses)
@@ -162,8 +187,10 @@ def test_lora_trains_adapters_only_at_every_stage():
     states = m["parameters"] + m["master_parameters"] + m["gradients"] + m["optimizer_state"]
     formula = (2 * base + (4 + 2 + 8) * adapter) / WORLD
     assert formula <= states <= formula + 16 * 2048, (states, formula, m)
-    print(f"LoRA bf16 stage 3 per rank: {states} bytes of model states (formula {formula:.0f}); "
-          f"base {base}, adapters {adapter} ({100 * adapter / base:.1f}%); breakdown {m}")
+    print(
+        f"LoRA bf16 stage 3 per rank: {states} bytes of model states (formula {formula:.0f}); "
+        f"base {base}, adapters {adapter} ({100 * adapter / base:.1f}%); breakdown {m}"
+    )
 
 
 class Linear4bit(torch.nn.Linear):
@@ -179,8 +206,11 @@ def _qlora_at(stage: int):
     model = _lora_model()
     model.base_model.model.lm_head = Linear4bit(GPT2["n_embd"], GPT2["vocab_size"])
     model.base_model.model.lm_head.requires_grad_(False)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+    }
     try:
         zerotrain.initialize(model=model, config=cfg)
     except NotImplementedError as error:
@@ -193,14 +223,19 @@ def test_qlora_base_is_refused_at_stage3_with_the_reason():
 
     message = run_on_ranks(_qlora_at, 1, args=(3,))[0]
     assert message is not None
-    for words in ("QLoRA", "incompatible with ZeRO stage 3", "lm_head: bitsandbytes.nn.modules.Linear4bit",
-                  "stage 0-2"):
+    for words in (
+        "QLoRA",
+        "incompatible with ZeRO stage 3",
+        "lm_head: bitsandbytes.nn.modules.Linear4bit",
+        "stage 0-2",
+    ):
         assert words in message, message
     # The same detection by parameter type and by the Hugging Face flag; a plain LoRA model has none.
     plain = _lora_model()
     assert find_quantized_layers(plain) == []
     plain.base_model.model.transformer.wte.weight = torch.nn.Parameter(
-        torch.zeros(128, 32, dtype=torch.uint8), requires_grad=False)
+        torch.zeros(128, 32, dtype=torch.uint8), requires_grad=False
+    )
     plain.is_loaded_in_4bit = True
     found = find_quantized_layers(plain)
     assert any("is_loaded_in_4bit" in f for f in found) and any("torch.uint8" in f for f in found), found

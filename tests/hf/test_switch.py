@@ -30,8 +30,9 @@ pytest.importorskip("accelerate")
 
 
 def _python(code: str, *prefix: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *prefix, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *prefix, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
 
 
 ALIAS_CHECKS = """
@@ -109,8 +110,9 @@ def test_module_runner_switches_the_command_and_its_children():
     # The command is a Python that starts another: both see zerotrain as deepspeed.
     child = "import deepspeed, zerotrain.hf; print(zerotrain.hf.is_active(), deepspeed.__version__)"
     code = f"import subprocess, sys; {child}; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
-    done = subprocess.run([sys.executable, "-m", "zerotrain.hf", "python", "-c", code], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerotrain.hf", "python", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert done.stdout.split("\n")[:2] == ["True 0.19.6+zerotrain"] * 2, done.stderr[-3000:]
 
 
@@ -135,16 +137,34 @@ def test_module_runner_deepspeed_command_is_zerotrains_launcher_and_missing_comm
     from zerotrain.comm.distributed import free_port
 
     script = tmp_path / "probe.py"
-    script.write_text("import os, sys, deepspeed, zerotrain.hf\n"
-                      "print('PROBE', os.environ['RANK'], zerotrain.hf.is_active(), sys.argv[1:])\n")
-    done = subprocess.run([sys.executable, "-m", "zerotrain.hf", "deepspeed", "--num_gpus=2", "--master_port",
-                           str(free_port()), str(script), "--deepspeed", "ds_config.json"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    script.write_text(
+        "import os, sys, deepspeed, zerotrain.hf\n"
+        "print('PROBE', os.environ['RANK'], zerotrain.hf.is_active(), sys.argv[1:])\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerotrain.hf",
+            "deepspeed",
+            "--num_gpus=2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            "--deepspeed",
+            "ds_config.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     probes = sorted(line.split("PROBE ", 1)[1] for line in done.stdout.splitlines() if "PROBE " in line)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert probes == [f"{r} True ['--deepspeed', 'ds_config.json', '--local_rank={r}']" for r in (0, 1)]
-    done = subprocess.run([sys.executable, "-m", "zerotrain.hf", "no-such-command-xyz"], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerotrain.hf", "no-such-command-xyz"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 127
     assert "command not found: no-such-command-xyz" in done.stderr
     assert "python -m zerotrain.hf install" in done.stderr and len(done.stderr.strip().splitlines()) == 1
@@ -155,26 +175,50 @@ def _scratch_env(root: Path) -> tuple[Path, Path]:
     .pth file, so that installing into it leaves the environment under test alone."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     python = root / "bin" / "python"
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+    )
     import zerotrain
 
     parent_site, src = sysconfig.get_paths()["purelib"], str(Path(zerotrain.__file__).resolve().parents[1])
-    (site / "_zerotrain_test_parent.pth").write_text(
-        f"import site; site.addsitedir({parent_site!r})\n{src}\n")
+    (site / "_zerotrain_test_parent.pth").write_text(f"import site; site.addsitedir({parent_site!r})\n{src}\n")
     return python, site
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+    }
 
 
 # tests/hf/test_accelerate.py's SEED003_PLUGIN_YAML as `accelerate launch` flags.
-SEED003_PLUGIN_FLAGS = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--zero_stage", "2",
-                        "--gradient_accumulation_steps", "1", "--gradient_clipping", "1.0",
-                        "--offload_optimizer_device", "none", "--offload_param_device", "none",
-                        "--zero3_init_flag", "false", "--mixed_precision", "fp16"]
+SEED003_PLUGIN_FLAGS = [
+    "--use_deepspeed",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--zero_stage",
+    "2",
+    "--gradient_accumulation_steps",
+    "1",
+    "--gradient_clipping",
+    "1.0",
+    "--offload_optimizer_device",
+    "none",
+    "--offload_param_device",
+    "none",
+    "--zero3_init_flag",
+    "false",
+    "--mixed_precision",
+    "fp16",
+]
 
 
 def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(tmp_path):
@@ -191,15 +235,26 @@ def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(t
     env_root = tmp_path / "env"
     python, site = _scratch_env(env_root)
     bin_dir = env_root / "bin"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-           "ZEROTRAIN_REPO": str(ROOT)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                        if p and "zerotrain/hf/shim" not in p)  # no switch from outside
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "ZEROTRAIN_REPO": str(ROOT),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "zerotrain/hf/shim" not in p
+    )  # no switch from outside
     env.pop("ZEROTRAIN_DEEPSPEED_SHIM", None)
 
     def run(*command, timeout=120, **extra_env):
-        return subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=timeout,
-                              cwd=tmp_path, env={**env, **extra_env})
+        return subprocess.run(
+            [str(c) for c in command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp_path,
+            env={**env, **extra_env},
+        )
 
     def result_of(done) -> dict:
         lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
@@ -208,30 +263,61 @@ def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(t
 
     (tmp_path / "ds_config.json").write_text(json.dumps(seed002_config(3)))
     (tmp_path / "train.py").write_text((ROOT / "tests/hf/seed002_train.py").read_text())
-    seed002_args = ["train.py", "--deepspeed", "ds_config.json", "--per_device_train_batch_size", "2",
-                    "--gradient_accumulation_steps", "4", "--output_dir", tmp_path / "out"]
-    plain_losses = run_on_ranks(trainer_reference, world_size=1, args=(str(tmp_path / "plain"),),
-                                timeout=240)[0][0]
+    seed002_args = [
+        "train.py",
+        "--deepspeed",
+        "ds_config.json",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+        "--output_dir",
+        tmp_path / "out",
+    ]
+    plain_losses = run_on_ranks(trainer_reference, world_size=1, args=(str(tmp_path / "plain"),), timeout=240)[0][0]
 
     # Before any install: seed 002's command with zerotrain's launcher name for `deepspeed` (its
     # console entry point's main). The launcher sees train.py import transformers and gives the ranks
     # zerotrain as `deepspeed`. TrainingArguments(use_cpu=True) keeps the DeepSpeed path (as with
     # DeepSpeed itself: accelerate's DEEPSPEED type, the engine).
-    done = run(python, "-m", "zerotrain.launcher.cli", "--num_gpus=2", "--master_port", free_port(),
-               *seed002_args, "--use_cpu", timeout=300)
+    done = run(
+        python,
+        "-m",
+        "zerotrain.launcher.cli",
+        "--num_gpus=2",
+        "--master_port",
+        free_port(),
+        *seed002_args,
+        "--use_cpu",
+        timeout=300,
+    )
     result = result_of(done)
     assert "train.py imports transformers and DeepSpeed is not installed" in done.stderr
     assert (result["engine"], result["stage"], result["world"], result["distributed_type"]) == (
-        "zerotrain.engine.engine.ZeroTrainEngine", 3, 2, "DistributedType.DEEPSPEED")
+        "zerotrain.engine.engine.ZeroTrainEngine",
+        3,
+        2,
+        "DistributedType.DEEPSPEED",
+    )
     assert result["losses"] == pytest.approx(plain_losses, rel=1e-5)
     # The off switch: transformers' own "DeepSpeed is not available", and the launcher's line naming
     # zerotrain's fix (one rank is enough to fail).
-    done = run(python, "-m", "zerotrain.launcher.cli", "--num_gpus=1", "--master_port", free_port(),
-               *seed002_args, ZEROTRAIN_DEEPSPEED_SHIM="off")
+    done = run(
+        python,
+        "-m",
+        "zerotrain.launcher.cli",
+        "--num_gpus=1",
+        "--master_port",
+        free_port(),
+        *seed002_args,
+        ZEROTRAIN_DEEPSPEED_SHIM="off",
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "DeepSpeed is not available" in done.stderr
-    assert "zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: `python -m zerotrain.hf " \
-           "install`" in done.stderr
+    assert (
+        "zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: `python -m zerotrain.hf "
+        "install`" in done.stderr
+    )
 
     before = _files(env_root)
     assert "not installed" in run(python, "-m", "zerotrain.hf", "status").stdout
@@ -245,8 +331,7 @@ def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(t
     done = run("deepspeed", "--num_gpus=2", "--master_port", free_port(), *seed002_args, timeout=300)
     result = result_of(done)
     assert "DeepSpeed is not installed" not in done.stderr
-    assert (result["engine"], result["stage"], result["world"]) == (
-        "zerotrain.engine.engine.ZeroTrainEngine", 3, 2)
+    assert (result["engine"], result["stage"], result["world"]) == ("zerotrain.engine.engine.ZeroTrainEngine", 3, 2)
     assert result["losses"] == pytest.approx(plain_losses, rel=1e-5)
 
     # Seed 003's `accelerate launch` (its CLI module is the `accelerate` command's entry point;
@@ -254,9 +339,19 @@ def test_install_runs_the_seeds_commands_without_prefix_and_uninstall_restores(t
     # Its YAML given as accelerate's command-line flags instead (--use_deepspeed --num_processes 2: the
     # form that starts several processes on a machine without GPUs; the YAML form runs in
     # tests/hf/test_accelerate.py).
-    done = run(python, "-m", "accelerate.commands.accelerate_cli", "launch", *SEED003_PLUGIN_FLAGS,
-               "--main_process_port", free_port(), ROOT / "tests/hf/accelerate_script.py", ROOT, timeout=300,
-               HF_HOME=tmp_path / "hf_home")  # no accelerate default_config.yaml of this machine
+    done = run(
+        python,
+        "-m",
+        "accelerate.commands.accelerate_cli",
+        "launch",
+        *SEED003_PLUGIN_FLAGS,
+        "--main_process_port",
+        free_port(),
+        ROOT / "tests/hf/accelerate_script.py",
+        ROOT,
+        timeout=300,
+        HF_HOME=tmp_path / "hf_home",
+    )  # no accelerate default_config.yaml of this machine
     result = result_of(done)
     assert (result["engine"], result["world"]) == ("zerotrain.engine.engine", 2)
     assert result["losses"] == pytest.approx(accelerate_reference("linear"), rel=1e-3)

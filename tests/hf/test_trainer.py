@@ -26,8 +26,17 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 
-from tests.hf.hf_workloads import (GAS, MICRO, STEPS, TINY_GPT2, WORLD, make_model,  # noqa: E402
-                                   plain_reference, zerotrain_trainer_offload_runs, zerotrain_trainer_runs)
+from tests.hf.hf_workloads import (  # noqa: E402
+    GAS,
+    MICRO,
+    STEPS,
+    TINY_GPT2,
+    WORLD,
+    make_model,
+    plain_reference,
+    zerotrain_trainer_offload_runs,
+    zerotrain_trainer_runs,
+)
 from zerotrain.testing import run_on_ranks  # noqa: E402
 
 REL = 1e-5
@@ -91,9 +100,15 @@ def test_save_model_at_stage3_loads_with_from_pretrained(runs):
 def test_values_contradicting_training_arguments_are_one_error_listing_all(runs):
     message = runs[2][0]["mismatch"]
     assert message is not None
-    for fragment in ("train_micro_batch_size_per_gpu=3", "gradient_accumulation_steps=2",
-                     "train_batch_size", "gradient_clipping=0.5", "fp16.enabled=True",
-                     "optimizer.params.lr=0.0001", "optimizer.params.betas=[0.8, 0.9]"):
+    for fragment in (
+        "train_micro_batch_size_per_gpu=3",
+        "gradient_accumulation_steps=2",
+        "train_batch_size",
+        "gradient_clipping=0.5",
+        "fp16.enabled=True",
+        "optimizer.params.lr=0.0001",
+        "optimizer.params.betas=[0.8, 0.9]",
+    ):
         assert fragment in message, fragment
 
 
@@ -108,8 +123,12 @@ def offload_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer_offload")
     make_model(seed=0).save_pretrained(root / "model")  # the plain reference's initial weights
     make_model(seed=3, tie_word_embeddings=False).save_pretrained(root / "untied")
-    ranks = run_on_ranks(zerotrain_trainer_offload_runs, world_size=WORLD,
-                         args=(str(root / "run"), str(root / "model"), str(root / "untied")), timeout=300)
+    ranks = run_on_ranks(
+        zerotrain_trainer_offload_runs,
+        world_size=WORLD,
+        args=(str(root / "run"), str(root / "model"), str(root / "untied")),
+        timeout=300,
+    )
     return root, ranks
 
 

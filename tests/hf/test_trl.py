@@ -43,24 +43,35 @@ from zerotrain.comm.distributed import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/hf/trl_flows.py"
 TRAINERS = "sft,dpo,kto,grpo"
-ZERO_JSON = {2: ROOT / "tests/hf/fixtures/hf_docs_zero2_auto.json", 3: ROOT / "tests/hf/fixtures/hf_docs_zero3_auto.json"}
+ZERO_JSON = {
+    2: ROOT / "tests/hf/fixtures/hf_docs_zero2_auto.json",
+    3: ROOT / "tests/hf/fixtures/hf_docs_zero3_auto.json",
+}
 
 
 def _trl_yaml(name: str) -> str:
     import trl
 
     text = (Path(trl.__file__).parent / "accelerate_configs" / name).read_text()
-    lines = [("num_processes: 2" if line.startswith("num_processes:") else
-              "mixed_precision: 'no'" if line.startswith("mixed_precision:") else line)
-             for line in text.splitlines()]
+    lines = [
+        (
+            "num_processes: 2"
+            if line.startswith("num_processes:")
+            else "mixed_precision: 'no'"
+            if line.startswith("mixed_precision:")
+            else line
+        )
+        for line in text.splitlines()
+    ]
     assert "num_processes: 2" in lines and "mixed_precision: 'no'" in lines
     return "\n".join(lines) + "\n"
 
 
 def _run(command: list[str], cwd: Path, count: int) -> list[dict]:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=420, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=420, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    results = [json.loads(line[len("RESULT ") :]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and len(results) == count, done.stdout[-3000:] + done.stderr[-6000:]
     return results
 
@@ -85,9 +96,21 @@ def runs(tmp_path_factory):
         trl_flows.save_initial_model(str(model_dir))
     kinds = TRAINERS.split(",") + [k for stage in (2, 3) for k in JSON_RUNS[stage].split(",")]
     backends = ["ddp"] * 4 + [str(ZERO_JSON[stage]) for stage in (2, 3) for _ in JSON_RUNS[stage].split(",")]
-    command = [sys.executable, "-m", "zerotrain.hf", "torchrun", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(SCRIPT), ",".join(kinds), str(root / "torchrun"), str(model_dir),
-               ",".join(backends)]
+    command = [
+        sys.executable,
+        "-m",
+        "zerotrain.hf",
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        ",".join(kinds),
+        str(root / "torchrun"),
+        str(model_dir),
+        ",".join(backends),
+    ]
     out = {}
     for result in _run(command, root, len(kinds)):
         if result["stage"] is None:
@@ -98,9 +121,21 @@ def runs(tmp_path_factory):
     for stage, trainers in YAML_RUNS.items():  # TRL's own accelerate file, through accelerate launch
         config = root / f"zero{stage}.yaml"
         config.write_text(_trl_yaml(f"zero{stage}.yaml"))
-        command = [sys.executable, "-m", "zerotrain.hf", "accelerate", "launch", "--config_file", str(config),
-                   "--main_process_port", str(free_port()), str(SCRIPT), trainers, str(root / f"z{stage}yaml"),
-                   str(model_dir)]
+        command = [
+            sys.executable,
+            "-m",
+            "zerotrain.hf",
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            trainers,
+            str(root / f"z{stage}yaml"),
+            str(model_dir),
+        ]
         for result in _run(command, root, len(trainers.split(","))):
             assert result["stage"] == stage and (stage, result["trainer"]) not in out, result
             out[(stage, result["trainer"])] = {**result, "form": "yaml"}

@@ -30,16 +30,25 @@ def tokenizer():
     vocab = {token: i for i, token in enumerate(SPECIAL + VOCAB)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
 
 
 def model(vocab_size: int, seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -57,12 +66,17 @@ def dataset(kind: str):
     if kind == "sft":
         return Dataset.from_dict({"prompt": prompts, "completion": [p[::-1] + "." for p in prompts]})
     if kind == "dpo":
-        return Dataset.from_dict({"prompt": prompts, "chosen": [p[::-1] + "." for p in prompts],
-                                  "rejected": [p + "?" for p in prompts]})
+        return Dataset.from_dict(
+            {"prompt": prompts, "chosen": [p[::-1] + "." for p in prompts], "rejected": [p + "?" for p in prompts]}
+        )
     if kind == "kto":
-        return Dataset.from_dict({"prompt": prompts + prompts,
-                                  "completion": [p[::-1] + "." for p in prompts] + [p + "?" for p in prompts],
-                                  "label": [True] * len(prompts) + [False] * len(prompts)})
+        return Dataset.from_dict(
+            {
+                "prompt": prompts + prompts,
+                "completion": [p[::-1] + "." for p in prompts] + [p + "?" for p in prompts],
+                "label": [True] * len(prompts) + [False] * len(prompts),
+            }
+        )
     if kind == "grpo":
         return Dataset.from_dict({"prompt": prompts})
     raise ValueError(kind)
@@ -76,8 +90,21 @@ def vowel_reward(completions, **_):
 # SGD beside AdamW: AdamW's update of a parameter whose gradient is rounding noise (GPT-2's key
 # bias) is +-lr whatever the noise, so its weights are compared by norm only; SGD's by every sum.
 OPTIMIZERS = {"sft": ("adamw_torch", 1e-2), "dpo": ("sgd", 0.5), "kto": ("sgd", 0.5), "grpo": ("adamw_torch", 1e-2)}
-COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=False, fp16=False,
-              lr_scheduler_type="constant", dataloader_drop_last=True, disable_tqdm=True)
+COMMON = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    seed=0,
+    data_seed=0,
+    bf16=False,
+    fp16=False,
+    lr_scheduler_type="constant",
+    dataloader_drop_last=True,
+    disable_tqdm=True,
+)
 
 
 def save_initial_model(path: str) -> None:
@@ -96,8 +123,12 @@ def trainer(kind: str, output_dir: str, model_dir: str, backend: str):
     from transformers import AutoModelForCausalLM
 
     optim, lr = OPTIMIZERS[kind]
-    COMMON.update(use_cpu=backend == "ddp", optim=optim, learning_rate=lr,
-                  deepspeed=None if backend in ("ddp", "deepspeed") else backend)
+    COMMON.update(
+        use_cpu=backend == "ddp",
+        optim=optim,
+        learning_rate=lr,
+        deepspeed=None if backend in ("ddp", "deepspeed") else backend,
+    )
     tok = tokenizer()
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     data = dataset(kind)
@@ -106,17 +137,21 @@ def trainer(kind: str, output_dir: str, model_dir: str, backend: str):
         return trl.SFTTrainer(model=policy, args=args, train_dataset=data, processing_class=tok)
     if kind == "dpo":
         args = trl.DPOConfig(output_dir=output_dir, max_length=32, beta=0.1, **COMMON)
-        return trl.DPOTrainer(model=policy, ref_model=model(len(tok), seed=1), args=args, train_dataset=data,
-                              processing_class=tok)
+        return trl.DPOTrainer(
+            model=policy, ref_model=model(len(tok), seed=1), args=args, train_dataset=data, processing_class=tok
+        )
     if kind == "kto":
         args = trl.KTOConfig(output_dir=output_dir, max_length=32, beta=0.1, **COMMON)
-        return trl.KTOTrainer(model=policy, ref_model=model(len(tok), seed=1), args=args, train_dataset=data,
-                              processing_class=tok)
+        return trl.KTOTrainer(
+            model=policy, ref_model=model(len(tok), seed=1), args=args, train_dataset=data, processing_class=tok
+        )
     if kind == "grpo":
-        args = trl.GRPOConfig(output_dir=output_dir, beta=0.1, num_generations=2, max_completion_length=6,
-                              temperature=1.0, **COMMON)
-        return trl.GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args, train_dataset=data,
-                               processing_class=tok)
+        args = trl.GRPOConfig(
+            output_dir=output_dir, beta=0.1, num_generations=2, max_completion_length=6, temperature=1.0, **COMMON
+        )
+        return trl.GRPOTrainer(
+            model=model_dir, reward_funcs=vowel_reward, args=args, train_dataset=data, processing_class=tok
+        )
     raise ValueError(kind)
 
 
@@ -134,8 +169,11 @@ def train(kind: str, output_dir: str, model_dir: str, backend: str) -> None:
     run = trainer(kind, output_dir, model_dir, backend)
     run.train()
     engine = run.model_wrapped
-    logs = [{k: v for k, v in entry.items() if isinstance(v, (int, float))}
-            for entry in run.state.log_history if "train_runtime" not in entry]
+    logs = [
+        {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+        for entry in run.state.log_history
+        if "train_runtime" not in entry
+    ]
     unwrapped = run.accelerator.unwrap_model(run.model)
     stage = getattr(engine, "zero_optimization_stage", lambda: None)()
     if stage == 3:
@@ -146,9 +184,21 @@ def train(kind: str, output_dir: str, model_dir: str, backend: str) -> None:
     else:
         checksum = _checksum(unwrapped)
     if run.accelerator.is_main_process:
-        print("RESULT " + json.dumps({"trainer": kind, "optim": OPTIMIZERS[kind][0], "engine": type(engine).__module__, "stage": stage,
-                                      "world": run.accelerator.num_processes, "logs": logs,
-                                      "weights": checksum}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "trainer": kind,
+                    "optim": OPTIMIZERS[kind][0],
+                    "engine": type(engine).__module__,
+                    "stage": stage,
+                    "world": run.accelerator.num_processes,
+                    "logs": logs,
+                    "weights": checksum,
+                }
+            ),
+            flush=True,
+        )
 
 
 def _checksum(module) -> list[float]:

@@ -13,10 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
-
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain.integrations.lightning import ZeroTrainStrategy, convert_zero_checkpoint_to_fp32_state_dict
@@ -78,36 +77,65 @@ def loader():
 
 
 def trainer(strategy, epochs=EPOCHS, precision="32-true"):
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, precision=precision,
-                      accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, num_sanity_val_steps=0)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        precision=precision,
+        accumulate_grad_batches=ACCUMULATE,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    )
 
 
 def save(name, model, run_trainer, **extra):
     out = Path(sys.argv[1])
     rank = run_trainer.global_rank
-    record = {"losses": model.losses, "weights": model.final_weights if rank == 0 else None,
-              "global_step": run_trainer.global_step, **extra}
+    record = {
+        "losses": model.losses,
+        "weights": model.final_weights if rank == 0 else None,
+        "global_step": run_trainer.global_step,
+        **extra,
+    }
     torch.save(record, out / f"{name}.rank{rank}.pt")
 
 
-def fit(name, strategy, optimizer, epochs=EPOCHS, precision="32-true", init_seed=0, ckpt_path=None,
-        save_to=None, in_configure_model=False):
+def fit(
+    name,
+    strategy,
+    optimizer,
+    epochs=EPOCHS,
+    precision="32-true",
+    init_seed=0,
+    ckpt_path=None,
+    save_to=None,
+    in_configure_model=False,
+):
     model = TinyRegression(optimizer, init_seed, in_configure_model)
     run = trainer(strategy, epochs, precision)
     run.fit(model, loader(), ckpt_path=ckpt_path)
     if save_to is not None:
         run.save_checkpoint(save_to)
-    save(name, model, run, strategy=type(run.strategy).__name__, engine=type(run.strategy.model).__name__,
-         config=getattr(run.strategy, "config", None))
+    save(
+        name,
+        model,
+        run,
+        strategy=type(run.strategy).__name__,
+        engine=type(run.strategy.model).__name__,
+        config=getattr(run.strategy, "config", None),
+    )
     return run
 
 
 def lightning_deepspeed_checks():
     """Lightning's own DeepSpeedStrategy with `deepspeed` = zerotrain: it constructs; on CPU its
     own accelerator check is what stops it."""
-    import zerotrain.hf
     from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    import zerotrain.hf
 
     zerotrain.hf.use_zerotrain_as_deepspeed()  # what a user of Lightning's own strategy adds
     checks = {}
@@ -144,8 +172,13 @@ def main():
     if run.global_rank == 0:
         convert_zero_checkpoint_to_fp32_state_dict(out / "stage3.ckpt", full)
     run.strategy.barrier()
-    fit("stage3_adam_full_weights", ZeroTrainStrategy(stage=3, load_full_weights=True), "adam", init_seed=1,
-        ckpt_path=str(full))
+    fit(
+        "stage3_adam_full_weights",
+        ZeroTrainStrategy(stage=3, load_full_weights=True),
+        "adam",
+        init_seed=1,
+        ckpt_path=str(full),
+    )
     torch.save(lightning_deepspeed_checks(), out / f"checks.rank{os.environ['LOCAL_RANK']}.pt")
 
 

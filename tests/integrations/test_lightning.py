@@ -31,8 +31,14 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
         env.pop(name, None)  # Lightning must start the second process itself, on a free port
-    done = subprocess.run([sys.executable, str(HERE / "lightning_runs.py"), str(out)], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=280)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "lightning_runs.py"), str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
     def load(name, rank=0):
@@ -106,8 +112,9 @@ def test_lightning_deepspeed_strategy_is_stopped_only_by_its_cuda_check(runs):
         checks = runs("checks", rank)
         for name in ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "DeepSpeedStrategy(stage=3)"):
             assert checks[name] == "DeepSpeedStrategy"
-        assert checks["cpu_fit"] == ("The DeepSpeed strategy is only supported on CUDA GPUs but `CPUAccelerator` "
-                                     "is used.")
+        assert checks["cpu_fit"] == (
+            "The DeepSpeed strategy is only supported on CUDA GPUs but `CPUAccelerator` is used."
+        )
 
 
 def test_stage3_offload(runs):

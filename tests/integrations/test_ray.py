@@ -25,8 +25,13 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 
 from zerotrain.integrations.ray import scaling_config  # noqa: E402
 
-CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}
+CONFIG = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +66,9 @@ def test_train_checkpoint_restart_and_failure(ray_cluster, tmp_path):
         assert dist.is_initialized()  # Ray's group, which zerotrain.initialize reuses
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-        engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                               config=loop_config["ds_config"])
+        engine, _, _, _ = zerotrain.initialize(
+            model=model, model_parameters=model.parameters(), config=loop_config["ds_config"]
+        )
         restored = zt_ray.load_checkpoint(engine)
         resumed_at = engine.global_steps
         checksum = sum(p.double().sum().item() for p in engine.module.parameters())
@@ -71,9 +77,14 @@ def test_train_checkpoint_restart_and_failure(ray_cluster, tmp_path):
             loss = engine(ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-            metrics = {"step": engine.global_steps, "rank": dist.get_rank(), "loss": loss.item(),
-                       "resumed_at": resumed_at, "restored_checksum": checksum if restored else None,
-                       "checksum": sum(p.double().sum().item() for p in engine.module.parameters())}
+            metrics = {
+                "step": engine.global_steps,
+                "rank": dist.get_rank(),
+                "loss": loss.item(),
+                "resumed_at": resumed_at,
+                "restored_checksum": checksum if restored else None,
+                "checksum": sum(p.double().sum().item() for p in engine.module.parameters()),
+            }
             if restored is None and engine.global_steps == 3 and dist.get_rank() == 1:
                 os._exit(1)  # dies a step after the step-2 checkpoint; Ray restarts the group from it
             if dist.get_rank() == 0 and restored is None:  # the weights each checkpoint holds
@@ -81,10 +92,12 @@ def test_train_checkpoint_restart_and_failure(ray_cluster, tmp_path):
                     f.write(repr(metrics["checksum"]))
             zt_ray.report(engine, metrics, client_state={"step": engine.global_steps})
 
-    trainer = TorchTrainer(train_loop, train_loop_config={"ds_config": CONFIG, "out": str(tmp_path)},
-                           scaling_config=scaling_config(CONFIG, use_gpu=False),
-                           run_config=RunConfig(storage_path=str(tmp_path), name="restart",
-                                                failure_config=FailureConfig(max_failures=1)))
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"ds_config": CONFIG, "out": str(tmp_path)},
+        scaling_config=scaling_config(CONFIG, use_gpu=False),
+        run_config=RunConfig(storage_path=str(tmp_path), name="restart", failure_config=FailureConfig(max_failures=1)),
+    )
     result = trainer.fit()
     assert result.metrics["rank"] == 0 and result.metrics["step"] == 4, result.metrics
     # Restored from a checkpoint of the first attempt (not restarted at step 0), with exactly the
@@ -102,9 +115,11 @@ def test_train_checkpoint_restart_and_failure(ray_cluster, tmp_path):
         if dist.get_rank() == 1:
             raise ValueError("bad shard on rank 1")
 
-    failing = TorchTrainer(failing_loop, scaling_config=scaling_config(CONFIG, use_gpu=False),
-                           run_config=RunConfig(storage_path=str(tmp_path), name="failing",
-                                                failure_config=FailureConfig(max_failures=0)))
+    failing = TorchTrainer(
+        failing_loop,
+        scaling_config=scaling_config(CONFIG, use_gpu=False),
+        run_config=RunConfig(storage_path=str(tmp_path), name="failing", failure_config=FailureConfig(max_failures=0)),
+    )
     with pytest.raises(Exception) as err:
         failing.fit()
     assert "ValueError: bad shard on rank 1" in str(err.value)

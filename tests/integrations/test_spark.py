@@ -22,10 +22,30 @@ from pyspark.sql import SparkSession  # noqa: E402
 from zerotrain.integrations.spark import DeepspeedTorchDistributor  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_gpt.py")
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 2}}
-EXAMPLE_ARGS = ["--steps", "3", "--seq_len", "32", "--n_layer", "1", "--n_embd", "32", "--n_head", "2",
-                "--text_bytes", "20000", "--save_dir", "", "--sample_bytes", "4"]
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    "zero_optimization": {"stage": 2},
+}
+EXAMPLE_ARGS = [
+    "--steps",
+    "3",
+    "--seq_len",
+    "32",
+    "--n_layer",
+    "1",
+    "--n_embd",
+    "32",
+    "--n_head",
+    "2",
+    "--text_bytes",
+    "20000",
+    "--save_dir",
+    "",
+    "--sample_bytes",
+    "4",
+]
 
 
 # The training functions below travel by value (the ranks cannot import this test module).
@@ -36,10 +56,15 @@ def spark_session(master: str) -> SparkSession:
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' gloo traffic stays on loopback
     os.environ["PYSPARK_PYTHON"] = sys.executable  # executors run the driver's interpreter
-    return (SparkSession.builder.master(master).appName("zerotrain-test")
-            .config("spark.ui.enabled", "false").config("spark.task.maxFailures", "1")
-            .config("spark.executorEnv.OMP_NUM_THREADS", "1").config("spark.executorEnv.GLOO_SOCKET_IFNAME", "lo")
-            .getOrCreate())
+    return (
+        SparkSession.builder.master(master)
+        .appName("zerotrain-test")
+        .config("spark.ui.enabled", "false")
+        .config("spark.task.maxFailures", "1")
+        .config("spark.executorEnv.OMP_NUM_THREADS", "1")
+        .config("spark.executorEnv.GLOO_SOCKET_IFNAME", "lo")
+        .getOrCreate()
+    )
 
 
 def config_files() -> set[str]:
@@ -58,8 +83,9 @@ def train_tiny_gpt(steps: int):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-    engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                           config=os.environ[CONFIG_ENV])
+    engine, _, _, _ = zerotrain.initialize(
+        model=model, model_parameters=model.parameters(), config=os.environ[CONFIG_ENV]
+    )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(engine.global_rank))
     losses = []
     for _ in range(steps):
@@ -67,13 +93,16 @@ def train_tiny_gpt(steps: int):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"rank": engine.global_rank, "world": engine.dp_world_size, "stage": engine.zero_optimization_stage(),
-            "losses": losses}
+    return {
+        "rank": engine.global_rank,
+        "world": engine.dp_world_size,
+        "stage": engine.zero_optimization_stage(),
+        "losses": losses,
+    }
 
 
 def fail_on_rank_1(marker_dir):
     import os
-    import time
 
     if os.environ["RANK"] == "1":
         raise ValueError("bad batch on rank 1")
@@ -127,8 +156,9 @@ def test_local_cluster_two_nodes_train_the_example_and_slot_shortage_fails_fast(
     spark = spark_session("local-cluster[2,1,1024]")
     try:
         before = config_files()
-        distributor = DeepspeedTorchDistributor(numGpus=1, nnodes=2, localMode=False, useGpu=False,
-                                                deepspeedConfig=CONFIG)
+        distributor = DeepspeedTorchDistributor(
+            numGpus=1, nnodes=2, localMode=False, useGpu=False, deepspeedConfig=CONFIG
+        )
         assert distributor.run(str(script), *EXAMPLE_ARGS) is None
         assert config_files() == before
         tracker = spark.sparkContext.statusTracker()

@@ -17,10 +17,15 @@ def _run_script(path: str, argv: tuple[str, ...], cwd: str) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
-def run_script_on_ranks(path, *argv, cwd, world_size: int = 2, env: dict[str, str] | None = None,
-                        timeout: float = 240) -> None:
+def run_script_on_ranks(
+    path, *argv, cwd, world_size: int = 2, env: dict[str, str] | None = None, timeout: float = 240
+) -> None:
     """Run the script at ``path`` as ``__main__`` with ``argv`` in ``cwd`` on ``world_size`` gloo
     ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set as a launcher sets them)."""
-    run_on_ranks(_run_script, world_size, args=(os.path.abspath(os.path.join(cwd, path)), tuple(map(str, argv)),
-                                                str(cwd)),
-                 env=env, timeout=timeout)
+    run_on_ranks(
+        _run_script,
+        world_size,
+        args=(os.path.abspath(os.path.join(cwd, path)), tuple(map(str, argv)), str(cwd)),
+        env=env,
+        timeout=timeout,
+    )

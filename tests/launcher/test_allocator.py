@@ -45,12 +45,15 @@ def test_tcmalloc_is_preloaded_before_the_users_own_preloads(fake_venv):
     assert env2["LD_PRELOAD"] == library
 
 
-@pytest.mark.parametrize("choice, on_cpu, preload", [
-    ("system", True, None),           # asked for the system's
-    ("auto", False, None),            # ranks on accelerators: auto leaves them alone
-    ("auto", True, "libjemalloc.so.2"),  # the user preloads an allocator of their own
-    ("tcmalloc", True, "/usr/lib/libtcmalloc.so.4"),
-])
+@pytest.mark.parametrize(
+    "choice, on_cpu, preload",
+    [
+        ("system", True, None),  # asked for the system's
+        ("auto", False, None),  # ranks on accelerators: auto leaves them alone
+        ("auto", True, "libjemalloc.so.2"),  # the user preloads an allocator of their own
+        ("tcmalloc", True, "/usr/lib/libtcmalloc.so.4"),
+    ],
+)
 def test_nothing_is_preloaded(fake_venv, choice, on_cpu, preload):
     env = dict(fake_venv[0])
     if preload:
@@ -93,21 +96,27 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"alloc{os.en
 """
 
 
-@pytest.mark.skipif(allocator.find_tcmalloc() is None,
-                    reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
-@pytest.mark.parametrize("flag, loaded", [([], True), (["--allocator", "system"], False)],
-                         ids=["auto", "system"])
+@pytest.mark.skipif(
+    allocator.find_tcmalloc() is None, reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)"
+)
+@pytest.mark.parametrize("flag, loaded", [([], True), (["--allocator", "system"], False)], ids=["auto", "system"])
 def test_ranks_run_on_the_chosen_allocator(tmp_path, flag, loaded):
     """Through the real entry point: the ranks' own memory maps say which allocator they run on."""
     (tmp_path / "script.py").write_text(textwrap.dedent(MAPS_SCRIPT))
     env = {k: v for k, v in os.environ.items() if k not in ("ZEROTRAIN_ALLOCATOR", "LD_PRELOAD")}
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "--nproc", "2", *flag,
-                             "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", "--nproc", "2", *flag, "script.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     if not flag:  # auto: tcmalloc only where the ranks compute on the CPU
         from zerotrain.launcher.launch import _ranks_on_cpu
+
         loaded = _ranks_on_cpu()
     records = [json.loads((tmp_path / f"alloc{r}.json").read_text()) for r in (0, 1)]
     assert records == [{"tcmalloc": loaded}] * 2
@@ -131,13 +140,16 @@ def test_every_node_agent_is_given_the_choice(monkeypatch, tmp_path):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(multinode_cli.shutil, "which", lambda tool: f"/usr/bin/{tool}")
-    args = cli.build_parser().parse_args(["launch", "--allocator", "system", "--master_addr",
-                                          "10.0.0.1", "train.py"])
+    args = cli.build_parser().parse_args(["launch", "--allocator", "system", "--master_addr", "10.0.0.1", "train.py"])
     plan = multinode_cli._plan(args, "ssh", ["node-a", "node-b"], None)
     flags = plan.agent_flags
     assert flags[flags.index("--allocator") + 1] == "system"
-    plain = multinode_cli._plan(cli.build_parser().parse_args(
-        ["launch", "--master_addr", "10.0.0.1", "train.py"]), "ssh", ["node-a", "node-b"], None)
+    plain = multinode_cli._plan(
+        cli.build_parser().parse_args(["launch", "--master_addr", "10.0.0.1", "train.py"]),
+        "ssh",
+        ["node-a", "node-b"],
+        None,
+    )
     assert "--allocator" not in plain.agent_flags
 
 

@@ -23,9 +23,11 @@ HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "
 
 
 def test_imports_are_read_from_the_source_not_run():
-    source = ("import os, transformers.trainer as t\nfrom accelerate.utils import x\nfrom . import deepspeed\n"
-              "def main():\n    import deepspeed.comm\n    from zerotrain import hf\n"
-              "s = 'import torch'\n")
+    source = (
+        "import os, transformers.trainer as t\nfrom accelerate.utils import x\nfrom . import deepspeed\n"
+        "def main():\n    import deepspeed.comm\n    from zerotrain import hf\n"
+        "s = 'import torch'\n"
+    )
     assert imported_packages(source) == {"os", "transformers", "accelerate", "deepspeed", "zerotrain"}
     assert imported_packages("def broken(:\n") == set()
 
@@ -55,8 +57,12 @@ def test_auto_applies_to_scripts_that_import_hf_or_deepspeed(tmp_path, no_deepsp
     assert said.startswith("train.py imports transformers and DeepSpeed is not installed")
     assert "--deepspeed_shim off" in said and f"{ENV_VAR}=off" in said
     assert configure(None, trainer, False, False, env) is None  # already first: nothing to say
-    for choice, script, environ in [("auto", plain, {}), ("off", trainer, {}), (None, trainer, {ENV_VAR: "off"}),
-                                    (None, plain, {ENV_VAR: "auto"})]:
+    for choice, script, environ in [
+        ("auto", plain, {}),
+        ("off", trainer, {}),
+        (None, trainer, {ENV_VAR: "off"}),
+        (None, plain, {ENV_VAR: "auto"}),
+    ]:
         assert configure(choice, script, False, False, environ) is None and "PYTHONPATH" not in environ
     env = {}
     assert configure("on", plain, False, False, env).startswith("--deepspeed_shim on (plain.py)")
@@ -84,8 +90,10 @@ def test_a_real_deepspeed_is_left_alone_and_zerotrains_install_is_enough(tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     env = {}
     said = configure(None, trainer, False, False, env)
-    assert said == f"train.py imports transformers; its ranks use the DeepSpeed installed at {real} " \
-                   "(zerotrain leaves it alone)"
+    assert (
+        said == f"train.py imports transformers; its ranks use the DeepSpeed installed at {real} "
+        "(zerotrain leaves it alone)"
+    )
     assert env == {}
     assert configure("on", trainer, False, False, env).startswith("--deepspeed_shim on (train.py); its ranks use")
     if not HAS_HF:
@@ -99,8 +107,9 @@ def test_a_real_deepspeed_is_left_alone_and_zerotrains_install_is_enough(tmp_pat
 def test_without_the_hf_extra_it_says_what_to_install(tmp_path, no_deepspeed, monkeypatch):
     script = _write(tmp_path, "train.py", "import deepspeed\n")
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a)
+    )
     env = {}
     said = configure(None, script, False, False, env)
     assert "zerotrain's stand-in needs accelerate: pip install 'zerotrain[hf]'" in said and env == {}
@@ -126,8 +135,11 @@ def test_bad_values_and_the_flag(tmp_path, capsys, monkeypatch):
     _write(tmp_path, "bin/ssh", "#!/bin/sh\nexit 1\n")
     ssh.chmod(0o755)
     monkeypatch.setenv("PATH", f"{ssh.parent}{os.pathsep}{os.environ['PATH']}")
-    plan = plan_launch(cli.build_parser().parse_args(["launch", "-H", "hosts", "--launcher", "ssh",
-                                                      "--deepspeed_shim", "off", "train.py"]))
+    plan = plan_launch(
+        cli.build_parser().parse_args(
+            ["launch", "-H", "hosts", "--launcher", "ssh", "--deepspeed_shim", "off", "train.py"]
+        )
+    )
     assert plan.agent_flags[plan.agent_flags.index("--deepspeed_shim") + 1] == "off"
 
 
@@ -136,6 +148,7 @@ def test_failure_hint_only_for_a_missing_deepspeed():
     line = "ImportError: DeepSpeed is not available => install it using `pip3 install deepspeed`"
     if HAS_HF:
         hint = failure_hint(["Traceback (most recent call last):", line])
-        assert hint.startswith("zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: "
-                               "`python -m zerotrain.hf install`")
+        assert hint.startswith(
+            "zerotrain: the rank found no `deepspeed`; zerotrain stands in for it: `python -m zerotrain.hf install`"
+        )
         assert "--deepspeed_shim on" in hint

@@ -21,9 +21,28 @@ from tests.launcher.test_launcher_run import free_port, write_script
 
 STEPS, SAVE_EVERY, KILL_AFTER = 8, 2, 5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE, EXAMPLE_CONFIG = os.path.join(ROOT, "examples", "train_gpt.py"), os.path.join(ROOT, "examples", "ds_config.json")
-EXAMPLE_ARGS = ["--steps", "2", "--save_interval", "1", "--seq_len", "32", "--n_layer", "1", "--n_embd", "32",
-                "--n_head", "2", "--text_bytes", "20000", "--sample_bytes", "4"]
+EXAMPLE, EXAMPLE_CONFIG = (
+    os.path.join(ROOT, "examples", "train_gpt.py"),
+    os.path.join(ROOT, "examples", "ds_config.json"),
+)
+EXAMPLE_ARGS = [
+    "--steps",
+    "2",
+    "--save_interval",
+    "1",
+    "--seq_len",
+    "32",
+    "--n_layer",
+    "1",
+    "--n_embd",
+    "32",
+    "--n_head",
+    "2",
+    "--text_bytes",
+    "20000",
+    "--sample_bytes",
+    "4",
+]
 
 RESUMING_SCRIPT = """
 import json, os, signal, sys, time
@@ -65,8 +84,15 @@ engine.destroy()
 def _start(*args: str, cwd) -> subprocess.Popen:
     """``zerotrain launch`` in a session of its own, so that a timeout can stop its ranks too."""
     cmd = [sys.executable, "-m", "zerotrain.launcher.cli", *args]
-    return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -91,8 +117,20 @@ def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
     def job(kill: int, name: str) -> list[str]:
         return [script, str(STEPS), str(SAVE_EVERY), str(kill), name]
 
-    two_nodes = ["--no_ssh", "--world", "n0:0@n1:0", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                 "--rdzv_id", "two-nodes", "--max_restarts", "1", "--no_local_rank"]
+    two_nodes = [
+        "--no_ssh",
+        "--world",
+        "n0:0@n1:0",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--rdzv_id",
+        "two-nodes",
+        "--max_restarts",
+        "1",
+        "--no_local_rank",
+    ]
     # examples/train_gpt.py's `--resume` as the one command of an elastic run: a fresh save_dir (with
     # only what a first save killed before its commit leaves) starts from step 0; a save_dir with a
     # checkpoint folder but no `latest` is not taken for fresh (load_checkpoint's error).
@@ -102,14 +140,36 @@ def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
     (partial / "global_step2" / "metadata.json").write_text("{}")
     example = [EXAMPLE, "--resume", "--deepspeed_config", EXAMPLE_CONFIG, *EXAMPLE_ARGS]
     runs = {
-        "example": [("--nproc", "2", "--max_restarts", "1", "--master_port", str(free_port()), *example,
-                     "--save_dir", str(fresh))],
+        "example": [
+            (
+                "--nproc",
+                "2",
+                "--max_restarts",
+                "1",
+                "--master_port",
+                str(free_port()),
+                *example,
+                "--save_dir",
+                str(fresh),
+            )
+        ],
         "example_partial": [("--nproc", "1", "--master_port", str(free_port()), *example, "--save_dir", str(partial))],
         "plain": [("--nproc", "2", "--master_port", str(free_port()), "--no_local_rank", *job(0, "plain"))],
-        "killed": [("--nproc", "2", "--max_restarts", "1", "--master_port", str(free_port()), "--no_local_rank",
-                    *job(KILL_AFTER, "killed"))],
-        "two_nodes": [("launch", *two_nodes, "--node_rank", str(node), *job(KILL_AFTER, "two_nodes"))
-                      for node in (0, 1)],
+        "killed": [
+            (
+                "--nproc",
+                "2",
+                "--max_restarts",
+                "1",
+                "--master_port",
+                str(free_port()),
+                "--no_local_rank",
+                *job(KILL_AFTER, "killed"),
+            )
+        ],
+        "two_nodes": [
+            ("launch", *two_nodes, "--node_rank", str(node), *job(KILL_AFTER, "two_nodes")) for node in (0, 1)
+        ],
     }
     procs = {}
     for name, commands in runs.items():
@@ -150,8 +210,12 @@ def test_killed_rank_resumes_from_latest_checkpoint(tmp_path):
 
 def test_restarts_use_c10d_and_a_store_per_attempt():
     from zerotrain.launcher.errors import LaunchError
-    from zerotrain.launcher.launch import (UNSHARED_STORE_VAR, LaunchOptions, build_launch_config,
-                                           restart_safe_environment)
+    from zerotrain.launcher.launch import (
+        UNSHARED_STORE_VAR,
+        LaunchOptions,
+        build_launch_config,
+        restart_safe_environment,
+    )
 
     opts = LaunchOptions(script="train.py", master_addr="10.0.0.1", max_restarts=2)
     config = build_launch_config(opts, 2, 29501, logs_specs=None)

@@ -25,21 +25,37 @@ from zerotrain.launcher.errors import LaunchError
 
 def run_cli(tmp_path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    return subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 BAD_HOSTFILES = [
     ("ipv6", b"w0 slots=1\n::1 slots=1\n", "hosts:2: '::1 slots=1': IPv6 address '::1' is not supported"),
     ("ipv6-brackets", b"[::1] slots=1\nw1 slots=1\n", "hosts:1: '[::1] slots=1': IPv6 address"),
-    ("host-port", b"w0:2222 slots=1\nw1 slots=1\n", "'w0:2222' is not a host name: for HOST:PORT write the host "
-                                                    "alone and pass --ssh_port PORT"),
-    ("dash-host", b"w0 slots=1\n-oProxyCommand=touch_x slots=1\n",
-     "hosts:2: '-oProxyCommand=touch_x slots=1': host '-oProxyCommand=touch_x' starts with '-'"),
+    (
+        "host-port",
+        b"w0:2222 slots=1\nw1 slots=1\n",
+        "'w0:2222' is not a host name: for HOST:PORT write the host alone and pass --ssh_port PORT",
+    ),
+    (
+        "dash-host",
+        b"w0 slots=1\n-oProxyCommand=touch_x slots=1\n",
+        "hosts:2: '-oProxyCommand=touch_x slots=1': host '-oProxyCommand=touch_x' starts with '-'",
+    ),
     ("dash-host-with-user", b"u@-w0 slots=1\nw1 slots=1\n", "host '-w0' starts with '-'"),
     ("not-utf8", b"w0 slots=1\n\xff\xfe slots=1\n", "hosts:2: byte 0xff is not UTF-8 text"),
-    ("huge-slots", b"w0 slots=1000000000000\nw1 slots=1\n",
-     "hosts:1: 'w0 slots=1000000000000': slots=1000000000000 is more than 1024 devices per node"),
+    (
+        "huge-slots",
+        b"w0 slots=1000000000000\nw1 slots=1\n",
+        "hosts:1: 'w0 slots=1000000000000': slots=1000000000000 is more than 1024 devices per node",
+    ),
     ("huge-slots-digits", b"w0 slots=" + b"9" * 5000 + b"\n", "is more than 1024 devices per node"),
     ("same-host-two-users", b"a@w0 slots=1\nb@w0 slots=1\n", "hosts:2: 'b@w0 slots=1' repeats host 'w0'"),
     ("bad-user", b"us$er@w0 slots=1\nw1 slots=1\n", "'us$er@w0' is not USER@HOST"),
@@ -67,7 +83,8 @@ def test_user_at_host_needs_ssh_or_pdsh(tmp_path, launcher):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == (
         f"zerotrain launch: error: --hostfile: 'me@w0': a user@host node needs --launcher ssh or pdsh "
-        f"({launcher} starts the nodes' tasks itself); write the host alone")
+        f"({launcher} starts the nodes' tasks itself); write the host alone"
+    )
 
 
 def test_world_spec_holds_user_at_host_and_filters_name_hosts():
@@ -113,8 +130,7 @@ def test_user_at_host_node_gets_its_own_slot_count(tmp_path):
         port = s.getsockname()[1]
     os.environ["FAKE_SSH_LOG"] = str(tmp_path / "ssh.log")
     try:
-        result = run_cli(tmp_path, "--hostfile", "hosts", "--launcher", "ssh", "--master_port", str(port),
-                         "record.py")
+        result = run_cli(tmp_path, "--hostfile", "hosts", "--launcher", "ssh", "--master_port", str(port), "record.py")
     finally:
         del os.environ["FAKE_SSH_LOG"]
     assert result.returncode == 0, result.stderr
@@ -124,4 +140,8 @@ def test_user_at_host_node_gets_its_own_slot_count(tmp_path):
     per_node = [sum(1 for r in records.values() if r["GROUP_RANK"] == node) for node in (0, 1)]
     assert per_node == [3, 1]
     assert [(r["GROUP_RANK"], r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["WORLD_SIZE"]) for r in records.values()] == [
-        (0, 0, 3, 4), (0, 1, 3, 4), (0, 2, 3, 4), (1, 0, 1, 4)]
+        (0, 0, 3, 4),
+        (0, 1, 3, 4),
+        (0, 2, 3, 4),
+        (1, 0, 1, 4),
+    ]

@@ -24,14 +24,17 @@ def test_hostfile_parses_in_order_with_comments_and_blank_lines():
     assert list(world) == ["worker-0", "worker-1", "worker-2"]
 
 
-@pytest.mark.parametrize("text, says", [
-    ("worker-0 slots=4\nworker-1 4\n", "hosts:2: 'worker-1 4' is not 'HOST slots=N'"),
-    ("worker-0 slots=four\n", "hosts:1: 'worker-0 slots=four' is not"),
-    ("worker-0 slots=2 extra\n", "hosts:1: 'worker-0 slots=2 extra' is not"),
-    ("worker-0 slots=2\nworker-0 slots=2\n", "hosts:2: 'worker-0 slots=2' repeats host 'worker-0'"),
-    ("worker-0 slots=0\n", "gives worker-0 no slots"),
-    ("# nothing\n\n", "hosts lists no hosts"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("worker-0 slots=4\nworker-1 4\n", "hosts:2: 'worker-1 4' is not 'HOST slots=N'"),
+        ("worker-0 slots=four\n", "hosts:1: 'worker-0 slots=four' is not"),
+        ("worker-0 slots=2 extra\n", "hosts:1: 'worker-0 slots=2 extra' is not"),
+        ("worker-0 slots=2\nworker-0 slots=2\n", "hosts:2: 'worker-0 slots=2' repeats host 'worker-0'"),
+        ("worker-0 slots=0\n", "gives worker-0 no slots"),
+        ("# nothing\n\n", "hosts lists no hosts"),
+    ],
+)
 def test_bad_hostfiles_quote_the_line(text, says):
     with pytest.raises(LaunchError) as err:
         hostfile.parse_hostfile_text(text, source="hosts")
@@ -46,27 +49,33 @@ def test_named_missing_hostfile_is_an_error(tmp_path):
 WORLD = {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
 
 
-@pytest.mark.parametrize("include, exclude, expected", [
-    ("worker-0@worker-1:0,2", None, {"worker-0": [0, 1, 2, 3], "worker-1": [0, 2]}),
-    ("worker-1:3,1", None, {"worker-1": [1, 3]}),
-    ("worker-1@worker-0", None, WORLD),  # hostfile order, not the spec's
-    (None, "worker-1:0", {"worker-0": [0, 1, 2, 3], "worker-1": [1, 2, 3]}),
-    (None, "worker-0", {"worker-1": [0, 1, 2, 3]}),
-    (None, "worker-0:0,1,2,3", {"worker-1": [0, 1, 2, 3]}),
-])
+@pytest.mark.parametrize(
+    "include, exclude, expected",
+    [
+        ("worker-0@worker-1:0,2", None, {"worker-0": [0, 1, 2, 3], "worker-1": [0, 2]}),
+        ("worker-1:3,1", None, {"worker-1": [1, 3]}),
+        ("worker-1@worker-0", None, WORLD),  # hostfile order, not the spec's
+        (None, "worker-1:0", {"worker-0": [0, 1, 2, 3], "worker-1": [1, 2, 3]}),
+        (None, "worker-0", {"worker-1": [0, 1, 2, 3]}),
+        (None, "worker-0:0,1,2,3", {"worker-1": [0, 1, 2, 3]}),
+    ],
+)
 def test_include_exclude_like_deepspeed(include, exclude, expected):
     assert hostfile.filter_world(WORLD, include, exclude) == expected
 
 
-@pytest.mark.parametrize("include, exclude, flag, says", [
-    ("worker-9", None, "--include", "'worker-9' names host 'worker-9', which is not in the hostfile"),
-    ("worker-1:7", None, "--include", "names slot(s) [7] of 'worker-1'"),
-    (None, "worker-1:x", "--exclude", "slots 'x' of 'worker-1'"),
-    ("worker-0:", None, "--include", "'worker-0:' in 'worker-0:' is not HOST"),
-    ("worker-0@worker-0:1", None, "--include", "appears twice"),
-    (None, "worker-0@worker-1", "--exclude", "leaves no host"),
-    ("worker-0", "worker-1", "--include", "cannot be combined"),
-])
+@pytest.mark.parametrize(
+    "include, exclude, flag, says",
+    [
+        ("worker-9", None, "--include", "'worker-9' names host 'worker-9', which is not in the hostfile"),
+        ("worker-1:7", None, "--include", "names slot(s) [7] of 'worker-1'"),
+        (None, "worker-1:x", "--exclude", "slots 'x' of 'worker-1'"),
+        ("worker-0:", None, "--include", "'worker-0:' in 'worker-0:' is not HOST"),
+        ("worker-0@worker-0:1", None, "--include", "appears twice"),
+        (None, "worker-0@worker-1", "--exclude", "leaves no host"),
+        ("worker-0", "worker-1", "--include", "cannot be combined"),
+    ],
+)
 def test_bad_filters_quote_the_spec(include, exclude, flag, says):
     with pytest.raises(LaunchError) as err:
         hostfile.filter_world(WORLD, include, exclude)
@@ -91,12 +100,27 @@ def test_exported_env_prefixes_files_and_pythonpath(tmp_path, monkeypatch):
     (work / ".deepspeed_env").write_text("# comment\n\nB=cwd-ds\nexport D = spaced value \n")
     (home / ".zerotrain_env").write_text("C=home-zt\n")
     (work / ".zerotrain_env").write_text("E=$HOME;`x`\n")
-    environ = {"HOME": str(home), "NCCL_DEBUG": "INFO", "PYTHONPATH": "/lib", "MLFLOW_TRACKING_URI": "u",
-               "UCX_TLS": "tcp", "SECRET": "no", "OMP_NUM_THREADS": "3"}
+    environ = {
+        "HOME": str(home),
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": "/lib",
+        "MLFLOW_TRACKING_URI": "u",
+        "UCX_TLS": "tcp",
+        "SECRET": "no",
+        "OMP_NUM_THREADS": "3",
+    }
     exports = exported_env(environ, cwd=str(work), prefixes=["NCCL"])
-    assert exports == {"MLFLOW_TRACKING_URI": "u", "NCCL_DEBUG": "INFO", "PYTHONPATH": f"{work}:/lib",
-                       "UCX_TLS": "tcp", "A": "home-ds", "B": "cwd-ds", "C": "home-zt",
-                       "D": "spaced value", "E": "$HOME;`x`"}
+    assert exports == {
+        "MLFLOW_TRACKING_URI": "u",
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": f"{work}:/lib",
+        "UCX_TLS": "tcp",
+        "A": "home-ds",
+        "B": "cwd-ds",
+        "C": "home-zt",
+        "D": "spaced value",
+        "E": "$HOME;`x`",
+    }
     # DS_ENV_FILE renames DeepSpeed's file (a path works too).
     (tmp_path / "my.env").write_text("F=6\n")
     assert exported_env({**environ, "DS_ENV_FILE": str(tmp_path / "my.env")}, cwd=str(work), prefixes=[])["F"] == "6"

@@ -128,7 +128,7 @@ def test_bind_core_list_implies_binding_and_reaches_the_rank_command(script):
     opts = cli.options_from_args(args)
     assert opts.bind_cores_to_rank and opts.bind_core_list == "0-1"
     _, command = worker_command(opts, [0, 1])
-    assert "--bind_cores=0-1" in command[:command.index("--")]
+    assert "--bind_cores=0-1" in command[: command.index("--")]
 
 
 def test_launch_config_without_a_shutdown_timeout_field(monkeypatch):

@@ -102,7 +102,7 @@ def test_failing_rank_stops_the_others_and_is_reported(tmp_path):
     assert result.returncode == 1
     assert "zerotrain: rank 1 (pid" in result.stderr
     assert "failed with exit code 1" in result.stderr
-    report = result.stderr[result.stderr.index("zerotrain: rank 1"):]
+    report = result.stderr[result.stderr.index("zerotrain: rank 1") :]
     assert "RuntimeError: boom from rank 1" in report
     # The traceback starts in the user's script, not in the launcher's shim.
     assert "local_rank_entry" not in result.stderr
@@ -137,13 +137,18 @@ print(f"rank {engine.global_rank} trained {engine.global_steps} steps")
 
 
 def test_zerotrain_script_without_teardown_exits_0_on_every_rank(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
-        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb")}}))
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+                "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb")},
+            }
+        )
+    )
     script = write_script(tmp_path, ZEROTRAIN_SCRIPT)
-    result = run_cli("--num_gpus=2", script, "--deepspeed", "--deepspeed_config", "ds.json",
-                     cwd=tmp_path, timeout=120)
+    result = run_cli("--num_gpus=2", script, "--deepspeed", "--deepspeed_config", "ds.json", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert f"rank {rank} trained 2 steps" in result.stdout
@@ -165,8 +170,17 @@ def test_bind_core_list_pins_each_rank_to_its_own_cores(tmp_path):
     first, second = sorted(os.sched_getaffinity(0))[:2]
     script = write_script(tmp_path, AFFINITY_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "--nproc", "2", "--bind_cores_to_rank",
-           "--bind_core_list", f"{first},{second}", script]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerotrain.launcher.cli",
+        "--nproc",
+        "2",
+        "--bind_cores_to_rank",
+        "--bind_core_list",
+        f"{first},{second}",
+        script,
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     records = [json.loads((tmp_path / f"cpus{r}.json").read_text()) for r in (0, 1)]
@@ -192,7 +206,7 @@ def test_rank_traceback_has_one_rank_prefix(tmp_path):
     output = result.stdout + result.stderr
     assert "[rank0]: ValueError: boom after init_process_group" in output, output
     assert "[rank0]: [rank0]:" not in output, output
-    report = result.stderr[result.stderr.index("zerotrain: rank 0"):]
+    report = result.stderr[result.stderr.index("zerotrain: rank 0") :]
     assert "    ValueError: boom after init_process_group" in report  # the report's tail is clean too
 
 

@@ -28,8 +28,10 @@ import pytest
 from tests.launcher.reference import run_script_on_ranks
 
 SSHD = "/usr/sbin/sshd"
-pytestmark = pytest.mark.skipif(not (os.path.exists(SSHD) and shutil.which("ssh")),
-                                reason="needs openssh-server and openssh-client (apt-get install openssh-server)")
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(SSHD) and shutil.which("ssh")),
+    reason="needs openssh-server and openssh-client (apt-get install openssh-server)",
+)
 NODES = ("127.0.0.1", "127.0.0.2")
 
 
@@ -47,7 +49,8 @@ def sshd(tmp_path_factory):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / key)], check=True)
     shutil.copy(root / "user_key.pub", root / "authorized_keys")
     port = _free_port()
-    (root / "sshd_config").write_text(textwrap.dedent(f"""\
+    (root / "sshd_config").write_text(
+        textwrap.dedent(f"""\
         ListenAddress {NODES[0]}
         ListenAddress {NODES[1]}
         Port {port}
@@ -59,18 +62,23 @@ def sshd(tmp_path_factory):
         StrictModes no
         UsePAM no
         PidFile none
-        """))
+        """)
+    )
     try:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     except PermissionError:
         pytest.skip("needs root to start a test sshd (it wants /run/sshd)")
-    server = subprocess.Popen([SSHD, "-D", "-e", "-f", str(root / "sshd_config")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [SSHD, "-D", "-e", "-f", str(root / "sshd_config")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     options = f"-i {root}/user_key -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
     try:
         for _ in range(50):
-            probe = subprocess.run(["ssh", *options.split(), "-p", str(port), "-o", "BatchMode=yes", NODES[1], "true"],
-                                   capture_output=True, timeout=20)
+            probe = subprocess.run(
+                ["ssh", *options.split(), "-p", str(port), "-o", "BatchMode=yes", NODES[1], "true"],
+                capture_output=True,
+                timeout=20,
+            )
             if probe.returncode == 0 or server.poll() is not None:
                 break
             time.sleep(0.1)
@@ -113,8 +121,11 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 """
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 2}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 2},
+}
 ARGS = ["two words", "$HOME", "a;touch INJECTED", "`touch INJECTED`", "it's", "100%", "%h", "line\nbreak"]
 
 
@@ -126,15 +137,21 @@ def job(tmp_path, monkeypatch):
     (tmp_path / "hosts").write_text(f"# two nodes on this machine\n{NODES[0]} slots=1\n{NODES[1]} slots=1\n")
     # Reaches the remote nodes only through the env file (OMP_NUM_THREADS is not exported otherwise).
     # (GLOO_SOCKET_IFNAME keeps the ranks' gloo traffic on loopback.)
-    (tmp_path / ".zerotrain_env").write_text("ZT_FROM_FILE=value with 'quotes' and $dollar\nOMP_NUM_THREADS=1\n"
-                                             "GLOO_SOCKET_IFNAME=lo\n")
+    (tmp_path / ".zerotrain_env").write_text(
+        "ZT_FROM_FILE=value with 'quotes' and $dollar\nOMP_NUM_THREADS=1\nGLOO_SOCKET_IFNAME=lo\n"
+    )
     return tmp_path
 
 
 def launch(*argv: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", *argv], env=environ, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", *argv],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def records(out) -> list[dict]:
@@ -145,29 +162,56 @@ def single_node_losses(job) -> list[list[float]]:
     """The same script on 2 ranks of one process group on this machine (run_on_ranks: the
     reference needs no launcher)."""
     (job / "single").mkdir()
-    run_script_on_ranks("train.py", "--deepspeed_config", "ds.json", "--out", "single", cwd=job,
-                        env={"GLOO_SOCKET_IFNAME": "lo"})
+    run_script_on_ranks(
+        "train.py", "--deepspeed_config", "ds.json", "--out", "single", cwd=job, env={"GLOO_SOCKET_IFNAME": "lo"}
+    )
     return [r["losses"] for r in records(job / "single")]
 
 
 def launch_two_nodes(job, *launcher_args, env):
     """The hostfile job through ``launcher_args``, its records in ``job/multi``."""
-    return launch("--hostfile", "hosts", *launcher_args, "--master_port", str(_free_port()),
-                  "train.py", "--deepspeed_config", "ds.json", "--out", "multi", *ARGS, env=env)
+    return launch(
+        "--hostfile",
+        "hosts",
+        *launcher_args,
+        "--master_port",
+        str(_free_port()),
+        "train.py",
+        "--deepspeed_config",
+        "ds.json",
+        "--out",
+        "multi",
+        *ARGS,
+        env=env,
+    )
 
 
 def test_ssh_two_nodes_train_like_one_node(sshd, job):
     (job / "multi").mkdir()
-    result = launch_two_nodes(job, "--launcher", "ssh", f"--launcher_args={sshd['options']}",
-                              "--ssh_port", str(sshd["port"]), env={"NCCL_ZT_TEST": "exported"})
+    result = launch_two_nodes(
+        job,
+        "--launcher",
+        "ssh",
+        f"--launcher_args={sshd['options']}",
+        "--ssh_port",
+        str(sshd["port"]),
+        env={"NCCL_ZT_TEST": "exported"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     multi = records(job / "multi")
     for rank, record in enumerate(multi):
         assert record["rest"] == ARGS
         assert record["local_rank"] == 0
-        assert record["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "CROSS_RANK": str(rank), "CROSS_SIZE": "2",
-                                 "MASTER_ADDR": NODES[0], "ZT_FROM_FILE": "value with 'quotes' and $dollar",
-                                 "NCCL_ZT_TEST": "exported", "OMP_NUM_THREADS": "1"}
+        assert record["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "CROSS_RANK": str(rank),
+            "CROSS_SIZE": "2",
+            "MASTER_ADDR": NODES[0],
+            "ZT_FROM_FILE": "value with 'quotes' and $dollar",
+            "NCCL_ZT_TEST": "exported",
+            "OMP_NUM_THREADS": "1",
+        }
     assert not (job / "INJECTED").exists()
     expected = single_node_losses(job)
     for got, want in zip([r["losses"] for r in multi], expected):
@@ -227,10 +271,28 @@ def _still_running(processes: list[psutil.Process], grace: float = 10.0) -> list
 
 def _start_killable(sshd, job, launcher: str) -> subprocess.Popen:
     (job / "killable.py").write_text(KILLABLE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "ZEROTRAIN_TEST_OUT": str(job),
-           "PDSH_SSH_ARGS_APPEND": sshd["options"]}
-    command = [sys.executable, "-m", "zerotrain.launcher.cli", "--hostfile", "hosts", "--launcher", launcher,
-               "--ssh_port", str(sshd["port"]), "--master_port", str(_free_port()), "--no_local_rank", "killable.py"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "ZEROTRAIN_TEST_OUT": str(job),
+        "PDSH_SSH_ARGS_APPEND": sshd["options"],
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "zerotrain.launcher.cli",
+        "--hostfile",
+        "hosts",
+        "--launcher",
+        launcher,
+        "--ssh_port",
+        str(sshd["port"]),
+        "--master_port",
+        str(_free_port()),
+        "--no_local_rank",
+        "killable.py",
+    ]
     if launcher == "ssh":
         command.insert(-2, f"--launcher_args={sshd['options']}")
     launcher_process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -261,8 +323,10 @@ def test_pdsh_killing_one_nodes_rank_stops_every_node(sshd, job):
             launcher.kill()
     assert launcher.returncode == 137, out + err
     final = err.strip().splitlines()[-1]
-    assert final.startswith(f"zerotrain: node 1 ({NODES[1]}) failed with exit code 137: rank 1 (pid {victim}) "
-                            f"on node 1 ({NODES[1]}) failed with signal 9 (SIGKILL)"), err
+    assert final.startswith(
+        f"zerotrain: node 1 ({NODES[1]}) failed with exit code 137: rank 1 (pid {victim}) "
+        f"on node 1 ({NODES[1]}) failed with signal 9 (SIGKILL)"
+    ), err
     assert "stopped the other 1 node(s)" in final
     _assert_nothing_left(job)
 
@@ -285,9 +349,15 @@ def test_ssh_ctrl_c_stops_every_node(sshd, job):
 def test_openmpi_two_nodes_train(sshd, job):
     (job / "multi").mkdir()
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    result = launch_two_nodes(job, "--launcher", "openmpi",
-                              f"--launcher_args=--mca plm_rsh_agent 'ssh {sshd['options']}'",
-                              "--ssh_port", str(sshd["port"]), env=env)
+    result = launch_two_nodes(
+        job,
+        "--launcher",
+        "openmpi",
+        f"--launcher_args=--mca plm_rsh_agent 'ssh {sshd['options']}'",
+        "--ssh_port",
+        str(sshd["port"]),
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     multi = records(job / "multi")
     assert [r["env"]["CROSS_RANK"] for r in multi] == ["0", "1"] and all(r["rest"] == ARGS for r in multi)

@@ -69,8 +69,9 @@ def wait_for_records(tmp_path, count: int, launcher: subprocess.Popen, timeout: 
         if len(files) == count:
             return [json.loads(f.read_text()) for f in files]
         if launcher.poll() is not None:
-            pytest.fail(f"launcher exited with {launcher.returncode} before the ranks started:\n"
-                        f"{launcher.stderr.read()}")
+            pytest.fail(
+                f"launcher exited with {launcher.returncode} before the ranks started:\n{launcher.stderr.read()}"
+            )
         time.sleep(0.2)
     pytest.fail("ranks did not start")
 
@@ -96,8 +97,15 @@ def kill_all(pids: set[int]) -> None:
 def start(tmp_path, *argv: str) -> subprocess.Popen:
     (tmp_path / "block.py").write_text(textwrap.dedent(BLOCKING_SCRIPT))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    return subprocess.Popen([sys.executable, "-m", "zerotrain.launcher.cli", *argv], cwd=tmp_path, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "zerotrain.launcher.cli", *argv],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def check_sigkill_leaves_nothing(tmp_path, launcher: subprocess.Popen, records: list[dict], victim: int) -> None:
@@ -158,8 +166,9 @@ def start_two_nodes(tmp_path, launcher_name: str) -> subprocess.Popen:
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return start(tmp_path, "launch", "--hostfile", "hosts", "--launcher", launcher_name, "--master_port", str(port),
-                 "block.py")
+    return start(
+        tmp_path, "launch", "--hostfile", "hosts", "--launcher", launcher_name, "--master_port", str(port), "block.py"
+    )
 
 
 def test_sigkill_of_the_multinode_launcher_stops_every_node(tmp_path):
@@ -186,14 +195,19 @@ def test_sigkill_of_a_node_agent_stops_its_ranks_and_the_job(tmp_path):
 def test_guard_refuses_to_start_after_the_launcher_has_died():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    result = subprocess.run(orphan_guard.guarded_command(["echo", "ran"], dead.pid, 1), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        orphan_guard.guarded_command(["echo", "ran"], dead.pid, 1), capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.strip() == f"zerotrain: the launcher (pid {dead.pid}) has exited; not starting"
 
 
 def test_guarded_command_runs_the_command_with_its_exit_status(tmp_path):
-    result = subprocess.run(orphan_guard.guarded_command(["sh", "-c", "echo $$; exit 3"], os.getpid(), 1),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        orphan_guard.guarded_command(["sh", "-c", "echo $$; exit 3"], os.getpid(), 1),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3
     assert result.stdout.strip().isdigit()

@@ -72,8 +72,12 @@ def test_readme_sbatch_example_runs_in_a_stand_in_allocation(tmp_path):
     bin_dir.mkdir()
     _executable(bin_dir / "scontrol", FAKE_SCONTROL)
     _executable(bin_dir / "srun", FAKE_SRUN)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
-           "PATH": os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+        "PATH": os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+    }
     result = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -90,5 +94,9 @@ def test_readme_sbatch_example_runs_in_a_stand_in_allocation(tmp_path):
     for rank, record in records.items():
         node, local = divmod(rank, 4)
         assert (record["WORLD_SIZE"], record["CROSS_SIZE"], record["LOCAL_SIZE"]) == ("8", "2", "4")
-        assert (record["CROSS_RANK"], record["LOCAL_RANK"], record["MASTER_ADDR"]) == (str(node), str(local), "127.0.0.1")
+        assert (record["CROSS_RANK"], record["LOCAL_RANK"], record["MASTER_ADDR"]) == (
+            str(node),
+            str(local),
+            "127.0.0.1",
+        )
         assert record["argv"] == ["--deepspeed", "--deepspeed_config", "ds_config.json", f"--local_rank={local}"]

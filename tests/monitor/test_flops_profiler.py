@@ -19,8 +19,11 @@ def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB,
-                                      n_positions=64, bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    )
 
 
 def _hand_count(batch: int, seq: int) -> dict:
@@ -32,8 +35,13 @@ def _hand_count(batch: int, seq: int) -> dict:
     attn_products = 2 * (2 * batch * seq * seq * c)  # QK^T and AV over all heads
     mlp = 2 * (2 * tokens * c * 4 * c)
     block = attn_proj + attn_products + mlp
-    return {"block": block, "attn": attn_proj + attn_products, "mlp": mlp,
-            "lm_head": 2 * tokens * c * VOCAB, "total": LAYERS * block + 2 * tokens * c * VOCAB}
+    return {
+        "block": block,
+        "attn": attn_proj + attn_products,
+        "mlp": mlp,
+        "lm_head": 2 * tokens * c * VOCAB,
+        "total": LAYERS * block + 2 * tokens * c * VOCAB,
+    }
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 16), (3, 40)])
@@ -55,8 +63,10 @@ def test_gpt2_forward_flops_equal_the_hand_count(batch, seq):
     with FlopCounterMode(display=False) as counter:  # backward: twice the forward (the 3x of MFU)
         loss.backward()
     assert counter.get_total_flops() == 2 * hand["total"]
-    assert get_model_profile(model, args=[ids], print_profile=False, as_string=True)[0] == \
-        f"{round(hand['total'] / 1e6, 2):g} M"
+    assert (
+        get_model_profile(model, args=[ids], print_profile=False, as_string=True)[0]
+        == f"{round(hand['total'] / 1e6, 2):g} M"
+    )
 
 
 def test_profiler_api_printout_and_output_file(tmp_path, capsys):
@@ -80,8 +90,9 @@ def test_profiler_api_printout_and_output_file(tmp_path, capsys):
     assert profiler.module_flops["transformer.h.0.mlp"] == 2 * hand["mlp"]
     rows = {name: flops for name, _, _, flops, _ in profiler.module_rows()}
     assert rows["transformer.h"] == 2 * LAYERS * hand["block"]  # a ModuleList: its children's sum
-    text = profiler.print_model_profile(profile_step=3, module_depth=1, top_modules=2, detailed=True,
-                                        output_file=str(tmp_path / "sub" / "flops.txt"))
+    text = profiler.print_model_profile(
+        profile_step=3, module_depth=1, top_modules=2, detailed=True, output_file=str(tmp_path / "sub" / "flops.txt")
+    )
     assert capsys.readouterr().out == ""  # written to the file, not printed
     assert (tmp_path / "sub" / "flops.txt").read_text() == text
     assert "Profile Summary at step 3:" in text
@@ -122,21 +133,25 @@ def _train(out: str):
             logs.append(record.getMessage())
 
     logging.getLogger("zerotrain").addHandler(Keep())
-    section = {"enabled": True, "profile_step": profile_step, "module_depth": 1, "top_modules": 3,
-               "peak_tflops": 0.002}
+    section = {"enabled": True, "profile_step": profile_step, "module_depth": 1, "top_modules": 3, "peak_tflops": 0.002}
     data = global_batches(steps * gas, micro * 2)
     result = {}
     for name, output_file in (("file", f"{out}/flops/profile.txt"), ("stdout", None)):
-        cfg = adamw_config(micro, gas, steps_per_print=1, wall_clock_breakdown=True,
-                           zero_optimization={"stage": 3},
-                           flops_profiler={**section, "output_file": output_file})
+        cfg = adamw_config(
+            micro,
+            gas,
+            steps_per_print=1,
+            wall_clock_breakdown=True,
+            zero_optimization={"stage": 3},
+            flops_profiler={**section, "output_file": output_file},
+        )
         engine, _, _, _ = zerotrain.initialize(model=make_model(), config=cfg)
         rank = dist.get_rank()
         printed, file_after = [], []
         for step in range(steps):
             with contextlib.redirect_stdout(io.StringIO()) as stdout:
                 for m in range(gas):
-                    batch = data[step * gas + m, rank * micro:(rank + 1) * micro]
+                    batch = data[step * gas + m, rank * micro : (rank + 1) * micro]
                     engine.backward(engine(batch, labels=batch).loss)
                     engine.step()
             printed.append(stdout.getvalue())
@@ -145,8 +160,9 @@ def _train(out: str):
         result[name] = {"printed": printed, "file_after": file_after, "logs": list(logs)}
         logs.clear()
     batch = data[profile_step * gas + gas - 1, 0:micro]  # a micro-batch's shape: the same count
-    result["one_forward"] = get_model_profile(make_model(), args=[batch], kwargs={"labels": batch},
-                                              print_profile=False, as_string=False)[0]
+    result["one_forward"] = get_model_profile(
+        make_model(), args=[batch], kwargs={"labels": batch}, print_profile=False, as_string=False
+    )[0]
     result["params"] = sum(p.numel() for p in make_model().parameters())
     return result
 

@@ -39,9 +39,16 @@ def _report():
     zerotrain.see_memory_usage("forced", force=True)
     logging.getLogger("zerotrain").removeHandler(handler)
     n = sum(p.numel() for p in model.parameters())
-    return {"stats": stats, "printed": stdout.getvalue(), "skipped": skipped, "peak_after": peak_after,
-            "rss_range": (min(rss_before, rss_after), max(rss_before, rss_after)),
-            "breakdown": engine.memory_breakdown(), "n_params": n, "logs": logs.getvalue()}
+    return {
+        "stats": stats,
+        "printed": stdout.getvalue(),
+        "skipped": skipped,
+        "peak_after": peak_after,
+        "rss_range": (min(rss_before, rss_after), max(rss_before, rss_after)),
+        "breakdown": engine.memory_breakdown(),
+        "n_params": n,
+        "logs": logs.getvalue(),
+    }
 
 
 def test_cpu_memory_status_matches_breakdown_and_getrusage():
@@ -58,8 +65,11 @@ def test_cpu_memory_status_matches_breakdown_and_getrusage():
     assert r["peak_after"] - stats["max_rss"] < 64 * 2**20
     line = r["printed"].strip()
     assert r["skipped"] is None and line.count("\n") == 0  # print_rank=1 printed nothing on rank 0
-    m = re.fullmatch(r"RANK=0 MEMSTATS after step device=cpu current rss=([\d.]+)GB "
-                     r"\(delta=([-\d.]+)GB max=([\d.]+)GB\) engine=([\d.]+)GB \((.*)\)", line)
+    m = re.fullmatch(
+        r"RANK=0 MEMSTATS after step device=cpu current rss=([\d.]+)GB "
+        r"\(delta=([-\d.]+)GB max=([\d.]+)GB\) engine=([\d.]+)GB \((.*)\)",
+        line,
+    )
     assert m, line
     assert float(m[1]) == round(stats["rss"] / GB, 4) and float(m[3]) == round(stats["max_rss"] / GB, 4)
     assert float(m[2]) == round(stats["rss"] / GB, 4)  # first call: delta from zero

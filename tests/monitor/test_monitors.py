@@ -19,12 +19,19 @@ MLFLOW_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true"}  # MLflow 3 wants a database, t
 
 
 def _monitor_config(out: str, mlflow: bool) -> dict:
-    cfg = adamw_config(MICRO, wall_clock_breakdown=True,
-                       tensorboard={"enabled": True, "output_path": f"{out}/tb", "job_name": "job"},
-                       csv_monitor={"enabled": True, "output_path": f"{out}/csv", "job_name": "job"})
+    cfg = adamw_config(
+        MICRO,
+        wall_clock_breakdown=True,
+        tensorboard={"enabled": True, "output_path": f"{out}/tb", "job_name": "job"},
+        csv_monitor={"enabled": True, "output_path": f"{out}/csv", "job_name": "job"},
+    )
     if mlflow:
-        cfg["mlflow"] = {"enabled": True, "tracking_uri": f"file://{out}/mlruns",
-                         "experiment_name": "zt", "run_name": "run1"}
+        cfg["mlflow"] = {
+            "enabled": True,
+            "tracking_uri": f"file://{out}/mlruns",
+            "experiment_name": "zt",
+            "run_name": "run1",
+        }
     return cfg
 
 
@@ -37,8 +44,13 @@ def _train(out: str, mlflow: bool):
     losses, lrs, samples = recorded_steps(engine, STEPS, MICRO)
     writers = len(engine.monitor.monitors)
     engine.destroy()  # closes the writers (the exit test covers scripts that never call it)
-    return {"losses": losses, "lrs": lrs, "samples": samples, "writers": writers,
-            "peak_rss_MB": peak_rss_bytes() / 2**20}
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "samples": samples,
+        "writers": writers,
+        "peak_rss_MB": peak_rss_bytes() / 2**20,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +80,12 @@ def test_tensorboard_scalars(run):
     rank0 = results[0]
     steps = [MICRO * WORLD * (i + 1) for i in range(STEPS)]  # x axis: global_samples
     assert rank0["samples"] == steps
-    expected = {"Train/Samples/train_loss", "Train/Samples/lr",
-                *(f"Train/Samples/elapsed_time_ms_{t}" for t in TIMERS),
-                *(f"Hardware/rank{r}/{name}" for r in range(WORLD) for name in ("cpu_percent", "rss_MB"))}
+    expected = {
+        "Train/Samples/train_loss",
+        "Train/Samples/lr",
+        *(f"Train/Samples/elapsed_time_ms_{t}" for t in TIMERS),
+        *(f"Hardware/rank{r}/{name}" for r in range(WORLD) for name in ("cpu_percent", "rss_MB")),
+    }
     assert set(scalars) == expected  # no loss_scale without fp16
     assert [s for s, _ in scalars["Train/Samples/train_loss"]] == steps
     assert [v for _, v in scalars["Train/Samples/train_loss"]] == pytest.approx(rank0["losses"], rel=1e-6)
@@ -131,10 +146,16 @@ def test_missing_extra_names_what_to_install(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     absent = ("mlflow", "wandb", "comet_ml")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
-    for section, package, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb"),
-                                    ("comet", "comet_ml", "comet")):
-        with pytest.raises(ImportError, match=rf'"{section}.enabled" needs the {package} package.*'
-                                              rf'pip install "zerotrain\[{extra}\]"'):
+    for section, package, extra in (
+        ("mlflow", "mlflow", "mlflow"),
+        ("wandb", "wandb", "wandb"),
+        ("comet", "comet_ml", "comet"),
+    ):
+        with pytest.raises(
+            ImportError,
+            match=rf'"{section}.enabled" needs the {package} package.*'
+            rf'pip install "zerotrain\[{extra}\]"',
+        ):
             MonitorMaster(_config(**{section: {"enabled": True}}), rank=0, world_size=1)
     assert not MonitorMaster(_config(), rank=0, world_size=1).enabled
 
@@ -174,8 +195,14 @@ def test_csv_appends_without_repeating_the_header(tmp_path):
     section = _config(csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"}).csv_monitor
     for start in (0, 2):
         monitor = CSVMonitor(section)
-        monitor.write_events([("Train/Samples/train_loss", 1.5 + start, start),
-                              ("Train/Samples/train_loss", 2.5 + start, start + 1)])
+        monitor.write_events(
+            [("Train/Samples/train_loss", 1.5 + start, start), ("Train/Samples/train_loss", 2.5 + start, start + 1)]
+        )
         monitor.close()
     assert (tmp_path / "j" / "Train_Samples_train_loss.csv").read_text().splitlines() == [
-        "step,train_loss", "0,1.5", "1,2.5", "2,3.5", "3,4.5"]
+        "step,train_loss",
+        "0,1.5",
+        "1,2.5",
+        "2,3.5",
+        "3,4.5",
+    ]

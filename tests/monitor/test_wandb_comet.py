@@ -18,16 +18,26 @@ STEPS, MICRO, WORLD = 4, 2, 2
 COMET_INTERVAL = 8  # samples: with 4 a step, Comet logs at 4 and 12 only
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_COMET = importlib.util.find_spec("comet_ml") is not None
-pytestmark = pytest.mark.skipif(not (HAS_WANDB and HAS_COMET),
-                                reason='needs wandb and comet_ml (pip install "zerotrain[wandb,comet]")')
+pytestmark = pytest.mark.skipif(
+    not (HAS_WANDB and HAS_COMET), reason='needs wandb and comet_ml (pip install "zerotrain[wandb,comet]")'
+)
 
 
 def _train(out: str):
     import zerotrain
 
-    cfg = adamw_config(MICRO, wandb={"enabled": True, "project": "zt-proj", "group": "zt-group", "team": "zt-team"},
-                       comet={"enabled": True, "online": False, "project": "zt-proj", "workspace": "zt-ws",
-                              "experiment_name": "zt-exp", "samples_log_interval": COMET_INTERVAL})
+    cfg = adamw_config(
+        MICRO,
+        wandb={"enabled": True, "project": "zt-proj", "group": "zt-group", "team": "zt-team"},
+        comet={
+            "enabled": True,
+            "online": False,
+            "project": "zt-proj",
+            "workspace": "zt-ws",
+            "experiment_name": "zt-exp",
+            "samples_log_interval": COMET_INTERVAL,
+        },
+    )
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=cfg)
     losses, lrs, samples = recorded_steps(engine, STEPS, MICRO)
     writers = [type(m).__name__ for m in engine.monitor.monitors]
@@ -38,8 +48,13 @@ def _train(out: str):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("wandb_comet")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(out), "WANDB_SILENT": "true",
-           "COMET_OFFLINE_DIRECTORY": str(out / "comet"), "COMET_DISABLE_AUTO_LOGGING": "1"}
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(out),
+        "WANDB_SILENT": "true",
+        "COMET_OFFLINE_DIRECTORY": str(out / "comet"),
+        "COMET_DISABLE_AUTO_LOGGING": "1",
+    }
     return out, run_on_ranks(_train, WORLD, args=(str(out),), env=env, timeout=300)
 
 
@@ -53,11 +68,11 @@ def _wandb_records(path: str) -> list:
     pos, pending, records = 7, b"", []
     while pos + 7 <= len(raw):
         left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
         if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
             pos += left
             continue
-        pending += raw[pos + 7:pos + 7 + length]
+        pending += raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
             record = wandb_internal_pb2.Record()
@@ -80,15 +95,22 @@ def test_wandb_offline_run(run):
     records = _wandb_records(path)
     (init,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (init.project, init.run_group, init.entity) == ("zt-proj", "zt-group", "zt-team")
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     rank0 = results[0]
     assert [h["_step"] for h in history] == rank0["samples"] == [4, 8, 12, 16]
     assert [h["Train/Samples/train_loss"] for h in history] == pytest.approx(rank0["losses"], rel=1e-6)
     assert [h["Train/Samples/lr"] for h in history] == pytest.approx(rank0["lrs"], rel=1e-6)
     assert all(f"Hardware/rank{r}/rss_MB" in h for h in history for r in range(WORLD))
-    config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for r in records
-              if r.WhichOneof("record_type") == "config" for item in r.config.update}
+    config = {
+        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     assert config["optimizer.type"] == "AdamW" and config["world_size"] == WORLD
     assert any(r.WhichOneof("record_type") == "exit" for r in records)  # finished by destroy()
 
@@ -110,6 +132,9 @@ def test_comet_offline_experiment(run):
     assert lr == [(4, pytest.approx(rank0["lrs"][0], rel=1e-6)), (12, pytest.approx(rank0["lrs"][2], rel=1e-6))]
     others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
     assert others["Name"] == "zt-exp" and others["offline_experiment"] is True
-    params = {m["payload"]["param"]["paramName"]: m["payload"]["param"]["paramValue"]
-              for m in messages if m["type"] == "parameter_msg"}
+    params = {
+        m["payload"]["param"]["paramName"]: m["payload"]["param"]["paramValue"]
+        for m in messages
+        if m["type"] == "parameter_msg"
+    }
     assert params["optimizer.type"] == "AdamW" and params["world_size"] == WORLD

@@ -25,11 +25,10 @@ def _config(stage: int, precision: str, nvme: str | None) -> dict:
     cfg = config(stage, precision)
     if nvme is not None:
         cfg["zero_optimization"].update(
-            offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": 2},
-            sub_group_size=700)  # several chunks per unit, chunk edges inside parameters
+            offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": 2}, sub_group_size=700
+        )  # several chunks per unit, chunk edges inside parameters
         if stage == 3:
-            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme,
-                                                         "max_in_cpu": 3000}
+            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 3000}
     return cfg
 
 
@@ -37,15 +36,17 @@ def _engine(stage, precision, nvme):
     import zerotrain
 
     model = make_model()
-    engine, optimizer, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=_config(stage, precision, nvme))
+    engine, optimizer, _, _ = zerotrain.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage, precision, nvme)
+    )
     return engine, optimizer, model
 
 
 def _named_state(engine, optimizer) -> dict:
-    return {name: [(start, {k: v.clone() if torch.is_tensor(v) else v for k, v in d.items()})
-                   for start, d in pieces]
-            for name, pieces in engine._zero.named_optimizer_state(optimizer).items()}
+    return {
+        name: [(start, {k: v.clone() if torch.is_tensor(v) else v for k, v in d.items()}) for start, d in pieces]
+        for name, pieces in engine._zero.named_optimizer_state(optimizer).items()
+    }
 
 
 def _params(engine) -> dict:
@@ -57,6 +58,7 @@ def save_and_resume(folder: str, nvme: str) -> dict:
     """On every rank of a 2-rank group."""
     out = {}
     for case, (stage, precision) in CASES.items():
+
         def resume(tag, offload):
             engine, _, _ = _engine(stage, precision, nvme if offload else None)
             engine.load_checkpoint(f"{folder}/{case}", tag)
@@ -76,10 +78,14 @@ def save_and_resume(folder: str, nvme: str) -> dict:
         saved_state = _named_state(engine, optimizer)
         swap_folder = engine._zero.offload.folder
         engine.destroy()
-        out[case] = {"reference": reference, "saved_state": saved_state,
-                     "swap_gone": not os.path.exists(swap_folder),
-                     "nvme->nvme": resume("nvme", True), "nvme->plain": resume("nvme", False),
-                     "plain->nvme": resume("plain", True)}
+        out[case] = {
+            "reference": reference,
+            "saved_state": saved_state,
+            "swap_gone": not os.path.exists(swap_folder),
+            "nvme->nvme": resume("nvme", True),
+            "nvme->plain": resume("nvme", False),
+            "plain->nvme": resume("plain", True),
+        }
     return out
 
 
@@ -106,8 +112,11 @@ def _merged(per_rank: list[dict]) -> dict:
     out = {}
     for name, entries in pieces.items():
         entries.sort(key=lambda e: e[0])
-        out[name] = {k: torch.cat([d[k] for _, d in entries]) for k, v in entries[0][1].items()
-                     if torch.is_tensor(v) and v.dim() == 1}
+        out[name] = {
+            k: torch.cat([d[k] for _, d in entries])
+            for k, v in entries[0][1].items()
+            if torch.is_tensor(v) and v.dim() == 1
+        }
         out[name]["step"] = [float(d["step"]) for _, d in entries]
     return out
 
@@ -141,5 +150,6 @@ def check(results: list[dict], single: dict, nvme) -> None:
                     else:
                         assert torch.equal(loaded[name][k], value), (key, name, k)
         with_nvme, without = single[case, 3, True], single[case, 3, False]
-        _assert_same((with_nvme["losses"], with_nvme["params"]), (without["losses"], without["params"]),
-                     (case, "1 rank"))
+        _assert_same(
+            (with_nvme["losses"], with_nvme["params"]), (without["losses"], without["params"]), (case, "1 rank")
+        )

@@ -24,11 +24,15 @@ def _engine(nvme_path, stage=2, **offload):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    cfg = {"train_micro_batch_size_per_gpu": 4,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "sub_group_size": 1024,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_path),
-                                                       **offload}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": stage,
+            "sub_group_size": 1024,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_path), **offload},
+        },
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -68,8 +72,11 @@ def test_too_little_space_is_refused_with_the_numbers(tmp_path, monkeypatch):
 
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
-    with pytest.raises(OffloadError, match=r"has 0.00 GiB free, but the swapped optimizer state "
-                                           r"needs 0.00 GiB per rank \(\d+ bytes\)"):
+    with pytest.raises(
+        OffloadError,
+        match=r"has 0.00 GiB free, but the swapped optimizer state "
+        r"needs 0.00 GiB per rank \(\d+ bytes\)",
+    ):
         _engine(tmp_path)
     assert os.listdir(tmp_path) == []  # the swap folder made for the check is gone
 
@@ -140,15 +147,27 @@ _RSS_CHILD = textwrap.dedent("""
 def test_peak_rss_is_bounded_and_swap_files_go_when_the_process_fails(tmp_path):
     """The acceptance check of issue 17: optimizer state, parameters and gradients on NVMe keep
     the peak RSS under a formula far below the training state (here 4.2x below)."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    run = subprocess.run([sys.executable, "-c", _RSS_CHILD.replace("@PATH@", repr(str(tmp_path)))],
-                         capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD.replace("@PATH@", repr(str(tmp_path)))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode != 0 and "the training script fails" in run.stderr, run.stderr[-3000:]
-    *folders, count = next(l for l in run.stdout.splitlines() if l.startswith("FOLDERS")).split()[1:]
+    *folders, count = next(out for out in run.stdout.splitlines() if out.startswith("FOLDERS")).split()[1:]
     assert int(count) > 0  # the swap files existed while it trained
     assert not any(os.path.exists(f) for f in folders) and os.listdir(tmp_path) == []  # removed at exit
-    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(out for out in run.stdout.splitlines() if out.startswith("RESULT"))
     params, growth, disk, read, written, params_read, grads_written = map(int, line.split()[1:])
     state = 16 * params  # bf16 weights + bf16 gradients + fp32 master, exp_avg, exp_avg_sq
     on_disk = 14 * params  # all but the gradients (on disk only between backward and step)
@@ -179,12 +198,17 @@ def test_zero_init_with_offload_param_then_initialize_trains_from_swap_files(tmp
     from zerotrain.runtime.utils import memory_status
     from zerotrain.zero.init import is_partitioned
 
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "steps_per_print": 1,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
-                                                   "pin_memory": True, "max_in_cpu": 100}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "max_in_cpu": 100},
+        },
+    }
     with zerotrain.zero.Init(config_dict_or_path=cfg) as init:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     assert init.host and init.pin_memory and all(is_partitioned(p) for p in model.parameters())

@@ -23,22 +23,36 @@ def _config(stage: int, device: str, nvme_path: str, bf16: bool = False, sgd: bo
     cfg = adamw_config(2, gas=2, clip=0.05)
     if sgd:
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
-    zero = {"stage": stage, "reduce_bucket_size": 3000,
-            "stage3_param_persistence_threshold": 100}
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 100}
     if device == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     elif device in ("nvme", "pnvme"):
         # small chunks and 2 buffers: many chunks, read-ahead and write-behind all exercised
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
-                                     "pin_memory": True, "fast_init": False}
+        zero["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "buffer_count": 2,
+            "pin_memory": True,
+            "fast_init": False,
+        }
         zero["sub_group_size"] = 700
-        cfg["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 2,
-                      "single_submit": False, "overlap_events": True}
+        cfg["aio"] = {
+            "block_size": 4096,
+            "queue_depth": 4,
+            "thread_count": 2,
+            "single_submit": False,
+            "overlap_events": True,
+        }
         if device == "pnvme":  # parameters (and so gradients) too; few in memory: evicted often
-            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2,
-                                     "buffer_size": 10**6, "max_in_cpu": 3000}
+            zero["offload_param"] = {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": 2,
+                "buffer_size": 10**6,
+                "max_in_cpu": 3000,
+            }
     cfg["zero_optimization"] = zero
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -56,8 +70,9 @@ def _trajectories(cases, nvme_path, checkpoints):
     out = {"checkpoint": checkpoint_cases.save_and_resume(checkpoints, nvme_path)}
     for name, (stage, device, bf16, sgd) in cases.items():
         model = make_model()
-        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                                 config=_config(stage, device, nvme_path, bf16, sgd))
+        engine, opt, _, _ = zerotrain.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, device, nvme_path, bf16, sgd)
+        )
         losses = train_steps(engine, STEPS)
         record = {"losses": losses, "memory": engine.memory_breakdown()}
         if device.endswith("nvme"):
@@ -70,17 +85,17 @@ def _trajectories(cases, nvme_path, checkpoints):
             record["stats"] = engine._zero.statistics(engine.module, engine.optimizer).offload
             record["chunks"] = len(offload.swapper.chunks)
             named = engine._zero.named_optimizer_state(opt)
-            record["named"] = {k: [(s, {kk: vv.clone() if torch.is_tensor(vv) else vv
-                                        for kk, vv in d.items()}) for s, d in v]
-                               for k, v in named.items()}
+            record["named"] = {
+                k: [(s, {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in d.items()}) for s, d in v]
+                for k, v in named.items()
+            }
             record["resident_state"] = len(opt.state)
         else:
             record["named"] = engine._zero.named_optimizer_state(opt)
         engine.destroy()
         record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         if device.endswith("nvme"):
-            record["exists_after"] = any(os.path.exists(record[k]) for k in ("folder", "param_folder")
-                                         if k in record)
+            record["exists_after"] = any(os.path.exists(record[k]) for k in ("folder", "param_folder") if k in record)
         out[name] = record
     return out
 
@@ -89,14 +104,27 @@ def _trajectories(cases, nvme_path, checkpoints):
 # (fp32), parameters and gradients on NVMe too (fp32, and bf16 where the master is swapped),
 # stage 1 with SGD (another optimizer's state).
 CASES = {
-    "s2": (2, "none", False, False), "s2cpu": (2, "cpu", False, False), "s2nvme": (2, "nvme", False, False),
-    "s3": (3, "none", False, False), "s3cpu": (3, "cpu", False, False), "s3nvme": (3, "nvme", False, False),
+    "s2": (2, "none", False, False),
+    "s2cpu": (2, "cpu", False, False),
+    "s2nvme": (2, "nvme", False, False),
+    "s3": (3, "none", False, False),
+    "s3cpu": (3, "cpu", False, False),
+    "s3nvme": (3, "nvme", False, False),
     "s3pnvme": (3, "pnvme", False, False),
-    "s3bf": (3, "none", True, False), "s3bfpnvme": (3, "pnvme", True, False),
-    "s1sgd": (1, "none", False, True), "s1sgdnvme": (1, "nvme", False, True),
+    "s3bf": (3, "none", True, False),
+    "s3bfpnvme": (3, "pnvme", True, False),
+    "s1sgd": (1, "none", False, True),
+    "s1sgdnvme": (1, "nvme", False, True),
 }
-PAIRS = [("s2", "s2cpu"), ("s2", "s2nvme"), ("s3", "s3cpu"), ("s3", "s3nvme"), ("s3", "s3pnvme"),
-         ("s3bf", "s3bfpnvme"), ("s1sgd", "s1sgdnvme")]
+PAIRS = [
+    ("s2", "s2cpu"),
+    ("s2", "s2nvme"),
+    ("s3", "s3cpu"),
+    ("s3", "s3nvme"),
+    ("s3", "s3pnvme"),
+    ("s3bf", "s3bfpnvme"),
+    ("s1sgd", "s1sgdnvme"),
+]
 
 
 @pytest.fixture(scope="module")

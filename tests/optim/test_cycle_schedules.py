@@ -66,9 +66,18 @@ CHECKPOINTS = (0, 1, 2, 3, 4, 6, 9, 10, 11, 15, 30)
 def test_one_cycle_per_group_lr_and_momentum(up, down):
     optimizer = make_adam()
     lows, highs, mlows, mhighs = [0.01, 0.02], [0.1, 0.4], [0.8, 0.85], [0.9, 0.95]
-    scheduler = OneCycle(optimizer, lows, highs, decay_lr_rate=0.5, cycle_first_step_size=up,
-                         cycle_second_step_size=down, decay_step_size=2, cycle_min_mom=mlows,
-                         cycle_max_mom=mhighs, decay_mom_rate=0.1)
+    scheduler = OneCycle(
+        optimizer,
+        lows,
+        highs,
+        decay_lr_rate=0.5,
+        cycle_first_step_size=up,
+        cycle_second_step_size=down,
+        decay_step_size=2,
+        cycle_min_mom=mlows,
+        cycle_max_mom=mhighs,
+        decay_mom_rate=0.1,
+    )
     # DeepSpeed's constructor writes the low lr and the *low* momentum, with beta2 forced to 0.99.
     assert [g["lr"] for g in optimizer.param_groups] == lows == scheduler.get_last_lr()
     assert [g["betas"] for g in optimizer.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
@@ -91,8 +100,15 @@ def test_one_cycle_without_decay_holds_the_low_point():
 
 @pytest.mark.parametrize("up, down, up_stairs, down_stairs", [(4, 4, 2, None), (4, 6, 2, 3), (6, 6, 3, 0)])
 def test_one_cycle_stairs(up, down, up_stairs, down_stairs):
-    scheduler = OneCycle(make_adam(1), 0.0, 1.0, cycle_first_step_size=up, cycle_second_step_size=down,
-                         cycle_first_stair_count=up_stairs, cycle_second_stair_count=down_stairs)
+    scheduler = OneCycle(
+        make_adam(1),
+        0.0,
+        1.0,
+        cycle_first_step_size=up,
+        cycle_second_step_size=down,
+        cycle_first_stair_count=up_stairs,
+        cycle_second_stair_count=down_stairs,
+    )
     seq = step_all(scheduler, up + down)
     down_stairs = up_stairs if down_stairs is None else down_stairs
     for it in range(up + down):
@@ -129,8 +145,16 @@ def test_one_cycle_validates_step_sizes_and_group_lists():
 
 def test_one_cycle_state_dict_round_trip():
     def build():
-        return OneCycle(make_adam(), [0.01, 0.02], 0.1, decay_lr_rate=0.3, cycle_first_step_size=3,
-                        cycle_second_step_size=5, decay_step_size=2, decay_mom_rate=0.05)
+        return OneCycle(
+            make_adam(),
+            [0.01, 0.02],
+            0.1,
+            decay_lr_rate=0.3,
+            cycle_first_step_size=3,
+            cycle_second_step_size=5,
+            decay_step_size=2,
+            decay_mom_rate=0.05,
+        )
 
     full = step_all(build(), 20)
     first = build()
@@ -145,8 +169,13 @@ def test_one_cycle_state_dict_round_trip():
 def test_lr_range_test_matches_formula(staircase):
     optimizer = make_adam()
     lows = [1e-3, 2e-3]
-    scheduler = LRRangeTest(optimizer, lr_range_test_min_lr=lows, lr_range_test_step_size=4,
-                            lr_range_test_step_rate=0.5, lr_range_test_staircase=staircase)
+    scheduler = LRRangeTest(
+        optimizer,
+        lr_range_test_min_lr=lows,
+        lr_range_test_step_size=4,
+        lr_range_test_step_rate=0.5,
+        lr_range_test_staircase=staircase,
+    )
     assert [g["lr"] for g in optimizer.param_groups] == lows
     assert scheduler.get_last_lr() == lows
     seq = step_all(scheduler, 20)
@@ -160,8 +189,12 @@ def test_lr_range_test_matches_formula(staircase):
 
 def test_lr_range_test_defaults_and_resume():
     scheduler = LRRangeTest(make_adam(1))
-    assert (scheduler.min_lrs, scheduler.step_size, scheduler.step_rate, scheduler.staircase) == \
-        ([1e-3], 2000, 1.0, False)
+    assert (scheduler.min_lrs, scheduler.step_size, scheduler.step_rate, scheduler.staircase) == (
+        [1e-3],
+        2000,
+        1.0,
+        False,
+    )
     with pytest.raises(ValueError, match="lr_range_test_step_size"):
         LRRangeTest(make_adam(1), lr_range_test_step_size=0)
 
@@ -175,8 +208,9 @@ def test_lr_range_test_defaults_and_resume():
 
 def test_one_cycle_decay_is_continuous():
     # DeepSpeed divides by decay_step_size without flooring, so the decay moves every step.
-    scheduler = OneCycle(make_adam(1), 0.01, 0.1, decay_lr_rate=1.0, cycle_first_step_size=1,
-                         cycle_second_step_size=1, decay_step_size=4)
+    scheduler = OneCycle(
+        make_adam(1), 0.01, 0.1, decay_lr_rate=1.0, cycle_first_step_size=1, cycle_second_step_size=1, decay_step_size=4
+    )
     seq = step_all(scheduler, 5)
     assert [row[0][0] for row in seq[2:]] == pytest.approx([0.01 / (1 + d / 4) for d in (1, 2, 3)])
     assert not math.isclose(seq[2][0][0], seq[3][0][0])

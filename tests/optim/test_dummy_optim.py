@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerotrain
-from tests.engine.workloads import assert_close_trajectory, global_batches, make_model, train_steps
+from tests.engine.workloads import assert_close_trajectory, global_batches, make_model
 from zerotrain.config import ConfigError
 from zerotrain.optim.placeholders import resolve_placeholders
 from zerotrain.testing import run_on_ranks
@@ -23,10 +23,19 @@ LR, WD, WARMUP, TOTAL, STEPS, MICRO, WORLD = 1e-3, 0.05, 2, 6, 6, 2, 2
 
 
 def sections(**optimizer_params):
-    return {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", **optimizer_params}},
-            "scheduler": {"type": "WarmupDecayLR",
-                          "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                     "total_num_steps": "auto", "warmup_type": "linear"}}}
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", **optimizer_params}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+                "warmup_type": "linear",
+            },
+        },
+    }
 
 
 def param_groups(model):
@@ -41,23 +50,39 @@ def test_auto_values_are_filled_from_the_placeholders():
     config, optimizer, scheduler, params = resolve_placeholders(sections(betas="auto"), opt, sched, None)
     assert (optimizer, scheduler, params) == (None, None, opt.params)
     assert config["optimizer"]["params"] == {"lr": LR, "weight_decay": WD, "betas": (0.9, 0.95)}
-    assert config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": WARMUP,
-                                             "total_num_steps": TOTAL, "warmup_type": "linear"}
+    assert config["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": LR,
+        "warmup_num_steps": WARMUP,
+        "total_num_steps": TOTAL,
+        "warmup_type": "linear",
+    }
 
 
-@pytest.mark.parametrize("case, optimizer_params, scheduler_params, want", [
-    # defaults fill "auto" (accelerate's: lr 1e-3, weight decay 0, warmup at least 1)
-    ("defaults", {}, {}, ({"lr": 0.001, "weight_decay": 0.0}, {"warmup_num_steps": 1, "warmup_max_lr": 0.001})),
-    # a given value the section lacks is added (a given lr is also the schedule's peak); a default is not
-    ("absent", {"lr": LR}, {"total_num_steps": 9}, ({"lr": LR}, {"total_num_steps": 9, "warmup_max_lr": LR})),
-    # warmup_num_steps=0 becomes 1 (DeepSpeed >= 0.19.6 rejects 0)
-    ("warmup0", {}, {"warmup_num_steps": 0}, ({"lr": 0.001, "weight_decay": 0.0},
-                                              {"warmup_num_steps": 1, "warmup_max_lr": 0.001})),
-])
+@pytest.mark.parametrize(
+    "case, optimizer_params, scheduler_params, want",
+    [
+        # defaults fill "auto" (accelerate's: lr 1e-3, weight decay 0, warmup at least 1)
+        ("defaults", {}, {}, ({"lr": 0.001, "weight_decay": 0.0}, {"warmup_num_steps": 1, "warmup_max_lr": 0.001})),
+        # a given value the section lacks is added (a given lr is also the schedule's peak); a default is not
+        ("absent", {"lr": LR}, {"total_num_steps": 9}, ({"lr": LR}, {"total_num_steps": 9, "warmup_max_lr": LR})),
+        # warmup_num_steps=0 becomes 1 (DeepSpeed >= 0.19.6 rejects 0)
+        (
+            "warmup0",
+            {},
+            {"warmup_num_steps": 0},
+            ({"lr": 0.001, "weight_decay": 0.0}, {"warmup_num_steps": 1, "warmup_max_lr": 0.001}),
+        ),
+    ],
+)
 def test_fill_rules(case, optimizer_params, scheduler_params, want):
-    config = {"optimizer": {"type": "AdamW", "params": {}} if case == "absent" else sections()["optimizer"],
-              "scheduler": {"type": "WarmupDecayLR", "params": {} if case == "absent" else
-                            {"warmup_num_steps": "auto", "warmup_max_lr": "auto"}}}
+    config = {
+        "optimizer": {"type": "AdamW", "params": {}} if case == "absent" else sections()["optimizer"],
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {} if case == "absent" else {"warmup_num_steps": "auto", "warmup_max_lr": "auto"},
+        },
+    }
     opt = zerotrain.DummyOptim([torch.zeros(2)], **optimizer_params)
     sched = zerotrain.DummyScheduler(opt, **scheduler_params)
     filled, *_ = resolve_placeholders(config, opt, sched, None)
@@ -77,9 +102,13 @@ def test_schedule_without_end_ignores_total_num_steps_but_rejects_unknown_keywor
 def test_contradicting_values_are_one_error_naming_both_sides():
     opt = zerotrain.DummyOptim([torch.zeros(2)], lr=LR, weight_decay=WD)
     sched = zerotrain.DummyScheduler(opt, total_num_steps=TOTAL, warmup_num_steps=WARMUP)
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": WD}},
-              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": WARMUP,
-                                                                "warmup_max_lr": 1e-4}}}
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": WD}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"total_num_steps": 100, "warmup_num_steps": WARMUP, "warmup_max_lr": 1e-4},
+        },
+    }
     with pytest.raises(ConfigError) as caught:
         resolve_placeholders(config, opt, sched, None)
     message = str(caught.value)
@@ -94,30 +123,40 @@ def test_an_explicit_default_still_counts_as_given():
     with pytest.raises(ConfigError, match="optimizer.params.lr=0.01 vs DummyOptim"):
         resolve_placeholders({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}, opt, None, None)
     # not given: the config's value stands
-    filled, *_ = resolve_placeholders({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}},
-                                      zerotrain.DummyOptim([torch.zeros(2)]), None, None)
+    filled, *_ = resolve_placeholders(
+        {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}, zerotrain.DummyOptim([torch.zeros(2)]), None, None
+    )
     assert filled["optimizer"]["params"]["lr"] == 0.01
 
 
-@pytest.mark.parametrize("config, scheduler_kwargs, model_parameters, fragment", [
-    ({}, None, None, "needs an 'optimizer' section"),
-    (sections(), {"lr_scheduler_callable": lambda o: None}, None, "remove one"),
-    ({"optimizer": sections()["optimizer"]}, {}, None, "needs a 'scheduler' section"),
-    (sections(), None, [torch.zeros(1)], "pass the parameters once"),
-])
+@pytest.mark.parametrize(
+    "config, scheduler_kwargs, model_parameters, fragment",
+    [
+        ({}, None, None, "needs an 'optimizer' section"),
+        (sections(), {"lr_scheduler_callable": lambda o: None}, None, "remove one"),
+        ({"optimizer": sections()["optimizer"]}, {}, None, "needs a 'scheduler' section"),
+        (sections(), None, [torch.zeros(1)], "pass the parameters once"),
+    ],
+)
 def test_missing_sections_and_double_answers_are_errors(config, scheduler_kwargs, model_parameters, fragment):
     opt = zerotrain.DummyOptim([torch.zeros(2)], lr=LR)
     sched = None if scheduler_kwargs is None else zerotrain.DummyScheduler(opt, **scheduler_kwargs)
     with pytest.raises(ConfigError, match=fragment):
-        zerotrain.initialize(model=torch.nn.Linear(2, 2), optimizer=opt, lr_scheduler=sched,
-                             model_parameters=model_parameters, config=config)
+        zerotrain.initialize(
+            model=torch.nn.Linear(2, 2),
+            optimizer=opt,
+            lr_scheduler=sched,
+            model_parameters=model_parameters,
+            config=config,
+        )
 
 
 def test_callable_builds_the_scheduler_when_the_config_has_none():
     opt = zerotrain.DummyOptim([torch.zeros(2)], lr=LR)
     build = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1)  # noqa: E731
-    config, _, scheduler, _ = resolve_placeholders({"optimizer": sections()["optimizer"]}, opt,
-                                                   zerotrain.DummyScheduler(opt, lr_scheduler_callable=build), None)
+    config, _, scheduler, _ = resolve_placeholders(
+        {"optimizer": sections()["optimizer"]}, opt, zerotrain.DummyScheduler(opt, lr_scheduler_callable=build), None
+    )
     assert scheduler is build and "scheduler" not in config
 
 
@@ -133,23 +172,33 @@ def placeholder_runs() -> dict:
         model = make_model()
         optimizer = zerotrain.DummyOptim(param_groups(model), lr=LR, weight_decay=WD)
         scheduler = zerotrain.DummyScheduler(optimizer, total_num_steps=TOTAL, warmup_num_steps=WARMUP)
-        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": stage}, **sections()}
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage},
+            **sections(),
+        }
         engine, real_optimizer, _, real_scheduler = zerotrain.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
         losses, lrs = [], []
         for step in range(STEPS):
             lrs.append([group["lr"] for group in real_optimizer.param_groups])
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             loss = engine(batch, labels=batch).loss
             engine.backward(loss)
             engine.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / WORLD)
-        out[stage] = {"scheduler": type(real_scheduler).__name__, "lrs": lrs, "losses": losses,
-                      "weight_decay": [group["weight_decay"] for group in real_optimizer.param_groups],
-                      "params": {n: p.detach().clone() for n, p in engine.module_state_dict().items()}}
+        out[stage] = {
+            "scheduler": type(real_scheduler).__name__,
+            "lrs": lrs,
+            "losses": losses,
+            "weight_decay": [group["weight_decay"] for group in real_optimizer.param_groups],
+            "params": {n: p.detach().clone() for n, p in engine.module_state_dict().items()},
+        }
     return out
 
 
@@ -165,8 +214,9 @@ def warmup_decay(step: int) -> float:
 
 def plain_pytorch() -> dict:
     model = make_model()
-    optimizer = torch.optim.AdamW([{**group, "weight_decay": group.get("weight_decay", WD)}
-                                   for group in param_groups(model)], lr=LR)
+    optimizer = torch.optim.AdamW(
+        [{**group, "weight_decay": group.get("weight_decay", WD)} for group in param_groups(model)], lr=LR
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
     data = global_batches(STEPS, MICRO * WORLD)
     losses, lrs = [], []

@@ -52,8 +52,11 @@ def test_lion_matches_reference_over_several_steps(weight_decay):
 
 def test_lion_defaults_and_validation():
     optimizer = Lion([torch.nn.Parameter(torch.zeros(1))])
-    assert {k: optimizer.defaults[k] for k in ("lr", "betas", "weight_decay")} == \
-        {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
+    assert {k: optimizer.defaults[k] for k in ("lr", "betas", "weight_decay")} == {
+        "lr": 1e-4,
+        "betas": (0.9, 0.99),
+        "weight_decay": 0.0,
+    }
     for bad in ({"lr": -1.0}, {"betas": (0.9, 1.0)}, {"weight_decay": -0.1}):
         with pytest.raises(ValueError):
             Lion([torch.nn.Parameter(torch.zeros(1))], **bad)

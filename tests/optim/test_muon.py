@@ -40,7 +40,7 @@ def _two_rank_grads(model, batch) -> None:
     params = list(model.parameters())
     per_rank = []
     for rank in range(WORLD):
-        rows = batch[rank * MICRO:(rank + 1) * MICRO]
+        rows = batch[rank * MICRO : (rank + 1) * MICRO]
         model(rows, labels=rows).loss.backward()
         per_rank.append([p.grad / WORLD for p in params])
         for p in params:
@@ -106,8 +106,12 @@ def test_gram_matches_standard_iteration():
 
 
 def _engine_config(stage: int, method: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": _muon(method),
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": _muon(method),
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+    }
 
 
 def _train_engines(runs, checkpoint_dir):
@@ -123,14 +127,19 @@ def _train_engines(runs, checkpoint_dir):
         model = make_model()
         engine, opt, _, _ = zerotrain.initialize(model=model, config=_engine_config(stage, method))
         for step in range(STEPS):
-            rows = data[step, rank * MICRO:(rank + 1) * MICRO]
+            rows = data[step, rank * MICRO : (rank + 1) * MICRO]
             engine.backward(engine(rows, labels=rows).loss)
             engine.step()
         state = [(k, tuple(v.shape)) for s in opt.state.values() for k, v in s.items() if k == "momentum_buffer"]
-        out.append({"state": {n: v.clone() for n, v in engine.module_state_dict().items()},
-                    "type": type(opt).__name__, "groups": [g["name"] for g in opt.param_groups],
-                    "momentum_numel": sum(n[0] for _, n in state),
-                    "units": len(getattr(engine._zero, "units", []))})
+        out.append(
+            {
+                "state": {n: v.clone() for n, v in engine.module_state_dict().items()},
+                "type": type(opt).__name__,
+                "groups": [g["name"] for g in opt.param_groups],
+                "momentum_numel": sum(n[0] for _, n in state),
+                "units": len(getattr(engine._zero, "units", [])),
+            }
+        )
         engine.destroy()
     out.append(_resumes(checkpoint_dir, data, rank))
     return out
@@ -142,7 +151,7 @@ def _resumes(path, data, rank) -> dict:
     import zerotrain
 
     def step(engine, s):
-        rows = data[s, rank * MICRO:(rank + 1) * MICRO]
+        rows = data[s, rank * MICRO : (rank + 1) * MICRO]
         engine.backward(engine(rows, labels=rows).loss)
         engine.step()
 
@@ -192,7 +201,9 @@ def test_sharded_muon_equals_single_process(results, run):
         if not got["state"]:  # stage 3: module_state_dict() gathers onto rank 0 only
             continue
         for name, value in want.items():
-            assert torch.equal(got["state"][name], value), f"{name}: max diff {(got['state'][name] - value).abs().max()}"
+            assert torch.equal(got["state"][name], value), (
+                f"{name}: max diff {(got['state'][name] - value).abs().max()}"
+            )
     if stage >= 1:  # the momentum is sharded: each rank holds about half of the matrices' elements
         matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
         for r in results:
@@ -210,8 +221,11 @@ def test_refusals_name_the_key(in_process_rank):
         build_optimizer("Muon", {}, model.parameters())
     with pytest.raises(ValueError, match="'nesterov'"):
         build_optimizer("Muon", {"nesterov": False}, model.parameters(), model.named_parameters())
-    cfg = {"train_batch_size": 2, "optimizer": _muon("gram"),
-           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": _muon("gram"),
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
     with pytest.raises(NotImplementedError, match="offload_optimizer"):
         zerotrain.initialize(model=model, config=cfg)
 
@@ -220,8 +234,12 @@ def test_bf16_stage2_steps_fp32_masters(in_process_rank):
     import zerotrain
 
     model = make_model()
-    cfg = {"train_batch_size": 2, "optimizer": _muon("gram"), "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000}}
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": _muon("gram"),
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000},
+    }
     engine, opt, _, _ = zerotrain.initialize(model=model, config=cfg)
     before = {n: v.clone() for n, v in engine.module_state_dict().items()}
     batch = global_batches(1, 2)[0]

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from zerotrain.optim import Lion, build_optimizer
-from zerotrain.optim import factory
+from zerotrain.optim import Lion, build_optimizer, factory
 
 
 def params(count=2):
@@ -40,7 +39,7 @@ def test_adam_hyperparameters_and_json_list_betas():
     optimizer = build_optimizer("Adam", config, params())
     assert {k: optimizer.defaults[k] for k in config} == {**config, "betas": (0.8, 0.95)}
     assert config["betas"] == [0.8, 0.95]  # caller's dict untouched
-    loss = sum((p ** 2).sum() for group in optimizer.param_groups for p in group["params"])
+    loss = sum((p**2).sum() for group in optimizer.param_groups for p in group["params"])
     loss.backward()
     optimizer.step()
 
@@ -68,14 +67,17 @@ def test_no_fused_for_optimizers_that_take_sparse_gradients():
     assert sgd.defaults["fused"] is None
 
 
-@pytest.mark.parametrize("opt_type, cls, expected", [
-    ("SGD", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    ("sgd", torch.optim.SGD, {"lr": 0.1}),
-    ("Adagrad", torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-10}),
-    ("ADAGRAD", torch.optim.Adagrad, {}),
-    ("RMSprop", torch.optim.RMSprop, {"alpha": 0.9}),
-    ("rmsprop", torch.optim.RMSprop, {}),
-])
+@pytest.mark.parametrize(
+    "opt_type, cls, expected",
+    [
+        ("SGD", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        ("sgd", torch.optim.SGD, {"lr": 0.1}),
+        ("Adagrad", torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-10}),
+        ("ADAGRAD", torch.optim.Adagrad, {}),
+        ("RMSprop", torch.optim.RMSprop, {"alpha": 0.9}),
+        ("rmsprop", torch.optim.RMSprop, {}),
+    ],
+)
 def test_torch_optimizers(opt_type, cls, expected):
     optimizer = build_optimizer(opt_type, dict(expected), params())
     assert type(optimizer) is cls
@@ -87,8 +89,11 @@ def test_torch_optimizers(opt_type, cls, expected):
 def test_lion_uses_deepspeed_fused_lion_defaults():
     optimizer = build_optimizer("Lion", {}, params())
     assert type(optimizer) is Lion
-    assert {k: optimizer.defaults[k] for k in ("lr", "betas", "weight_decay")} == \
-        {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}
+    assert {k: optimizer.defaults[k] for k in ("lr", "betas", "weight_decay")} == {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "weight_decay": 0.0,
+    }
     tuned = build_optimizer("lion", {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}, params())
     assert tuned.defaults["betas"] == (0.95, 0.98) and tuned.defaults["weight_decay"] == 0.1
     with pytest.raises(ValueError, match="'eps'.*Lion"):
@@ -113,15 +118,17 @@ def test_unknown_type_suggests_and_lists():
         assert name in message
 
 
-@pytest.mark.parametrize("name", ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD",
-                                  "onebitadam"])
+@pytest.mark.parametrize(
+    "name", ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "onebitadam"]
+)
 def test_deepspeed_only_optimizers_not_implemented(name):
     with pytest.raises(NotImplementedError, match=f"(?i){name}"):
         build_optimizer(name, {}, params())
 
 
-@pytest.mark.parametrize("opt_type, bad", [("Adam", "momentum"), ("SGD", "betas"), ("Adagrad", "momentum"),
-                                           ("Adam", "torch_adamw")])
+@pytest.mark.parametrize(
+    "opt_type, bad", [("Adam", "momentum"), ("SGD", "betas"), ("Adagrad", "momentum"), ("Adam", "torch_adamw")]
+)
 def test_unknown_key_names_key_and_optimizer(opt_type, bad):
     with pytest.raises(ValueError, match=f"'{bad}'.*{opt_type}"):
         build_optimizer(opt_type, {bad: 1}, params())

@@ -102,8 +102,14 @@ def test_warmup_num_steps_below_two_count_as_two(steps):
 @pytest.mark.parametrize("kind", ["log", "linear"])
 def test_warmup_decay_lr_matches_formula(kind):
     lows, highs = [0.0, 0.01], [1.0, 2.0]
-    scheduler = WarmupDecayLR(make_optimizer(), total_num_steps=30, warmup_min_lr=lows, warmup_max_lr=highs,
-                              warmup_num_steps=10, warmup_type=kind)
+    scheduler = WarmupDecayLR(
+        make_optimizer(),
+        total_num_steps=30,
+        warmup_min_lr=lows,
+        warmup_max_lr=highs,
+        warmup_num_steps=10,
+        warmup_type=kind,
+    )
     seq = lr_sequence(scheduler, 40)
     for it in CHECKPOINTS:
         for g in range(2):
@@ -126,8 +132,9 @@ def test_warmup_decay_lr_defaults_and_short_total(warnings_log):
 @pytest.mark.parametrize("kind", ["log", "linear"])
 def test_warmup_cosine_lr_matches_formula(kind):
     optimizer = make_optimizer()
-    scheduler = WarmupCosineLR(optimizer, total_num_steps=30, warmup_min_ratio=0.1, warmup_num_steps=10,
-                               cos_min_ratio=0.05, warmup_type=kind)
+    scheduler = WarmupCosineLR(
+        optimizer, total_num_steps=30, warmup_min_ratio=0.1, warmup_num_steps=10, cos_min_ratio=0.05, warmup_type=kind
+    )
     assert [g["lr"] for g in optimizer.param_groups] == [0.0, 0.0]  # ratio 0 before the first step
     seq = lr_sequence(scheduler, 40)
     for it in CHECKPOINTS:
@@ -144,8 +151,9 @@ def test_warmup_cosine_lr_total_equal_to_warmup_stays_at_floor():
     assert seq[4] == pytest.approx([1e-4 * lr for lr in GROUP_LRS])
 
 
-@pytest.mark.parametrize("cls, extra", [(WarmupLR, {}), (WarmupDecayLR, {"total_num_steps": 9}),
-                                        (WarmupCosineLR, {"total_num_steps": 9})])
+@pytest.mark.parametrize(
+    "cls, extra", [(WarmupLR, {}), (WarmupDecayLR, {"total_num_steps": 9}), (WarmupCosineLR, {"total_num_steps": 9})]
+)
 def test_invalid_warmup_type_names_the_parameter(cls, extra):
     with pytest.raises(ValueError, match="warmup_type"):
         cls(make_optimizer(), warmup_type="cosine", **extra)

@@ -18,8 +18,13 @@ def layers(n: int) -> list[nn.Module]:
 def batches(dp: int, steps: int = STEPS) -> list:
     """``[step][data rank][micro-batch] -> (inputs, labels)``."""
     g = torch.Generator().manual_seed(7)
-    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(steps)]
+    return [
+        [
+            [(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g)) for _ in range(M)]
+            for _ in range(dp)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def optimizer(params, name: str):
@@ -45,16 +50,25 @@ def reference(model_layers: list[nn.Module], dp: int, optimizer_name: str, clip:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e9)))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "norms": norms, "model": model,
-            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "model": model,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def config(dp: int, stage: int, schedule: str, clip: float, m: int = M, **pipeline) -> dict:
     """The engine config of the virtual-stage tests: ``m`` micro-batches of ``MICRO`` per replica,
     ZeRO ``stage``, clipping at ``clip``, ``pipeline`` keys beside the schedule."""
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
-            "train_batch_size": MICRO * m * dp, "zero_optimization": {"stage": stage},
-            "gradient_clipping": clip, "pipeline": {"schedule": schedule, **pipeline}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": MICRO * m * dp,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "pipeline": {"schedule": schedule, **pipeline},
+    }
 
 
 def compare_weights(what: str, weights: dict, ref_weights: dict, rtol: float = 1e-6) -> list[str]:
@@ -101,8 +115,15 @@ def check_replicas(what: str, got: list, ref: dict, dp: int) -> list[str]:
             failures.append(f"{what} rank {rank}: the returned loss differs between ranks")
     assert sorted(whole) == sorted(ref["weights"]), "the ranks together hold every layer"
     with torch.no_grad():
-        want = float(torch.stack([nn.functional.mse_loss(ref["model"](x), y)
-                                  for rank in batches(dp, steps=STEPS + 1)[STEPS] for x, y in rank]).mean())
+        want = float(
+            torch.stack(
+                [
+                    nn.functional.mse_loss(ref["model"](x), y)
+                    for rank in batches(dp, steps=STEPS + 1)[STEPS]
+                    for x, y in rank
+                ]
+            ).mean()
+        )
     if not abs(got[0]["eval"] - want) <= 1e-6 * want:
         failures.append(f"{what}: eval loss {got[0]['eval']} != reference {want}")
     return failures

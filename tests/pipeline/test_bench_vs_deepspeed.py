@@ -50,9 +50,32 @@ def test_cases_cover_every_offered_schedule():
 
 def test_pipeline_and_data_parallel_cases_train_alike(tmp_path):
     bench = _bench()
-    out = bench.main(["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "8", "--seq", "8",
-                      "--hidden", "16", "--heads", "2", "--layers", "2", "--vocab", "32",
-                      "--only", "zt_1f1b_m4,dp_gas1", "--json", str(tmp_path / "out.json")])
+    out = bench.main(
+        [
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch",
+            "8",
+            "--seq",
+            "8",
+            "--hidden",
+            "16",
+            "--heads",
+            "2",
+            "--layers",
+            "2",
+            "--vocab",
+            "32",
+            "--only",
+            "zt_1f1b_m4,dp_gas1",
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     runs = {r["case"]: r for r in out["runs"]}
     assert set(runs) == {"zt_1f1b_m4", "dp_gas1"}
     pipe, dp = runs["zt_1f1b_m4"]["losses"], runs["dp_gas1"]["losses"]

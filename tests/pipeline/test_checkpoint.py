@@ -56,20 +56,25 @@ def _specs(tied: bool, seed: int = 0) -> list:
     if not tied:
         return layers
     tie = dict(tied_weight_attr=["weight", "bias"])
-    return ([TiedLayerSpec("emb", TiedLinear, 11 + seed, **tie)] + layers[1:-1]
-            + [TiedLayerSpec("emb", TiedLinear, 11 + seed, **tie)])
+    return (
+        [TiedLayerSpec("emb", TiedLinear, 11 + seed, **tie)]
+        + layers[1:-1]
+        + [TiedLayerSpec("emb", TiedLinear, 11 + seed, **tie)]
+    )
 
 
 def _batches() -> list:
     """``[step][micro-batch] -> (inputs, labels)``: the global batch of every step."""
     g = torch.Generator().manual_seed(7)
-    return [[(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g))
-             for _ in range(BATCH)] for _ in range(STEPS)]
+    return [
+        [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(BATCH)]
+        for _ in range(STEPS)
+    ]
 
 
 def _share(step: list, dp: int, rank: int) -> list:
     m = BATCH // dp
-    return step[rank * m:(rank + 1) * m]
+    return step[rank * m : (rank + 1) * m]
 
 
 def _optimizer(params, name: str):
@@ -79,9 +84,13 @@ def _optimizer(params, name: str):
 
 
 def _config(dp: int, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": BATCH // dp,
-            "train_batch_size": MICRO * BATCH, "zero_optimization": {"stage": stage},
-            "gradient_clipping": 0.0}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": BATCH // dp,
+        "train_batch_size": MICRO * BATCH,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+    }
 
 
 def _reference_name(name: str) -> str:
@@ -114,11 +123,13 @@ def _pipeline_engine(pipe: int, stage: int, optimizer: str, tied: bool, seed: in
     import zerotrain
     from zerotrain.pipeline import PipelineModule
 
-    model = PipelineModule(_specs(tied, seed), num_stages=pipe, loss_fn=nn.functional.mse_loss,
-                           partition_method="uniform")
+    model = PipelineModule(
+        _specs(tied, seed), num_stages=pipe, loss_fn=nn.functional.mse_loss, partition_method="uniform"
+    )
     dp = model.mpu().get_data_parallel_world_size()
-    engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, optimizer),
-                                      config=_config(dp, stage))
+    engine, *_ = zerotrain.initialize(
+        model=model, optimizer=lambda p: _optimizer(p, optimizer), config=_config(dp, stage)
+    )
     return engine, dp
 
 
@@ -136,8 +147,9 @@ def _plain_engine(stage: int, optimizer: str):
     import zerotrain
 
     model = nn.Sequential(*_layers(seed=5))
-    engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, optimizer),
-                                      config=_config(4, stage))
+    engine, *_ = zerotrain.initialize(
+        model=model, optimizer=lambda p: _optimizer(p, optimizer), config=_config(4, stage)
+    )
     return engine
 
 
@@ -176,14 +188,22 @@ def _run(root: str) -> dict:
         for pipe in (2, 4, 1):
             engine, dp = _pipeline_engine(pipe, stage, optimizer, tied, seed=3)
             path, client = engine.load_checkpoint(save_dir)
-            res[f"P{pipe}"] = {"client": client, "steps": engine.global_steps,
-                               "losses": _train(engine, dp, after), "weights": _weights(engine)}
+            res[f"P{pipe}"] = {
+                "client": client,
+                "steps": engine.global_steps,
+                "losses": _train(engine, dp, after),
+                "weights": _weights(engine),
+            }
             engine.destroy()
         if not tied:
             engine = _plain_engine(stage, optimizer)
             _, client = engine.load_checkpoint(save_dir, tag="ck")
-            res["plain"] = {"client": client, "steps": engine.global_steps,
-                            "losses": _train_plain(engine, after), "weights": _weights(engine)}
+            res["plain"] = {
+                "client": client,
+                "steps": engine.global_steps,
+                "losses": _train_plain(engine, after),
+                "weights": _weights(engine),
+            }
             engine.destroy()
     return out
 
@@ -261,8 +281,12 @@ def _check_consolidated(save_dir, saved: dict) -> None:
     for n, w in saved.items():
         assert torch.equal(state[n], w), n
     out = save_dir / "consolidated"
-    subprocess.run([sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(save_dir), str(out), "--safetensors"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "zerotrain.launcher.cli", "consolidate", str(save_dir), str(out), "--safetensors"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     from safetensors.torch import load_file
 
     state = load_file(str(out / "model.safetensors"))
@@ -274,6 +298,7 @@ def _check_consolidated(save_dir, saved: dict) -> None:
 # -- P=2 x D=1: ZeRO 0 (whole parameters in the stage's mp_rank file), bf16 (bf16_ files, fp32
 # masters), an asynchronous save, and a refusal on one stage failing the save on both.
 
+
 def _to_bf16(batch):
     x, y = batch
     return x.to(torch.bfloat16), y.to(torch.bfloat16)
@@ -283,8 +308,7 @@ def _small_engine(stage: int, bf16: bool, seed: int = 0):
     import zerotrain
     from zerotrain.pipeline import PipelineModule
 
-    model = PipelineModule(_layers(seed), num_stages=2, loss_fn=nn.functional.mse_loss,
-                           partition_method="uniform")
+    model = PipelineModule(_layers(seed), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform")
     config = _config(1, stage)
     if bf16:
         config["bf16"] = {"enabled": True}
@@ -318,8 +342,12 @@ def _run_small(root: str) -> dict:
         engine = _small_engine(stage, bf16, seed=3)
         engine.load_checkpoint(save_dir)
         again = (_train(engine, 1, range(SAVED_AT, STEPS)), _weights(engine))
-        out[name] = {"first": first, "again": again, "refused": refused,
-                     "dtype": str(next(engine.module.parameters()).dtype)}
+        out[name] = {
+            "first": first,
+            "again": again,
+            "refused": refused,
+            "dtype": str(next(engine.module.parameters()).dtype),
+        }
         engine.destroy()
     return out
 
@@ -341,10 +369,13 @@ def test_pipeline_checkpoint_zero0_bf16_async_and_refusal(tmp_path):
         assert not [f for f in (tmp_path / name).iterdir() if f.name.startswith(".")]
         if bf16:
             assert [f for f in files if "optim_states" in f] == [
-                "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+                "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            ]
         else:  # fp32 ZeRO 0: no ZeRO files; the stage's parameters and their state in mp_rank_XX
             assert not [f for f in files if "optim_states" in f], files
             ms = torch.load(folder / "mp_rank_01_model_states.pt", weights_only=True)
             assert ms["module"] is None and ms["k"] == 1
             assert {k for k in ms["zerotrain_tensors"] if k.startswith("param/")} == {
-                f"param/{i}.{w}" for i in range(3, 6) for w in ("weight", "bias")}
+                f"param/{i}.{w}" for i in range(3, 6) for w in ("weight", "bias")
+            }

@@ -58,7 +58,8 @@ def test_script_is_deepspeed_examples_and_only_its_imports_change():
     assert [(a, b) for a, b in zip(theirs, ours) if a != b] == [
         ("import deepspeed", "import zerotrain as deepspeed"),
         ("from deepspeed.pipe import PipelineModule", "from zerotrain.pipe import PipelineModule"),
-        ("from deepspeed.utils import RepeatingLoader", "from zerotrain.utils import RepeatingLoader")]
+        ("from deepspeed.utils import RepeatingLoader", "from zerotrain.utils import RepeatingLoader"),
+    ]
 
 
 def _reference(samples: int) -> dict:
@@ -76,8 +77,9 @@ def _reference(samples: int) -> dict:
     loader = torch.utils.data.DataLoader(CIFAR10(), batch_size=MICRO, shuffle=False)
     batches = iter(loader)  # the engine's loader draws its base seed here too
     params = CONFIG["optimizer"]["params"]
-    opt = torch.optim.AdamW(net.parameters(), lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"],
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        net.parameters(), lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"], weight_decay=0.0
+    )
     losses = []
     for _ in range(STEPS):
         total = 0.0
@@ -92,8 +94,12 @@ def _reference(samples: int) -> dict:
         torch.nn.utils.clip_grad_norm_(net.parameters(), CONFIG.get("gradient_clipping", 1.0))
         opt.step()
         opt.zero_grad()
-    weights = {f"{idx}.{name}": p.detach().clone() for idx, layer in enumerate(layers)
-               if isinstance(layer, torch.nn.Module) for name, p in layer.named_parameters()}
+    weights = {
+        f"{idx}.{name}": p.detach().clone()
+        for idx, layer in enumerate(layers)
+        if isinstance(layer, torch.nn.Module)
+        for name, p in layer.named_parameters()
+    }
     return {"losses": losses, "weights": weights}
 
 
@@ -102,11 +108,33 @@ def test_example_trains_two_stages_like_one_process(tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
     samples = MICRO * M * STEPS
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_RECORD_DIR": str(tmp_path),
-           "EXAMPLE_ENGINE": "zerotrain", "EXAMPLE_SAMPLES": str(samples)}
-    cmd = [sys.executable, "-m", "zerotrain.launcher.cli", "launch", "--nproc", "2", "--master_port",
-           str(_free_port()), "cpu_harness.py", SCRIPT, "--deepspeed_config", str(config), "-p", "2",
-           "--steps", str(STEPS), "--backend", "gloo"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "EXAMPLE_RECORD_DIR": str(tmp_path),
+        "EXAMPLE_ENGINE": "zerotrain",
+        "EXAMPLE_SAMPLES": str(samples),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerotrain.launcher.cli",
+        "launch",
+        "--nproc",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "cpu_harness.py",
+        SCRIPT,
+        "--deepspeed_config",
+        str(config),
+        "-p",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--backend",
+        "gloo",
+    ]
     done = subprocess.run(cmd, cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from tests.pipeline import mlp
-from tests.pipeline.mlp import D_IN, M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
+from tests.pipeline.mlp import D_IN, MICRO, STEPS, M
+from tests.pipeline.mlp import batches as _batches
+from tests.pipeline.mlp import optimizer as _optimizer
 from zerotrain.testing import run_on_ranks
 
 LAYERS, CLIP = 6, 0.05
@@ -36,9 +38,14 @@ def _clip(optimizer: str) -> float:
 
 
 def _config(dp: int, stage: int, schedule: str, precision: str = "fp32", clip: float = CLIP) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-           "train_batch_size": MICRO * M * dp, "zero_optimization": {"stage": stage},
-           "gradient_clipping": clip, "pipeline": {"schedule": schedule}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": MICRO * M * dp,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "pipeline": {"schedule": schedule},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -66,12 +73,14 @@ def _train_combos(pipe: int, combos: list) -> dict:
     zerotrain.init_distributed()
     out = {}
     for precision, stage, optimizer, schedule in combos:
-        model = PipelineModule(_layers(), num_stages=pipe, loss_fn=nn.functional.mse_loss,
-                               partition_method="uniform")
+        model = PipelineModule(_layers(), num_stages=pipe, loss_fn=nn.functional.mse_loss, partition_method="uniform")
         grid = model.mpu()
         dp = grid.get_data_parallel_world_size()
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
-                                          config=_config(dp, stage, schedule, precision, _clip(optimizer)))
+        engine, *_ = zerotrain.initialize(
+            model=model,
+            optimizer=lambda p, o=optimizer: _optimizer(p, o),
+            config=_config(dp, stage, schedule, precision, _clip(optimizer)),
+        )
         assert type(engine).__name__ == "PipelineEngine"
         assert engine.topology is grid.topology_
         if precision == "bf16":
@@ -80,9 +89,13 @@ def _train_combos(pipe: int, combos: list) -> dict:
         losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
         weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         out[(precision, stage, optimizer, schedule)] = {
-            "losses": losses, "weights": weights, "stage": engine.stage_id,
-            "global_steps": engine.global_steps, "total_loss": float(engine.total_loss),
-            "skipped": engine.skipped_steps}
+            "losses": losses,
+            "weights": weights,
+            "stage": engine.stage_id,
+            "global_steps": engine.global_steps,
+            "total_loss": float(engine.total_loss),
+            "skipped": engine.skipped_steps,
+        }
         if (precision, stage) == ("fp32", 0) and schedule == "1f1b" and optimizer == "sgd":
             out["extras"] = _extras(engine, dp, PipelineError)
         engine.destroy()
@@ -95,15 +108,24 @@ def _extras(engine, dp: int, PipelineError) -> dict:
     loss, logits = engine.eval_batch(iter(batches), return_logits=True)
     per_micro = engine.eval_batch(iter(batches), reduce_output=None)
     errors = []
-    for call in (lambda: engine(torch.zeros(MICRO, D_IN)), lambda: engine.backward(torch.zeros(())),
-                 lambda: engine.step()):
+    for call in (
+        lambda: engine(torch.zeros(MICRO, D_IN)),
+        lambda: engine.backward(torch.zeros(())),
+        lambda: engine.step(),
+    ):
         try:
             call()
             errors.append(None)
         except PipelineError as error:
             errors.append(str(error))
-    return {"eval_loss": float(loss), "logits": logits, "per_micro": per_micro,
-            "first": engine.is_first_stage(), "last": engine.is_last_stage(), "errors": errors}
+    return {
+        "eval_loss": float(loss),
+        "logits": logits,
+        "per_micro": per_micro,
+        "first": engine.is_first_stage(),
+        "last": engine.is_last_stage(),
+        "errors": errors,
+    }
 
 
 def _check(results: list, pipe: int, dp: int) -> list[str]:
@@ -143,7 +165,7 @@ def _check_extras(results: list, dp: int) -> None:
     batches = _batches(dp, steps=STEPS + 1)[STEPS]
     with torch.no_grad():
         per_rank = [[nn.functional.mse_loss(ref(x), y) for x, y in rank] for rank in batches]
-        want = float(torch.stack([l for r in per_rank for l in r]).mean())
+        want = float(torch.stack([loss for r in per_rank for loss in r]).mean())
     for rank, res in enumerate(results):
         extras = res["extras"]
         assert abs(extras["eval_loss"] - want) <= 1e-6 * want, (rank, extras["eval_loss"], want)
@@ -152,14 +174,16 @@ def _check_extras(results: list, dp: int) -> None:
             dp_rank = rank % dp
             x, y = batches[dp_rank][-1]
             torch.testing.assert_close(extras["logits"], ref(x).detach(), rtol=1e-5, atol=1e-6)
-            losses = [float(l) for l in extras["per_micro"]]
-            assert losses == pytest.approx([float(l) for l in per_rank[dp_rank]], rel=1e-5)
+            losses = [float(loss) for loss in extras["per_micro"]]
+            assert losses == pytest.approx([float(loss) for loss in per_rank[dp_rank]], rel=1e-5)
         else:
             assert extras["logits"] is None and extras["per_micro"] is None
 
 
-FP32 = [("fp32", stage, opt, sched) for stage, opt, sched in
-        itertools.product((0, 1, 2), ("sgd", "adamw", "sgd_noclip"), ("1f1b", "gpipe"))]
+FP32 = [
+    ("fp32", stage, opt, sched)
+    for stage, opt, sched in itertools.product((0, 1, 2), ("sgd", "adamw", "sgd_noclip"), ("1f1b", "gpipe"))
+]
 
 
 def test_two_stages_one_replica_match_single_process():
@@ -169,10 +193,19 @@ def test_two_stages_one_replica_match_single_process():
     _check_extras(results, dp=1)
 
 
-FOUR_RANKS = [("fp32", 0, "sgd", "1f1b"), ("fp32", 1, "adamw", "gpipe"), ("fp32", 2, "sgd", "gpipe"),
-              ("fp32", 2, "adamw", "1f1b"), ("fp32", 1, "sgd", "1f1b"), ("fp32", 0, "adamw", "gpipe"),
-              ("fp32", 0, "sgd_noclip", "gpipe"), ("fp32", 1, "sgd_noclip", "1f1b"), ("fp32", 2, "sgd_noclip", "1f1b"),
-              ("bf16", 1, "adamw", "1f1b"), ("bf16", 2, "adamw", "gpipe")]
+FOUR_RANKS = [
+    ("fp32", 0, "sgd", "1f1b"),
+    ("fp32", 1, "adamw", "gpipe"),
+    ("fp32", 2, "sgd", "gpipe"),
+    ("fp32", 2, "adamw", "1f1b"),
+    ("fp32", 1, "sgd", "1f1b"),
+    ("fp32", 0, "adamw", "gpipe"),
+    ("fp32", 0, "sgd_noclip", "gpipe"),
+    ("fp32", 1, "sgd_noclip", "1f1b"),
+    ("fp32", 2, "sgd_noclip", "1f1b"),
+    ("bf16", 1, "adamw", "1f1b"),
+    ("bf16", 2, "adamw", "gpipe"),
+]
 
 
 def test_two_stages_two_replicas_match_single_process():
@@ -198,8 +231,9 @@ def _loader_and_refusals() -> dict:
     xs, ys = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
     dataset = torch.utils.data.TensorDataset(xs, ys)
     model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform")
-    engine, _, loader, _ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "sgd"),
-                                                config=_config(1, 1, "1f1b"), training_data=dataset)
+    engine, _, loader, _ = zerotrain.initialize(
+        model=model, optimizer=lambda p: _optimizer(p, "sgd"), config=_config(1, 1, "1f1b"), training_data=dataset
+    )
     out["losses"] = [float(engine.train_batch()) for _ in range(STEPS)]
     out["weights"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()

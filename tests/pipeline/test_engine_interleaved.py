@@ -24,8 +24,13 @@ import torch
 from torch import nn
 
 from tests.pipeline import mlp
-from tests.pipeline.mlp import HIDDEN, M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
-from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ, head as _head, lm_loss as _lm_loss, mix as _mix
+from tests.pipeline.mlp import HIDDEN, MICRO, STEPS, M
+from tests.pipeline.mlp import batches as _batches
+from tests.pipeline.mlp import optimizer as _optimizer
+from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ
+from tests.pipeline.tied_lm import head as _head
+from tests.pipeline.tied_lm import lm_loss as _lm_loss
+from tests.pipeline.tied_lm import mix as _mix
 from tests.pipeline.tied_lm import optimizer as _tied_optimizer
 from zerotrain.testing import run_on_ranks
 
@@ -54,17 +59,25 @@ def _train(combos: list) -> dict:
     out = {}
     for combo in combos:
         stage, optimizer, schedule, *interval = combo  # interval: activation checkpoints per chunk
-        model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                               partition_method="uniform", virtual_stages=V)
+        model = PipelineModule(
+            _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", virtual_stages=V
+        )
         dp = model.mpu().get_data_parallel_world_size()
         extra = {"activation_checkpoint_interval": interval[0], "use_reentrant": False} if interval else {}
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
-                                          config=_config(dp, stage, schedule, virtual_stages=V, **extra))
+        engine, *_ = zerotrain.initialize(
+            model=model,
+            optimizer=lambda p, o=optimizer: _optimizer(p, o),
+            config=_config(dp, stage, schedule, virtual_stages=V, **extra),
+        )
         out[combo] = {
-            **mlp.train_and_eval(engine, dp), "layers": list(model._local_layers), "skipped": engine.skipped_steps,
+            **mlp.train_and_eval(engine, dp),
+            "layers": list(model._local_layers),
+            "skipped": engine.skipped_steps,
             "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
             "checkpointed": [model._checkpointable_blocks(*model._chunk_ranges[c]) for c in range(V)]
-            if interval else None}
+            if interval
+            else None,
+        }
         engine.destroy()
     return out
 
@@ -98,9 +111,16 @@ def test_interleaved_two_ranks_match_single_process():
     assert not failures, "\n".join(failures)
 
 
-FOUR_RANKS = [(0, "adamw", "interleaved_1f1b"), (1, "sgd", "interleaved_1f1b"), (2, "adamw", "interleaved_1f1b"),
-              (2, "sgd", "interleaved_1f1b"), (1, "adamw", "looped_bfs"), (0, "sgd", "zero_bubble"),
-              (1, "adamw", "zero_bubble"), (2, "sgd", "zero_bubble")]
+FOUR_RANKS = [
+    (0, "adamw", "interleaved_1f1b"),
+    (1, "sgd", "interleaved_1f1b"),
+    (2, "adamw", "interleaved_1f1b"),
+    (2, "sgd", "interleaved_1f1b"),
+    (1, "adamw", "looped_bfs"),
+    (0, "sgd", "zero_bubble"),
+    (1, "adamw", "zero_bubble"),
+    (2, "sgd", "zero_bubble"),
+]
 
 
 def test_interleaved_two_replicas_match_single_process():
@@ -117,15 +137,18 @@ def _train_bf16(combos: list) -> dict:
     zerotrain.init_distributed()
     out = {}
     for stage, schedule in combos:
-        model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                               partition_method="uniform", virtual_stages=V)
-        config = {**_config(1, stage, schedule), "bf16": {"enabled": True},
-                  "data_types": {"grad_accum_dtype": "fp32"}}
+        model = PipelineModule(
+            _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", virtual_stages=V
+        )
+        config = {**_config(1, stage, schedule), "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
         engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "adamw"), config=config)
         engine.set_batch_fn(lambda b: (b[0].to(torch.bfloat16), b[1].to(torch.bfloat16)))
         losses = [float(engine.train_batch(iter(step[0]))) for step in _batches(1)]
-        out[(stage, schedule)] = {"losses": losses, "skipped": engine.skipped_steps,
-                                  "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+        out[(stage, schedule)] = {
+            "losses": losses,
+            "skipped": engine.skipped_steps,
+            "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        }
         engine.destroy()
     return out
 
@@ -164,16 +187,30 @@ def _tied_specs():
     0, chunk 1, through ``_mix``) and 7 (rank 1, chunk 1, the head)."""
     from zerotrain.pipeline import LayerSpec, TiedLayerSpec
 
-    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), LayerSpec(nn.Linear, WIDTH, WIDTH), nn.Tanh(),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_mix),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.LayerNorm, WIDTH),
-            TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head)]
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_mix),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        LayerSpec(nn.LayerNorm, WIDTH),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head),
+    ]
 
 
 def _tied_batches(dp: int) -> list:
     g = torch.Generator().manual_seed(3)
-    return [[[(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(STEPS)]
+    return [
+        [
+            [
+                (torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
+                for _ in range(M)
+            ]
+            for _ in range(dp)
+        ]
+        for _ in range(STEPS)
+    ]
 
 
 def _tied_reference(dp: int) -> dict:
@@ -213,12 +250,19 @@ def _train_tied(stages: list) -> dict:
     zerotrain.init_distributed()
     out = {}
     for stage in stages:
-        model = PipelineModule(_tied_specs(), num_stages=2, loss_fn=_lm_loss, partition_method="uniform",
-                               seed_layers=True, base_seed=1234, virtual_stages=V)
+        model = PipelineModule(
+            _tied_specs(),
+            num_stages=2,
+            loss_fn=_lm_loss,
+            partition_method="uniform",
+            seed_layers=True,
+            base_seed=1234,
+            virtual_stages=V,
+        )
         dp = model.mpu().get_data_parallel_world_size()
         engine, *_ = zerotrain.initialize(
-            model=model, optimizer=_tied_optimizer,
-            config=_config(dp, stage, "interleaved_1f1b"))
+            model=model, optimizer=_tied_optimizer, config=_config(dp, stage, "interleaved_1f1b")
+        )
         rank = engine.topology.data_rank
         tied = []
         for step in _tied_batches(dp):
@@ -251,8 +295,13 @@ def _errors() -> dict:
 
     def attempt(name, virtual, config):
         try:
-            model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                                   partition_method="uniform", virtual_stages=virtual)
+            model = PipelineModule(
+                _layers(),
+                num_stages=2,
+                loss_fn=nn.functional.mse_loss,
+                partition_method="uniform",
+                virtual_stages=virtual,
+            )
             engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "sgd"), config=config)
             out[name] = None
             engine.destroy()
@@ -283,8 +332,9 @@ def test_bad_virtual_stage_combinations_give_one_line():
     assert errors["single_stage_schedule"].startswith("pipeline.schedule='1f1b' runs one stage per rank")
     assert "gradient_accumulation_steps" in errors["micro_batches"]
     assert "multiple of 2" in errors["micro_batches"]
-    assert errors["config_disagrees"].startswith("pipeline.virtual_stages=3 but the PipelineModule was built "
-                                                 "with virtual_stages=2")
+    assert errors["config_disagrees"].startswith(
+        "pipeline.virtual_stages=3 but the PipelineModule was built with virtual_stages=2"
+    )
     assert errors["zero"].startswith("PipelineModule: virtual_stages must be a positive int")
 
 
@@ -294,8 +344,10 @@ def test_config_keys():
     cfg = ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": "Interleaved_1F1B", "virtual_stages": 4}})
     assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved_1f1b", 4)
     assert ZeroTrainConfig(train_batch_size=8).pipeline.virtual_stages == "auto"
-    assert ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": "zero_bubble"}}).pipeline.schedule \
+    assert (
+        ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": "zero_bubble"}}).pipeline.schedule
         == "zero_bubble"
+    )
     for bad in ({"virtual_stages": 0}, {"schedule": "zero-bubble"}):
         with pytest.raises((ConfigError, ValueError)):
             ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": bad})
@@ -312,14 +364,16 @@ def _checkpoint_across_v(save_dir: str) -> dict:
     batches = _batches(1)
 
     def build(virtual, schedule):
-        model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                               partition_method="uniform", virtual_stages=virtual)
+        model = PipelineModule(
+            _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", virtual_stages=virtual
+        )
         # other initial weights, so loading must replace them
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "adamw"),
-                                          config=_config(1, 1, schedule))
+        engine, *_ = zerotrain.initialize(
+            model=model, optimizer=lambda p: _optimizer(p, "adamw"), config=_config(1, 1, schedule)
+        )
         return engine
 
     def weights(engine):
@@ -351,18 +405,28 @@ def _checkpoint_across_v(save_dir: str) -> dict:
     again.destroy()
     import os
 
-    return {"saved": saved, "loaded": loaded, "after": after, "reloaded": reloaded,
-            "from_layer_files": from_layer_files, "layer_files": sorted(os.listdir(layer_dir))}
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "after": after,
+        "reloaded": reloaded,
+        "from_layer_files": from_layer_files,
+        "layer_files": sorted(os.listdir(layer_dir)),
+    }
 
 
 def _fresh(virtual):
     import zerotrain
     from zerotrain.pipeline import PipelineModule
 
-    model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                           partition_method="uniform", virtual_stages=virtual)
-    engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "adamw"),
-                                      config=_config(1, 1, "interleaved_1f1b" if virtual > 1 else "1f1b"))
+    model = PipelineModule(
+        _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", virtual_stages=virtual
+    )
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        optimizer=lambda p: _optimizer(p, "adamw"),
+        config=_config(1, 1, "interleaved_1f1b" if virtual > 1 else "1f1b"),
+    )
     return engine
 
 
@@ -398,8 +462,7 @@ def _shape_layers() -> list:
 
 def _shape_batch(seed: int, t: int) -> list:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(MICRO, t, HIDDEN, generator=g), torch.randn(MICRO, t, HIDDEN, generator=g))
-            for _ in range(M)]
+    return [(torch.randn(MICRO, t, HIDDEN, generator=g), torch.randn(MICRO, t, HIDDEN, generator=g)) for _ in range(M)]
 
 
 def _dynamic(schedules: list) -> dict:
@@ -409,13 +472,25 @@ def _dynamic(schedules: list) -> dict:
     zerotrain.init_distributed()
     out = {}
     for schedule in schedules:
-        model = PipelineModule(_shape_layers(), num_stages=2, loss_fn=nn.functional.mse_loss,
-                               partition_method="uniform", virtual_stages=V, dynamic_shape=True)
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "sgd"),
-                                          config={**_config(1, 1, schedule), "gradient_clipping": 0.0})
+        model = PipelineModule(
+            _shape_layers(),
+            num_stages=2,
+            loss_fn=nn.functional.mse_loss,
+            partition_method="uniform",
+            virtual_stages=V,
+            dynamic_shape=True,
+        )
+        engine, *_ = zerotrain.initialize(
+            model=model,
+            optimizer=lambda p: _optimizer(p, "sgd"),
+            config={**_config(1, 1, schedule), "gradient_clipping": 0.0},
+        )
         losses = [float(engine.train_batch(iter(_shape_batch(step, t)))) for step, t in enumerate(SHAPE_T)]
-        out[schedule] = {"losses": losses, "rebuilds": engine._runner.shapes.rebuilds,
-                         "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        out[schedule] = {
+            "losses": losses,
+            "rebuilds": engine._runner.shapes.rebuilds,
+            "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        }
         engine.destroy()
     return out
 

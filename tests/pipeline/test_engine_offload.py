@@ -23,8 +23,10 @@ def _layers() -> list[nn.Module]:
 
 def _batches() -> list:
     g = torch.Generator().manual_seed(11)
-    return [[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g)) for _ in range(M)]
-            for _ in range(STEPS)]
+    return [
+        [(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g)) for _ in range(M)]
+        for _ in range(STEPS)
+    ]
 
 
 def _optimizer(params, name: str):
@@ -48,8 +50,13 @@ def _run(stage: int, optimizer: str, precision: str, offload: str | None, swap_d
         zero["offload_optimizer"] = {"device": "cpu"}
     elif offload == "nvme":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-              "train_batch_size": MICRO * M, "gradient_clipping": 0.05, "zero_optimization": zero}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": MICRO * M,
+        "gradient_clipping": 0.05,
+        "zero_optimization": zero,
+    }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, optimizer), config=config)
@@ -60,7 +67,9 @@ def _run(stage: int, optimizer: str, precision: str, offload: str | None, swap_d
     for batch in _batches():
         losses.append(float(engine.train_batch(iter(batch))))
         history.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-    stats = engine.zero_stage_object.statistics(engine.module, engine.optimizer).offload  # NVMe's swap I/O (empty otherwise)
+    stats = engine.zero_stage_object.statistics(
+        engine.module, engine.optimizer
+    ).offload  # NVMe's swap I/O (empty otherwise)
     engine.destroy()
     return {"history": history, "losses": losses, "swapped": stats.get("swap_file_bytes", 0)}
 
@@ -79,9 +88,12 @@ def _train(combos: list, swap_dir: str) -> dict:
     return out
 
 
-COMBOS = [(stage, opt, precision, offload)
-          for stage, (opt, precision), offload in itertools.product(
-              (1, 2), (("sgd", "fp32"), ("adamw", "fp32"), ("adamw", "bf16")), (None, "cpu", "nvme"))]
+COMBOS = [
+    (stage, opt, precision, offload)
+    for stage, (opt, precision), offload in itertools.product(
+        (1, 2), (("sgd", "fp32"), ("adamw", "fp32"), ("adamw", "bf16")), (None, "cpu", "nvme")
+    )
+]
 
 
 def test_optimizer_offload_matches_no_offload(tmp_path):

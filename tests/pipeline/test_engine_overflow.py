@@ -27,8 +27,13 @@ def _layers() -> list[nn.Module]:
 
 def _batches(dp: int) -> list:
     g = torch.Generator().manual_seed(5)
-    return [[[(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(STEPS)]
+    return [
+        [
+            [(torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, HIDDEN, generator=g)) for _ in range(M)]
+            for _ in range(dp)
+        ]
+        for _ in range(STEPS)
+    ]
 
 
 def _optimizer(params):
@@ -69,10 +74,14 @@ def _train(stages: list) -> dict:
     for stage in stages:
         model = PipelineModule(_layers(), num_stages=2, loss_fn=_mse, partition_method="uniform")
         dp = model.mpu().get_data_parallel_world_size()
-        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-                  "train_batch_size": MICRO * M * dp, "zero_optimization": {"stage": stage},
-                  "gradient_clipping": 0.0,
-                  "fp16": {"enabled": True, "initial_scale_power": SCALE_POWER, "hysteresis": 1}}
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": M,
+            "train_batch_size": MICRO * M * dp,
+            "zero_optimization": {"stage": stage},
+            "gradient_clipping": 0.0,
+            "fp16": {"enabled": True, "initial_scale_power": SCALE_POWER, "hysteresis": 1},
+        }
         engine, *_ = zerotrain.initialize(model=model, optimizer=_optimizer, config=config)
         engine.set_batch_fn(_to_fp16)
         rank = engine.topology.data_rank
@@ -90,9 +99,14 @@ def _train(stages: list) -> dict:
             scales.append(engine.loss_scale)
             skipped.append(engine.skipped_steps)
             weights.append(all(torch.equal(before[n], after[n]) for n in before))
-        out[stage] = {"scales": scales, "skipped": skipped, "unchanged": weights,
-                      "global_steps": engine.global_steps, "poisoned": poisoned,
-                      "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+        out[stage] = {
+            "scales": scales,
+            "skipped": skipped,
+            "unchanged": weights,
+            "global_steps": engine.global_steps,
+            "poisoned": poisoned,
+            "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        }
         engine.destroy()
     return out
 
@@ -100,7 +114,7 @@ def _train(stages: list) -> dict:
 def _check(results: list, dp: int) -> list[str]:
     init, final = _reference(dp)
     failures = []
-    scale = 2.0 ** SCALE_POWER
+    scale = 2.0**SCALE_POWER
     for stage in results[0]:
         assert sum(r[stage]["poisoned"] for r in results) == 1
         whole = {}

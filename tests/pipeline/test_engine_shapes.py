@@ -33,8 +33,10 @@ def _layers() -> list:
 def _batch(seed: int, t: int, dp: int, micro: int = MICRO) -> list:
     """``[data rank][micro-batch] -> (inputs, labels)``, inputs (micro, t, H)."""
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(micro, t, H, generator=g), torch.randn(micro, t, H, generator=g))
-             for _ in range(M)] for _ in range(dp)]
+    return [
+        [(torch.randn(micro, t, H, generator=g), torch.randn(micro, t, H, generator=g)) for _ in range(M)]
+        for _ in range(dp)
+    ]
 
 
 def _optimizer(params):
@@ -67,12 +69,18 @@ def _engine(dynamic: bool, schedule: str, micro: int = MICRO):
     import zerotrain
     from zerotrain.pipeline import PipelineModule
 
-    model = PipelineModule(_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform",
-                           dynamic_shape=dynamic)
+    model = PipelineModule(
+        _layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform", dynamic_shape=dynamic
+    )
     dp = model.mpu().get_data_parallel_world_size()
-    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": M,
-              "train_batch_size": micro * M * dp, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": micro * M * dp,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 1},
+        "pipeline": {"schedule": schedule},
+    }
     engine, *_ = zerotrain.initialize(model=model, optimizer=_optimizer, config=config)
     return engine, dp
 
@@ -167,7 +175,9 @@ def test_changed_shape_without_dynamic_shape_raises_then_reset_activation_shape(
     ref.step(_batch(3, 5, 1))
     after_same = ref.weights()
     with torch.no_grad():
-        want_eval = float(torch.stack([nn.functional.mse_loss(ref.model(x), y) for x, y in _batch(4, 2, 1, 3)[0]]).mean())
+        want_eval = float(
+            torch.stack([nn.functional.mse_loss(ref.model(x), y) for x, y in _batch(4, 2, 1, 3)[0]]).mean()
+        )
     for res in results:
         changed = res["changed"]
         assert changed is not None and "\n" not in changed and "dynamic_shape=True" in changed, changed
@@ -178,8 +188,11 @@ def test_changed_shape_without_dynamic_shape_raises_then_reset_activation_shape(
         assert mixed is not None and "\n" not in mixed and mixed.startswith("pipeline micro-batch 2 has other"), mixed
         for name, value in res["after_changed"].items():
             assert torch.equal(value, res["after_0"][name])  # the refused batches changed nothing
-        for snapshot, want in ((res["after_0"], after_0), (res["after_reset"], after_reset),
-                               (res["after_same"], after_same)):
+        for snapshot, want in (
+            (res["after_0"], after_0),
+            (res["after_reset"], after_reset),
+            (res["after_same"], after_same),
+        ):
             for name, value in snapshot.items():
                 torch.testing.assert_close(value, want[name], rtol=1e-6, atol=0)
         assert res["eval"] == pytest.approx(want_eval, rel=1e-6)

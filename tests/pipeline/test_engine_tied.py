@@ -37,9 +37,14 @@ def _lm_loss(logits, labels):
 def _specs():
     from zerotrain.pipeline import LayerSpec, TiedLayerSpec
 
-    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), LayerSpec(nn.Linear, WIDTH, WIDTH), nn.Tanh(),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.LayerNorm, WIDTH),
-            TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head)]
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        LayerSpec(nn.LayerNorm, WIDTH),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head),
+    ]
 
 
 def _reference_layers() -> list:
@@ -60,14 +65,26 @@ def _name(index: int, suffix: str) -> str:
 
 
 def _reference_named(layers) -> dict:
-    return {_name(i, n): p for i, layer in enumerate(layers) if isinstance(layer, nn.Module)
-            for n, p in layer.named_parameters()}
+    return {
+        _name(i, n): p
+        for i, layer in enumerate(layers)
+        if isinstance(layer, nn.Module)
+        for n, p in layer.named_parameters()
+    }
 
 
 def _batches(dp: int) -> list:
     g = torch.Generator().manual_seed(3)
-    return [[[(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
-              for _ in range(M)] for _ in range(dp)] for _ in range(STEPS)]
+    return [
+        [
+            [
+                (torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
+                for _ in range(M)
+            ]
+            for _ in range(dp)
+        ]
+        for _ in range(STEPS)
+    ]
 
 
 def _reference(dp: int) -> list[dict]:
@@ -92,9 +109,13 @@ def _reference(dp: int) -> list[dict]:
 
 
 def _config(dp: int, stage: int, precision: str, accum: str | None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-           "train_batch_size": MICRO * M * dp, "zero_optimization": {"stage": stage},
-           "gradient_clipping": CLIP}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": MICRO * M * dp,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": CLIP,
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -111,21 +132,31 @@ def _train(combos: list) -> dict:
     zerotrain.init_distributed()
     out = {}
     for precision, stage, accum in combos:
-        model = PipelineModule(_specs(), num_stages=2, loss_fn=_lm_loss, partition_method="uniform",
-                               seed_layers=True, base_seed=1234)
+        model = PipelineModule(
+            _specs(), num_stages=2, loss_fn=_lm_loss, partition_method="uniform", seed_layers=True, base_seed=1234
+        )
         dp = model.mpu().get_data_parallel_world_size()
         engine, *_ = zerotrain.initialize(
-            model=model, optimizer=_optimizer,
-            config=_config(dp, stage, precision, accum))
+            model=model, optimizer=_optimizer, config=_config(dp, stage, precision, accum)
+        )
         tied = engine.module.tied_modules["embed"].weight
         rank = engine.topology.data_rank
         history, losses = [], []
         for step in _batches(dp):
             losses.append(float(engine.train_batch(iter(step[rank]))))
-            history.append({"tied": tied.detach().clone(),
-                            "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}})
-        out[(precision, stage, accum)] = {"history": history, "losses": losses, "stage": engine.stage_id,
-                                          "dp_rank": rank, "skipped": engine.skipped_steps}
+            history.append(
+                {
+                    "tied": tied.detach().clone(),
+                    "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+                }
+            )
+        out[(precision, stage, accum)] = {
+            "history": history,
+            "losses": losses,
+            "stage": engine.stage_id,
+            "dp_rank": rank,
+            "skipped": engine.skipped_steps,
+        }
         engine.destroy()
     return out
 
@@ -144,8 +175,9 @@ def _check(results: list, dp: int) -> list[str]:
                 failures.append(f"{what} rank {rank}: {got['skipped']} skipped steps")
             whole.update(got["history"][-1]["weights"])
             # The other copy of this data rank's embedding: the other stage's rank, same data rank.
-            peer = next(r for r in results if r[combo]["dp_rank"] == got["dp_rank"]
-                        and r[combo]["stage"] != got["stage"])[combo]
+            peer = next(
+                r for r in results if r[combo]["dp_rank"] == got["dp_rank"] and r[combo]["stage"] != got["stage"]
+            )[combo]
             for step, (mine, theirs) in enumerate(zip(got["history"], peer["history"])):
                 if not torch.equal(mine["tied"], theirs["tied"]):
                     diff = float((mine["tied"].float() - theirs["tied"].float()).abs().max())

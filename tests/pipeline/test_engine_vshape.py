@@ -24,8 +24,13 @@ import torch
 from torch import nn
 
 from tests.pipeline import mlp
-from tests.pipeline.mlp import M, MICRO, STEPS, batches as _batches, optimizer as _optimizer
-from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ, head as _head, lm_loss as _lm_loss, mix as _mix
+from tests.pipeline.mlp import MICRO, STEPS, M
+from tests.pipeline.mlp import batches as _batches
+from tests.pipeline.mlp import optimizer as _optimizer
+from tests.pipeline.tied_lm import SEQ, VOCAB, WIDTH, copies_differ
+from tests.pipeline.tied_lm import head as _head
+from tests.pipeline.tied_lm import lm_loss as _lm_loss
+from tests.pipeline.tied_lm import mix as _mix
 from tests.pipeline.tied_lm import optimizer as _tied_optimizer
 from zerotrain.testing import run_on_ranks
 
@@ -39,9 +44,15 @@ def _config(dp: int, stage: int, schedule: str, m: int = M) -> dict:
 def _module(virtual: int = 2, layout: str = "v", layers=None, **kwargs):
     from zerotrain.pipeline import PipelineModule
 
-    return PipelineModule(layers if layers is not None else mlp.layers(LAYERS), num_stages=2,
-                          loss_fn=kwargs.pop("loss_fn", nn.functional.mse_loss), partition_method="uniform",
-                          virtual_stages=virtual, virtual_layout=layout, **kwargs)
+    return PipelineModule(
+        layers if layers is not None else mlp.layers(LAYERS),
+        num_stages=2,
+        loss_fn=kwargs.pop("loss_fn", nn.functional.mse_loss),
+        partition_method="uniform",
+        virtual_stages=virtual,
+        virtual_layout=layout,
+        **kwargs,
+    )
 
 
 def _weights(engine) -> dict:
@@ -58,11 +69,16 @@ def _train(combos: list) -> dict:
         stage, optimizer, schedule = combo
         model = _module()
         dp = model.mpu().get_data_parallel_world_size()
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o),
-                                          config=_config(dp, stage, schedule))
-        out[combo] = {**mlp.train_and_eval(engine, dp), "layers": list(model._local_layers),
-                      "skipped": engine.skipped_steps, "ends": (engine.is_first_stage(), engine.is_last_stage()),
-                      "weights": _weights(engine)}
+        engine, *_ = zerotrain.initialize(
+            model=model, optimizer=lambda p, o=optimizer: _optimizer(p, o), config=_config(dp, stage, schedule)
+        )
+        out[combo] = {
+            **mlp.train_and_eval(engine, dp),
+            "layers": list(model._local_layers),
+            "skipped": engine.skipped_steps,
+            "ends": (engine.is_first_stage(), engine.is_last_stage()),
+            "weights": _weights(engine),
+        }
         engine.destroy()
     return out
 
@@ -83,8 +99,9 @@ def _check(results: list, dp: int) -> list[str]:
     return failures
 
 
-TWO_RANKS = [(stage, opt, schedule) for schedule in ("zbv", "dualpipev") for stage in (0, 2)
-             for opt in ("sgd", "adamw")]
+TWO_RANKS = [
+    (stage, opt, schedule) for schedule in ("zbv", "dualpipev") for stage in (0, 2) for opt in ("sgd", "adamw")
+]
 
 
 def test_vshape_two_ranks_match_single_process():
@@ -109,18 +126,32 @@ def _tied_specs(middle: bool = True):
     Linear there, and the embedding lives on rank 0 only: a tied group of one rank)."""
     from zerotrain.pipeline import LayerSpec, TiedLayerSpec
 
-    fourth = (TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_mix) if middle
-              else LayerSpec(nn.Linear, WIDTH, WIDTH))
-    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), LayerSpec(nn.Linear, WIDTH, WIDTH), nn.Tanh(),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), fourth,
-            LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.LayerNorm, WIDTH),
-            TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head)]
+    fourth = (
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_mix)
+        if middle
+        else LayerSpec(nn.Linear, WIDTH, WIDTH)
+    )
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        fourth,
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        LayerSpec(nn.LayerNorm, WIDTH),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head),
+    ]
 
 
 def _tied_batches() -> list:
     g = torch.Generator().manual_seed(3)
-    return [[(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
-             for _ in range(M)] for _ in range(STEPS)]
+    return [
+        [
+            (torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
+            for _ in range(M)
+        ]
+        for _ in range(STEPS)
+    ]
 
 
 def _tied_reference(middle: bool) -> dict:
@@ -166,19 +197,18 @@ def _train_tied(combos: list) -> dict:
     out = {}
     for stage, schedule, middle in combos:
         layout = "looped" if schedule == "zero_bubble" else "v"
-        model = _module(layout=layout, layers=_tied_specs(middle), loss_fn=_lm_loss, seed_layers=True,
-                        base_seed=1234)
-        engine, *_ = zerotrain.initialize(
-            model=model, optimizer=_tied_optimizer,
-            config=_config(1, stage, schedule))
+        model = _module(layout=layout, layers=_tied_specs(middle), loss_fn=_lm_loss, seed_layers=True, base_seed=1234)
+        engine, *_ = zerotrain.initialize(model=model, optimizer=_tied_optimizer, config=_config(1, stage, schedule))
         tied = []
         for step in _tied_batches():
             engine.train_batch(iter(step))
             if "embed" in engine.module.tied_modules:
                 tied.append(engine.module.tied_modules["embed"].weight.detach().clone())
-        out[(stage, schedule, middle)] = {"tied": tied, "weights": _weights(engine),
-                                          "tied_ranks": engine.module.tied_comms["embed"]["ranks"]
-                                          if "embed" in engine.module.tied_comms else None}
+        out[(stage, schedule, middle)] = {
+            "tied": tied,
+            "weights": _weights(engine),
+            "tied_ranks": engine.module.tied_comms["embed"]["ranks"] if "embed" in engine.module.tied_comms else None,
+        }
         engine.destroy()
     return out
 
@@ -187,8 +217,14 @@ def test_tied_embedding_in_a_v_matches_single_process():
     # zero_bubble (looped layout) too: its input-gradient steps also met the Linear layers' 3-d
     # outputs, which are views torch cannot detach in place.
     # Without the middle occurrence the embedding is on rank 0 only (first and last stage).
-    combos = [(0, "zbv", True), (2, "zbv", True), (2, "dualpipev", True), (1, "zero_bubble", True),
-              (2, "zbv", False), (0, "dualpipev", False)]
+    combos = [
+        (0, "zbv", True),
+        (2, "zbv", True),
+        (2, "dualpipev", True),
+        (1, "zero_bubble", True),
+        (2, "zbv", False),
+        (0, "dualpipev", False),
+    ]
     results = run_on_ranks(_train_tied, world_size=2, args=(combos,), timeout=900)
     failures = []
     for combo in combos:
@@ -222,8 +258,9 @@ def _checkpoint_to_1f1b(save_dir: str) -> dict:
         with torch.no_grad():  # other initial weights for the loading engine: loading must replace them
             for p in model.parameters():
                 p.mul_(scale)
-        engine, *_ = zerotrain.initialize(model=model, optimizer=lambda p: _optimizer(p, "adamw"),
-                                          config=_config(1, 2, schedule))
+        engine, *_ = zerotrain.initialize(
+            model=model, optimizer=lambda p: _optimizer(p, "adamw"), config=_config(1, 2, schedule)
+        )
         return engine
 
     first = build(2, "v", "zbv", 1.0)
@@ -306,8 +343,9 @@ def test_config_keys():
     from zerotrain.config import ZeroTrainConfig
 
     for name in ("zbv", "DualPipeV"):
-        assert ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": name}}).pipeline.schedule \
-            == name.lower()
+        assert (
+            ZeroTrainConfig(**{"train_batch_size": 8, "pipeline": {"schedule": name}}).pipeline.schedule == name.lower()
+        )
 
 
 def test_rank_virtual_stages():

@@ -30,11 +30,26 @@ def _config(kind: str):
     from transformers import GPT2Config, LlamaConfig
 
     if kind == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0)
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                       tie_word_embeddings=kind == "llama_tied")
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=16,
+            n_layer=4,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=kind == "llama_tied",
+    )
 
 
 def _model(kind: str):
@@ -49,8 +64,12 @@ def _batches(dp: int) -> list:
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(STEPS):
-        out.append([[(ids, ids) for ids in (torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(M))]
-                    for _ in range(dp)])
+        out.append(
+            [
+                [(ids, ids) for ids in (torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(M))]
+                for _ in range(dp)
+            ]
+        )
     return out
 
 
@@ -80,23 +99,35 @@ def _reference(kind: str, dp: int, optimizer: str, model=None) -> dict:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), _clip(optimizer) or 1e9)))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "norms": norms,
-            "weights": {n: p.detach().clone() for n, p in model.state_dict().items() if not n.endswith("inv_freq")}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": {n: p.detach().clone() for n, p in model.state_dict().items() if not n.endswith("inv_freq")},
+    }
 
 
 def _train(kind: str, pipe, dp: int, optimizer: str, stage: int, schedule: str) -> dict:
     import zerotrain
     from zerotrain.pipeline import hf_state_dict
 
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-              "train_batch_size": MICRO * M * dp, "zero_optimization": {"stage": stage},
-              "gradient_clipping": _clip(optimizer), "pipeline": {"schedule": schedule}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": MICRO * M * dp,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": _clip(optimizer),
+        "pipeline": {"schedule": schedule},
+    }
     engine, *_ = zerotrain.initialize(model=pipe, optimizer=lambda p: _optimizer(p, optimizer), config=config)
     rank = engine.topology.data_rank
     losses = [float(engine.train_batch(iter(step[rank]))) for step in _batches(dp)]
-    out = {"losses": losses, "stage": engine.stage_id, "parts": pipe.parts,
-           "weights": {n: p.detach().clone() for n, p in hf_state_dict(pipe).items()},
-           "tied_keys": sorted(pipe.tied_modules.keys())}
+    out = {
+        "losses": losses,
+        "stage": engine.stage_id,
+        "parts": pipe.parts,
+        "weights": {n: p.detach().clone() for n, p in hf_state_dict(pipe).items()},
+        "tied_keys": sorted(pipe.tied_modules.keys()),
+    }
     engine.destroy()
     return out
 
@@ -133,7 +164,10 @@ def _check(results: list, dp: int) -> list[str]:
         gathered: dict[str, list] = {}
         for rank, res in enumerate(results):
             got = res[combo]
-            assert got["parts"] == ([0, 4, 8] if kind == "gpt2" else [0, 3, 7]), (what, got["parts"])  # 2 blocks a stage
+            assert got["parts"] == ([0, 4, 8] if kind == "gpt2" else [0, 3, 7]), (
+                what,
+                got["parts"],
+            )  # 2 blocks a stage
             if abs(got["losses"][0] - want0) > 1e-5 * abs(want0):
                 failures.append(f"{what} rank {rank}: step-0 loss {got['losses'][0]} != HF loss {want0}")
             for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
@@ -166,13 +200,21 @@ def _comparable(kind: str, optimizer: str, name: str, got, want):
     if kind == "gpt2" and optimizer == "adamw" and name.endswith("attn.c_attn.bias"):
         q, k, v = got.chunk(3)
         qw, kw, vw = want.chunk(3)
-        assert float(k.abs().max()) <= LR["adamw"] * STEPS * 1.01 and float(kw.abs().max()) <= LR["adamw"] * STEPS * 1.01
+        assert (
+            float(k.abs().max()) <= LR["adamw"] * STEPS * 1.01 and float(kw.abs().max()) <= LR["adamw"] * STEPS * 1.01
+        )
         return torch.cat([q, v]), torch.cat([qw, vw])
     return got, want
 
 
-TWO_RANKS = [("gpt2", "sgd", 0, "1f1b"), ("gpt2", "adamw", 1, "1f1b"), ("llama", "sgd", 1, "1f1b"),
-             ("llama", "adamw", 2, "gpipe"), ("llama_tied", "sgd", 2, "1f1b"), ("llama_tied", "adamw", 0, "1f1b")]
+TWO_RANKS = [
+    ("gpt2", "sgd", 0, "1f1b"),
+    ("gpt2", "adamw", 1, "1f1b"),
+    ("llama", "sgd", 1, "1f1b"),
+    ("llama", "adamw", 2, "gpipe"),
+    ("llama_tied", "sgd", 2, "1f1b"),
+    ("llama_tied", "adamw", 0, "1f1b"),
+]
 
 
 def test_gpt2_and_llama_two_stages_match_the_hf_model():
@@ -181,8 +223,12 @@ def test_gpt2_and_llama_two_stages_match_the_hf_model():
     assert not failures, "\n".join(failures)
 
 
-FOUR_RANKS = [("gpt2", "sgd", 2, "1f1b"), ("gpt2", "adamw", 0, "gpipe"), ("llama", "adamw", 1, "1f1b"),
-              ("llama_tied", "sgd", 1, "1f1b")]
+FOUR_RANKS = [
+    ("gpt2", "sgd", 2, "1f1b"),
+    ("gpt2", "adamw", 0, "gpipe"),
+    ("llama", "adamw", 1, "1f1b"),
+    ("llama_tied", "sgd", 1, "1f1b"),
+]
 
 
 def test_gpt2_and_llama_two_stages_two_replicas_match_the_hf_model():

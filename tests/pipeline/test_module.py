@@ -20,8 +20,14 @@ def _half(x):
 
 
 def _specs():
-    return [LayerSpec(nn.Linear, 4, 6), nn.Tanh(), LayerSpec(nn.Linear, 6, 6), _half,
-            LayerSpec(nn.Dropout, 0.5), LayerSpec(nn.Linear, 6, 3)]
+    return [
+        LayerSpec(nn.Linear, 4, 6),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 6, 6),
+        _half,
+        LayerSpec(nn.Dropout, 0.5),
+        LayerSpec(nn.Linear, 6, 3),
+    ]
 
 
 def _reference(specs, base_seed=1234) -> nn.Sequential:
@@ -45,8 +51,14 @@ def test_one_stage_holds_every_layer_under_deepspeeds_names():
     assert module.parts == module.partitions() == [0, 6]
     assert (module._local_start, module._local_stop) == (0, 6)
     assert list(module.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias", "5.weight", "5.bias"]
-    assert [type(f).__name__ for f in module.forward_funcs] == ["Linear", "Tanh", "Linear", "function",
-                                                               "Dropout", "Linear"]
+    assert [type(f).__name__ for f in module.forward_funcs] == [
+        "Linear",
+        "Tanh",
+        "Linear",
+        "function",
+        "Dropout",
+        "Linear",
+    ]
     assert module.forward_funcs[3] is _half and module.fwd_map == {"0": 0, "1": 1, "2": 2, "4": 4, "5": 5}
     assert all(p.ds_pipe_replicated is False for p in module.parameters())
     assert module.tied_comms == {} and module.get_tied_weights_and_groups() == []
@@ -83,12 +95,18 @@ def test_activation_checkpoint_blocks_match_deepspeed_and_change_no_number():
     def recording_checkpoint(function, *args):
         calls.append(len(args))
         from zerotrain.recompute import checkpoint
+
         return checkpoint(function, *args)
 
     specs = [LayerSpec(nn.Linear, 4, 6), nn.Tanh(), _half, _half, LayerSpec(nn.Linear, 6, 3)]
     plain = PipelineModule(specs, num_stages=1, seed_layers=True)
-    ckpt = PipelineModule(specs, num_stages=1, seed_layers=True, activation_checkpoint_interval=2,
-                          activation_checkpoint_func=recording_checkpoint)
+    ckpt = PipelineModule(
+        specs,
+        num_stages=1,
+        seed_layers=True,
+        activation_checkpoint_interval=2,
+        activation_checkpoint_func=recording_checkpoint,
+    )
     x = torch.randn(3, 4, requires_grad=True)
     y_plain = plain(x)
     y_plain.square().sum().backward()
@@ -102,8 +120,9 @@ def test_activation_checkpoint_blocks_match_deepspeed_and_change_no_number():
     assert torch.equal(y_plain, y_ckpt) and torch.equal(x.grad, x_grad_plain)
     assert all(torch.equal(a, p.grad) for a, p in zip(grads_plain, ckpt.parameters()))
     # checkpointable_layers: a block is eligible when all its classes are listed
-    listed = PipelineModule(specs, num_stages=1, activation_checkpoint_interval=2,
-                            checkpointable_layers=["Linear", "Tanh"])
+    listed = PipelineModule(
+        specs, num_stages=1, activation_checkpoint_interval=2, checkpointable_layers=["Linear", "Tanh"]
+    )
     assert listed._checkpointable_blocks() == [True, False, True]
     listed.set_checkpoint_interval(1)
     assert listed._checkpointable_blocks() == [True, True, False, False, True]
@@ -133,8 +152,11 @@ def test_tied_layer_occurrences_share_one_module_on_one_stage():
     def head(embedding, x):
         return x @ embedding.weight.t()
 
-    specs = [TiedLayerSpec("embed", nn.Embedding, 7, 4), LayerSpec(nn.Linear, 4, 4),
-             TiedLayerSpec("embed", nn.Embedding, 7, 4, forward_fn=head)]
+    specs = [
+        TiedLayerSpec("embed", nn.Embedding, 7, 4),
+        LayerSpec(nn.Linear, 4, 4),
+        TiedLayerSpec("embed", nn.Embedding, 7, 4, forward_fn=head),
+    ]
     module = PipelineModule(specs, num_stages=1, seed_layers=True)
     assert list(module.state_dict()) == ["tied_modules.embed.weight", "1.weight", "1.bias"]
     assert module.forward_funcs[0] is module.tied_modules["embed"] and module.tied_comms == {}
@@ -164,20 +186,26 @@ def test_partition_methods_and_their_logs():
     assert "Partitioning pipeline stages with method type:linear" in out
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    ({}, RuntimeError, "must provide num_stages or topology"),
-    ({"num_stages": 2}, RuntimeError, "num_stages=2 does not divide the world size 1; choose"),
-    ({"num_stages": 0}, ValueError, "num_stages must be a positive int"),
-    ({"num_stages": 1, "partition_method": "balanced"}, NotImplementedError,
-     "partition_method='balanced' is not implemented; use one of parameters, uniform, type:<regex>"),
-    ({"num_stages": 1, "partition_method": "profile"}, NotImplementedError, "'profile' is not implemented"),
-    ({"num_stages": 1, "partition_method": "type:conv"}, RuntimeError, "'type:conv' matches no layer class"),
-    ({"topology": ProcessTopology(["data"], [1])}, ValueError, "no 'pipe' axis; use PipeDataParallelTopology"),
-    ({"topology": PipeDataParallelTopology(2, 1)}, ValueError, "the topology has 2 ranks"),
-    ({"num_stages": 2, "topology": PipeDataParallelTopology(1, 1)}, ValueError, "pass one of the two"),
-    ({"num_stages": 1, "activation_checkpoint_interval": -1}, ValueError, "activation_checkpoint_interval"),
-    ({"num_stages": 1, "checkpointable_layers": "Linear"}, TypeError, "checkpointable_layers must be a list"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({}, RuntimeError, "must provide num_stages or topology"),
+        ({"num_stages": 2}, RuntimeError, "num_stages=2 does not divide the world size 1; choose"),
+        ({"num_stages": 0}, ValueError, "num_stages must be a positive int"),
+        (
+            {"num_stages": 1, "partition_method": "balanced"},
+            NotImplementedError,
+            "partition_method='balanced' is not implemented; use one of parameters, uniform, type:<regex>",
+        ),
+        ({"num_stages": 1, "partition_method": "profile"}, NotImplementedError, "'profile' is not implemented"),
+        ({"num_stages": 1, "partition_method": "type:conv"}, RuntimeError, "'type:conv' matches no layer class"),
+        ({"topology": ProcessTopology(["data"], [1])}, ValueError, "no 'pipe' axis; use PipeDataParallelTopology"),
+        ({"topology": PipeDataParallelTopology(2, 1)}, ValueError, "the topology has 2 ranks"),
+        ({"num_stages": 2, "topology": PipeDataParallelTopology(1, 1)}, ValueError, "pass one of the two"),
+        ({"num_stages": 1, "activation_checkpoint_interval": -1}, ValueError, "activation_checkpoint_interval"),
+        ({"num_stages": 1, "checkpointable_layers": "Linear"}, TypeError, "checkpointable_layers must be a list"),
+    ],
+)
 def test_errors_are_one_line_and_name_the_fix(kwargs, error, message):
     with pytest.raises(error, match=message) as info:
         PipelineModule([LayerSpec(nn.Linear, 4, 4)], **kwargs)
@@ -219,8 +247,9 @@ def test_layer_files_round_trip_and_names(tmp_path):
 
 def test_layer_files_refuse_pickled_objects(tmp_path):
     module = PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1)
-    torch.save({"weight": torch.zeros(2, 2), "bias": torch.zeros(2), "evil": _Pickled()},
-               tmp_path / "layer_00-model_states.pt")
+    torch.save(
+        {"weight": torch.zeros(2, 2), "bias": torch.zeros(2), "evil": _Pickled()}, tmp_path / "layer_00-model_states.pt"
+    )
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
         module.load_state_dir(str(tmp_path))
 

@@ -31,9 +31,15 @@ def _head(embedding, x):
 
 def _specs():
     """A tiny GPT: embedding, blocks, norm, and the embedding again as the output head."""
-    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), LayerSpec(nn.Linear, WIDTH, WIDTH), nn.Tanh(),
-            LayerSpec(nn.Linear, WIDTH, WIDTH), _half, LayerSpec(nn.LayerNorm, WIDTH),
-            TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head)]
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        _half,
+        LayerSpec(nn.LayerNorm, WIDTH),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=_head),
+    ]
 
 
 def _reference(transform=None) -> dict[str, nn.Module]:
@@ -116,8 +122,11 @@ def _two_ranks(save_dir):
     assert module.parts == partition_balanced(PARAMS, 2) == [0, 3, 7]
     assert module.stage_id == rank and module.global_rank == rank and module.num_stages == 2
     assert [module.stage_owner(i) for i in range(7)] == [0, 0, 0, 1, 1, 1, 1]
-    expected_keys = (["tied_modules.embed.weight", "1.weight", "1.bias"] if rank == 0 else
-                     ["tied_modules.embed.weight", "3.weight", "3.bias", "5.weight", "5.bias"])
+    expected_keys = (
+        ["tied_modules.embed.weight", "1.weight", "1.bias"]
+        if rank == 0
+        else ["tied_modules.embed.weight", "3.weight", "3.bias", "5.weight", "5.bias"]
+    )
     assert list(module.state_dict()) == expected_keys
     assert (module._local_start, module._local_stop) == ((0, 3) if rank == 0 else (3, 7))
     assert len(module.forward_funcs) == (3 if rank == 0 else 4)
@@ -174,8 +183,11 @@ def _two_ranks(save_dir):
 
     # a tied module whose lowest stage runs it only through forward_fn (no file of its own there):
     # that stage loads it from the other occurrence's file before the broadcast
-    fn_first = [TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH, forward_fn=_twice), LayerSpec(nn.Linear, WIDTH, WIDTH),
-                TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH)]
+    fn_first = [
+        TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH, forward_fn=_twice),
+        LayerSpec(nn.Linear, WIDTH, WIDTH),
+        TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH),
+    ]
     written = PipelineModule(fn_first, num_stages=2, partition_method="uniform")
     assert written.parts == [0, 2, 3]
     with torch.no_grad():
@@ -257,8 +269,15 @@ def _four_ranks(save_dir):
         m2.save_state_dict(save_dir)
     finally:
         layer_files._save_atomically = original
-    assert written == {0: ["layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt"],
-                       1: [], 2: ["layer_03-model_states.pt", "layer_05-model_states.pt"], 3: []}[rank]
+    assert (
+        written
+        == {
+            0: ["layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt"],
+            1: [],
+            2: ["layer_03-model_states.pt", "layer_05-model_states.pt"],
+            3: [],
+        }[rank]
+    )
     dist.barrier()
     saved_state = _reference_state(_reference(_transform))
 
@@ -272,9 +291,11 @@ def _four_ranks(save_dir):
             assert module.parts == partition_balanced(PARAMS, 4) == [0, 1, 3, 6, 7]
             assert (module.tied_comms["embed"]["ranks"] == [0, 3]) if rank in (0, 3) else (module.tied_comms == {})
             # stage 3 runs the embedding only as the head (no file of its own): loaded all the same
-            assert list(module.state_dict()) == (["tied_modules.embed.weight"] if rank in (0, 3) else
-                                                 {1: ["1.weight", "1.bias"], 2: ["3.weight", "3.bias", "5.weight",
-                                                                                 "5.bias"]}[rank])
+            assert list(module.state_dict()) == (
+                ["tied_modules.embed.weight"]
+                if rank in (0, 3)
+                else {1: ["1.weight", "1.bias"], 2: ["3.weight", "3.bias", "5.weight", "5.bias"]}[rank]
+            )
         else:
             assert module.tied_comms == {} and module.parts == [0, 7]
         _, _, last = _stage_by_stage(module, _ids(20))
@@ -287,11 +308,14 @@ def _four_ranks(save_dir):
     # each model slice reads back its own file
     from zerotrain.topology import PipeModelDataParallelTopology
 
-    sliced = PipelineModule(_specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
-                            seed_layers=True)
+    sliced = PipelineModule(
+        _specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1), seed_layers=True
+    )
     stage, model_rank = rank // 2, rank % 2
     assert (sliced.stage_id, sliced.mpu().get_slice_parallel_rank()) == (stage, model_rank)
-    assert sliced.ckpt_layer_path("d", 0) == os.path.join("d", f"layer_0{3 * stage}-model_0{model_rank}-model_states.pt")
+    assert sliced.ckpt_layer_path("d", 0) == os.path.join(
+        "d", f"layer_0{3 * stage}-model_0{model_rank}-model_states.pt"
+    )
     assert sliced.ckpt_prefix("d", "t") == os.path.join("d", "t", f"module-pipe_0{stage}-model_0{model_rank}")
     assert sliced.tied_comms["embed"]["ranks"] == [model_rank, 2 + model_rank]
     model_dir = os.path.join(save_dir, "model_axis")
@@ -300,15 +324,17 @@ def _four_ranks(save_dir):
             p.add_(float(model_rank))  # slices differ
     sliced.save_state_dict(model_dir)
     dist.barrier()
-    reloaded = PipelineModule(_specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
-                              seed_layers=True, base_seed=4321)
+    reloaded = PipelineModule(
+        _specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1), seed_layers=True, base_seed=4321
+    )
     reloaded.load_state_dir(model_dir)
     for a, b in zip(sliced.state_dict().values(), reloaded.state_dict().values()):
         assert torch.equal(a, b)
     dist.barrier()
     if rank == 0:
-        assert sorted(os.listdir(model_dir)) == sorted(f"layer_0{i}-model_0{m}-model_states.pt"
-                                                       for i in (0, 1, 2, 3, 5) for m in (0, 1))
+        assert sorted(os.listdir(model_dir)) == sorted(
+            f"layer_0{i}-model_0{m}-model_states.pt" for i in (0, 1, 2, 3, 5) for m in (0, 1)
+        )
     return listing
 
 

@@ -20,8 +20,15 @@ from zerotrain.pipeline import LayerSpec, TiedLayerSpec, partition_balanced, par
 from zerotrain.pipeline.tied import _recursive_getattr
 
 UNIFORM = [  # (items, parts, DeepSpeed's parts)
-    (10, 3, [0, 4, 7, 10]), (9, 3, [0, 3, 6, 9]), (2, 4, [0, 1, 2, 2, 2]), (4, 4, [0, 1, 2, 3, 4]),
-    (0, 2, [0, 0, 0]), (7, 1, [0, 7]), (5, 2, [0, 3, 5]), (11, 4, [0, 3, 6, 9, 11]), (3, 2, [0, 2, 3]),
+    (10, 3, [0, 4, 7, 10]),
+    (9, 3, [0, 3, 6, 9]),
+    (2, 4, [0, 1, 2, 2, 2]),
+    (4, 4, [0, 1, 2, 3, 4]),
+    (0, 2, [0, 0, 0]),
+    (7, 1, [0, 7]),
+    (5, 2, [0, 3, 5]),
+    (11, 4, [0, 3, 6, 9, 11]),
+    (3, 2, [0, 2, 3]),
 ]
 
 # DeepSpeedExamples' AlexNet-like CIFAR pipeline: trainable parameters per layer.
@@ -29,17 +36,17 @@ ALEXNET = [304, 0, 0, 1229056, 0, 0, 885120, 0, 0, 663936, 0, 442624, 0, 0, 0, 3
 
 BALANCED = [  # (weights, parts, DeepSpeed's parts)
     ([1] * 8, 2, [0, 4, 8]),
-    ([1] * 8, 3, [0, 3, 6, 8]),                      # tie: 3/3/2 beats 2/3/3 (largest k)
+    ([1] * 8, 3, [0, 3, 6, 8]),  # tie: 3/3/2 beats 2/3/3 (largest k)
     ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, [0, 5, 7, 9]),
     ([5, 1, 1, 1, 1, 5], 2, [0, 3, 6]),
-    ([0, 0, 1, 0, 0, 1, 0, 0], 2, [0, 5, 8]),        # type:<regex> weights; tie among 3..5
+    ([0, 0, 1, 0, 0, 1, 0, 0], 2, [0, 5, 8]),  # type:<regex> weights; tie among 3..5
     ([1, 1, 1, 1], 3, [0, 2, 3, 4]),
     ([2, 2, 2], 2, [0, 2, 3]),
     ([3, 1, 1, 1, 3], 3, [0, 1, 4, 5]),
-    ([0, 0, 0, 0], 2, [0, 3, 4]),                    # all splits tie: the last one
+    ([0, 0, 0, 0], 2, [0, 3, 4]),  # all splits tie: the last one
     ([10, 0, 0, 10], 2, [0, 3, 4]),
     ([1, 100, 1, 1, 1, 100, 1], 3, [0, 2, 5, 7]),
-    ([4, 5], 3, [0, 1, 2, 2]),                       # fewer items than parts: uniform
+    ([4, 5], 3, [0, 1, 2, 2]),  # fewer items than parts: uniform
     ([0, 1, 1, 1, 1, 0], 2, [0, 3, 6]),
     ([0, 1, 1, 1, 1, 1, 1, 0], 4, [0, 3, 5, 6, 8]),
     ([7, 2, 5, 10, 8], 2, [0, 3, 5]),
@@ -56,7 +63,7 @@ BALANCED = [  # (weights, parts, DeepSpeed's parts)
 
 
 def _cost(weights, parts) -> float:
-    sums = [sum(weights[parts[i]:parts[i + 1]]) for i in range(len(parts) - 1)]
+    sums = [sum(weights[parts[i] : parts[i + 1]]) for i in range(len(parts) - 1)]
     return max(sums) - min(sums)
 
 

@@ -100,22 +100,30 @@ def _run(schedule: str) -> dict:
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
     model = PipelineModule(layers, num_stages=P, loss_fn=nn.functional.mse_loss, partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
-              "train_batch_size": MICRO * M, "steps_per_print": 100,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-              "pipeline": {"schedule": schedule}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": MICRO * M,
+        "steps_per_print": 100,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "pipeline": {"schedule": schedule},
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     meter = ActivationMeter(engine.module.parameters())
     meter.wrap(engine._runner.stage)
     g = torch.Generator().manual_seed(1)
-    for step in range(2):
-        data = [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g))
-                for _ in range(M)]
+    for _step in range(2):
+        data = [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(M)]
         meter.reset()  # the second batch counts (the first includes torch's shape inference)
         engine.train_batch(iter(data))
-    out = {"stage": engine.stage_id, "peak_micro_batches": meter.peak_micro_batches,
-           "peak_bytes": meter.peak_bytes, "per_micro": dict(meter.per_micro), "live_after": dict(meter.live),
-           "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    out = {
+        "stage": engine.stage_id,
+        "peak_micro_batches": meter.peak_micro_batches,
+        "peak_bytes": meter.peak_bytes,
+        "per_micro": dict(meter.per_micro),
+        "live_after": dict(meter.live),
+        "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    }
     engine.destroy()
     return out
 
@@ -140,8 +148,10 @@ def test_activation_memory_1f1b_vs_gpipe():
             assert r["live_after"] == {}  # every micro-batch's activations freed by its backward
             assert r["peak_micro_batches"] == expected, (schedule, stage, r["peak_micro_batches"])
             assert r["peak_bytes"] == expected * one, (schedule, stage, r["peak_bytes"], one)
-            lines.append(f"stage {stage} {schedule}: peak {r['peak_micro_batches']} micro-batches, "
-                         f"{r['peak_bytes']} bytes ({one} per micro-batch)")
+            lines.append(
+                f"stage {stage} {schedule}: peak {r['peak_micro_batches']} micro-batches, "
+                f"{r['peak_bytes']} bytes ({one} per micro-batch)"
+            )
         for name, value in res["gpipe"]["weights"].items():
             torch.testing.assert_close(res["1f1b"]["weights"][name], value, rtol=1e-6, atol=1e-7)
     print("\n".join(lines))

@@ -50,8 +50,10 @@ def _layers() -> list[nn.Module]:
 
 def _batches(m: int, steps: int) -> list:
     g = torch.Generator().manual_seed(3)
-    return [[(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g))
-             for _ in range(m)] for _ in range(steps)]
+    return [
+        [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(m)]
+        for _ in range(steps)
+    ]
 
 
 class _Lines(logging.Handler):
@@ -81,12 +83,15 @@ def _run(schedule: str, m: int, timeline: bool, out_dir: str, steps: int = 2, sl
     loss_fn = _slow_loss if slow_loss else nn.functional.mse_loss
     model = PipelineModule(_layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     rank = model.mpu().get_pipe_parallel_rank()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
-              "train_batch_size": MICRO * m, "steps_per_print": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-              "pipeline": {"schedule": schedule, "timeline": timeline},
-              "csv_monitor": {"enabled": timeline, "output_path": out_dir,
-                              "job_name": f"{schedule}{m}_stage{rank}"}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": MICRO * m,
+        "steps_per_print": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "pipeline": {"schedule": schedule, "timeline": timeline},
+        "csv_monitor": {"enabled": timeline, "output_path": out_dir, "job_name": f"{schedule}{m}_stage{rank}"},
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     handler = _Lines()
     logging.getLogger("zerotrain").addHandler(handler)
@@ -95,8 +100,11 @@ def _run(schedule: str, m: int, timeline: bool, out_dir: str, steps: int = 2, sl
             engine.train_batch(iter(step))
     finally:
         logging.getLogger("zerotrain").removeHandler(handler)
-    out = {"weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-           "lines": handler.lines, "stage": engine.stage_id}
+    out = {
+        "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "lines": handler.lines,
+        "stage": engine.stage_id,
+    }
     if timeline:
         out["events"] = [tuple(e) for e in engine.pipeline_timeline()]
         out["bubble"] = engine.pipeline_bubble()
@@ -126,8 +134,9 @@ def _ranks(out_dir: str) -> dict:
     zerotrain.init_distributed()
     results = {}
     for schedule, m in (("1f1b", 4), ("gpipe", 4), ("gpipe", 1)):
-        results[(schedule, m)] = _run(schedule, m, True, out_dir, steps=3 if m == 1 else 2,
-                                      slow_loss=schedule == "gpipe" and m == 4)
+        results[(schedule, m)] = _run(
+            schedule, m, True, out_dir, steps=3 if m == 1 else 2, slow_loss=schedule == "gpipe" and m == 4
+        )
     results["off"] = _run("1f1b", 4, False, out_dir)
     return results
 
@@ -193,8 +202,11 @@ def _check_lines(lines: list[str], m: int, steps: int, first: bool) -> None:
         return
     assert len(ds) == steps, lines
     for n, line in enumerate(ds, 1):
-        assert re.fullmatch(rf"steps: {n} loss: \d+\.\d{{4}} iter time \(s\): \d+\.\d{{3}} "
-                            r"samples/sec: \d+\.\d{3}", line), line
+        assert re.fullmatch(
+            rf"steps: {n} loss: \d+\.\d{{4}} iter time \(s\): \d+\.\d{{3}} "
+            r"samples/sec: \d+\.\d{3}",
+            line,
+        ), line
     ours = [line for line in lines if line.startswith("pipeline batch ")]
     assert len(ours) == steps
     assert f"(P=2, M={m}, ideal bubble {1 / (m + 1):.1%})" in ours[-1]
@@ -259,12 +271,24 @@ def test_timeline_p2(tmp_path):
 # -- the picture writers, on a recorded timeline --------------------------------------------
 def _recorded(path) -> str:
     """A 1F1B timeline at P=2, M=4 (recorded by the engine, rounded)."""
-    events = [(0, "forward", 0.0, 1.0), (0, "forward", 1.0, 2.0), (0, "backward", 4.2, 6.2),
-              (0, "forward", 6.2, 7.2), (0, "backward", 7.3, 9.3), (0, "forward", 9.3, 10.3),
-              (0, "backward", 10.4, 12.4), (0, "backward", 13.4, 15.4),
-              (1, "forward", 1.1, 2.1), (1, "backward", 2.1, 4.1), (1, "forward", 4.2, 5.2),
-              (1, "backward", 5.2, 7.2), (1, "forward", 7.3, 8.3), (1, "backward", 8.3, 10.3),
-              (1, "forward", 10.3, 11.3), (1, "backward", 11.3, 13.3)]
+    events = [
+        (0, "forward", 0.0, 1.0),
+        (0, "forward", 1.0, 2.0),
+        (0, "backward", 4.2, 6.2),
+        (0, "forward", 6.2, 7.2),
+        (0, "backward", 7.3, 9.3),
+        (0, "forward", 9.3, 10.3),
+        (0, "backward", 10.4, 12.4),
+        (0, "backward", 13.4, 15.4),
+        (1, "forward", 1.1, 2.1),
+        (1, "backward", 2.1, 4.1),
+        (1, "forward", 4.2, 5.2),
+        (1, "backward", 5.2, 7.2),
+        (1, "forward", 7.3, 8.3),
+        (1, "backward", 8.3, 10.3),
+        (1, "forward", 10.3, 11.3),
+        (1, "backward", 11.3, 13.3),
+    ]
     events.sort(key=lambda e: (e[0], e[2]))
     events = [tl.PipelineEvent(s, k, a / 1e3, b / 1e3) for s, k, a, b in events]
     tl.save_timeline(path, events, num_stages=2, micro_batches=4, duration=15.5e-3, schedule="1f1b")
@@ -298,7 +322,7 @@ def test_png_picture(tmp_path, capsys):
     assert image.shape[:2] == (int((0.7 * 2 + 1.4) * 100), 1000)
     pixels = {tuple(round(float(c) * 255) for c in px[:3]) for px in image.reshape(-1, image.shape[-1])}
     for colour in tl.COLOURS.values():
-        rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+        rgb = tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
         assert rgb in pixels, colour
 
 
@@ -309,8 +333,9 @@ def test_picture_errors(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install matplotlib" in err
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"num_stages": 2, "micro_batches": 1, "duration": 1.0,
-                               "events": [[0, "sleep", 0.0, 1.0]]}))
+    bad.write_text(
+        json.dumps({"num_stages": 2, "micro_batches": 1, "duration": 1.0, "events": [[0, "sleep", 0.0, 1.0]]})
+    )
     assert tl.main([str(bad), "--out", str(tmp_path / "b.svg")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown kind" in err
@@ -325,22 +350,33 @@ def test_split_waits():
     with no such computation is all comm; one whose computation seems to end after it (the
     clocks' skew) has none."""
     W = tl._WAIT
-    raw = [tl.PipelineEvent(0, "forward", 0.0, 1.0), tl.PipelineEvent(0, W, 1.0, 4.5),
-           tl.PipelineEvent(0, "backward", 4.5, 6.0),
-           tl.PipelineEvent(1, W, 0.0, 1.25), tl.PipelineEvent(1, "forward", 1.25, 2.25),
-           tl.PipelineEvent(1, "backward", 2.25, 4.0), tl.PipelineEvent(1, W, 4.0, 4.25),
-           tl.PipelineEvent(1, W, 6.0, 6.5)]
+    raw = [
+        tl.PipelineEvent(0, "forward", 0.0, 1.0),
+        tl.PipelineEvent(0, W, 1.0, 4.5),
+        tl.PipelineEvent(0, "backward", 4.5, 6.0),
+        tl.PipelineEvent(1, W, 0.0, 1.25),
+        tl.PipelineEvent(1, "forward", 1.25, 2.25),
+        tl.PipelineEvent(1, "backward", 2.25, 4.0),
+        tl.PipelineEvent(1, W, 4.0, 4.25),
+        tl.PipelineEvent(1, W, 6.0, 6.5),
+    ]
     out = tl.split_waits(raw, 2)
     comm = [e for e in out if e.kind == "comm"]
-    assert comm == [tl.PipelineEvent(0, "comm", 4.0, 4.5),  # after stage 1's backward
-                    tl.PipelineEvent(1, "comm", 1.0, 1.25),  # after stage 0's forward
-                    tl.PipelineEvent(1, "comm", 4.0, 4.25),  # its own send: stage 0 computed before 4.0
-                    tl.PipelineEvent(1, "comm", 6.0, 6.5)]  # wait after the neighbour's last computation
-    assert [e for e in out if e.kind != "comm"] == sorted([e for e in raw if e.kind != W],
-                                                          key=lambda e: (e.stage, e.start))
+    assert comm == [
+        tl.PipelineEvent(0, "comm", 4.0, 4.5),  # after stage 1's backward
+        tl.PipelineEvent(1, "comm", 1.0, 1.25),  # after stage 0's forward
+        tl.PipelineEvent(1, "comm", 4.0, 4.25),  # its own send: stage 0 computed before 4.0
+        tl.PipelineEvent(1, "comm", 6.0, 6.5),
+    ]  # wait after the neighbour's last computation
+    assert [e for e in out if e.kind != "comm"] == sorted(
+        [e for e in raw if e.kind != W], key=lambda e: (e.stage, e.start)
+    )
     assert tl.split_waits([tl.PipelineEvent(0, W, 0.0, 1.0)], 2) == [tl.PipelineEvent(0, "comm", 0.0, 1.0)]
-    skewed = [tl.PipelineEvent(1, "forward", 0.0, 1.0), tl.PipelineEvent(1, "backward", 1.0, 2.0001),
-              tl.PipelineEvent(0, W, 0.5, 2.0)]
+    skewed = [
+        tl.PipelineEvent(1, "forward", 0.0, 1.0),
+        tl.PipelineEvent(1, "backward", 1.0, 2.0001),
+        tl.PipelineEvent(0, W, 0.5, 2.0),
+    ]
     assert tl.split_waits(skewed, 2) == skewed[:2]  # waited for the backward: no comm
     summary = tl.summarize(out, 2, 1, 6.5)
     row = summary["stages"][0]

@@ -85,12 +85,22 @@ def _run(schedule: str, m: int, virtual_stages: int = 1, layout: str = "looped",
     layers = []
     for _ in range(2 * virtual_stages):
         layers += [nn.Linear(WIDTH, WIDTH), SleepLayer()]
-    model = PipelineModule(layers, num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform",
-                           virtual_stages=virtual_stages, virtual_layout=layout)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
-              "train_batch_size": MICRO * m, "steps_per_print": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-              "pipeline": {"schedule": schedule, "timeline": True}}
+    model = PipelineModule(
+        layers,
+        num_stages=2,
+        loss_fn=nn.functional.mse_loss,
+        partition_method="uniform",
+        virtual_stages=virtual_stages,
+        virtual_layout=layout,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": MICRO * m,
+        "steps_per_print": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "pipeline": {"schedule": schedule, "timeline": True},
+    }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(m)]
@@ -103,8 +113,11 @@ def _run(schedule: str, m: int, virtual_stages: int = 1, layout: str = "looped",
             engine.train_batch(iter(data))
         finally:
             logging.getLogger("zerotrain").removeHandler(handler)
-        out = {"bubble": engine.pipeline_bubble(), "events": [tuple(e) for e in engine.pipeline_timeline()],
-               "lines": [line for line in handler.lines if line.startswith("pipeline batch ")]}
+        out = {
+            "bubble": engine.pipeline_bubble(),
+            "events": [tuple(e) for e in engine.pipeline_timeline()],
+            "lines": [line for line in handler.lines if line.startswith("pipeline batch ")],
+        }
         if best is None or out["bubble"]["duration"] < best["bubble"]["duration"]:
             best = out  # the same choice on both ranks: the duration is gathered
     engine.destroy()
@@ -141,12 +154,16 @@ def test_bubble_matches_formula_plus_comm(results):
                 # every forward and backward lasted its sleep: the stages are equal
                 mine = [e for e in events if e.stage == s and e.kind in ("forward", "backward")]
                 assert len(mine) == 2 * m and all(e.end - e.start >= SLEEP for e in mine)
-                assert row["idle"] == duration - row["busy"] - row["comm"] or \
-                    abs(row["idle"] - (duration - row["busy"] - row["comm"])) < 1e-12
+                assert (
+                    row["idle"] == duration - row["busy"] - row["comm"]
+                    or abs(row["idle"] - (duration - row["busy"] - row["comm"])) < 1e-12
+                )
                 not_busy = 1.0 - row["busy"] / duration
                 expected = ideal + row["comm_share"]
-                report.append(f"{schedule} M={m} stage {s}: not busy {not_busy:.3f}, ideal {ideal:.3f} "
-                              f"+ comm {row['comm_share']:.4f}, idle {row['idle_share']:.3f}")
+                report.append(
+                    f"{schedule} M={m} stage {s}: not busy {not_busy:.3f}, ideal {ideal:.3f} "
+                    f"+ comm {row['comm_share']:.4f}, idle {row['idle_share']:.3f}"
+                )
                 assert abs(not_busy - expected) <= SLACK, "\n".join(report)
     print("\n".join(report))
 
@@ -184,9 +201,11 @@ def test_virtual_stage_bubble(results):
                 if s == 0:
                     assert row["weight"] >= m * SLEEP, row  # without it busy would miss M sleeps
             not_busy = 1.0 - row["busy"] / duration
-            report.append(f"{schedule} P=2 V=2 M={m} stage {s}: not busy {not_busy:.3f}, ideal "
-                          f"{bubble['ideal_bubble']} + comm {row['comm_share']:.4f}, idle {row['idle_share']:.3f}, "
-                          f"weight {row['weight'] * 1e3:.1f} ms")
+            report.append(
+                f"{schedule} P=2 V=2 M={m} stage {s}: not busy {not_busy:.3f}, ideal "
+                f"{bubble['ideal_bubble']} + comm {row['comm_share']:.4f}, idle {row['idle_share']:.3f}, "
+                f"weight {row['weight'] * 1e3:.1f} ms"
+            )
         mean = sum(row["idle_share"] for row in bubble["stages"]) / 2
         assert bubble["idle_share"] == mean
         if schedule == "interleaved_1f1b":

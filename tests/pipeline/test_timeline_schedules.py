@@ -23,8 +23,22 @@ import pytest
 from zerotrain.pipeline import timeline as tl
 from zerotrain.pipeline.schedule import SCHEDULES
 
-CASES = [(2, 2, 4), (2, 2, 2), (2, 2, 1), (2, 2, 3), (2, 3, 6), (3, 2, 4), (3, 2, 5), (4, 2, 8), (4, 2, 4),
-         (4, 2, 2), (4, 2, 5), (4, 2, 10), (4, 3, 3), (4, 3, 8)]
+CASES = [
+    (2, 2, 4),
+    (2, 2, 2),
+    (2, 2, 1),
+    (2, 2, 3),
+    (2, 3, 6),
+    (3, 2, 4),
+    (3, 2, 5),
+    (4, 2, 8),
+    (4, 2, 4),
+    (4, 2, 2),
+    (4, 2, 5),
+    (4, 2, 10),
+    (4, 3, 3),
+    (4, 3, 8),
+]
 
 
 def test_closed_forms():
@@ -111,9 +125,14 @@ def test_looped_formula_matches_torch_orders(name):
 
 
 def _summary(schedule: str, v: int) -> dict:
-    events = [tl.PipelineEvent(0, "forward", 0.0, 1.0), tl.PipelineEvent(0, "backward", 2.0, 3.0),
-              tl.PipelineEvent(0, "weight", 3.0, 3.5), tl.PipelineEvent(1, "forward", 1.0, 2.0),
-              tl.PipelineEvent(1, "backward", 2.0, 3.0), tl.PipelineEvent(1, "comm", 3.0, 3.25)]
+    events = [
+        tl.PipelineEvent(0, "forward", 0.0, 1.0),
+        tl.PipelineEvent(0, "backward", 2.0, 3.0),
+        tl.PipelineEvent(0, "weight", 3.0, 3.5),
+        tl.PipelineEvent(1, "forward", 1.0, 2.0),
+        tl.PipelineEvent(1, "backward", 2.0, 3.0),
+        tl.PipelineEvent(1, "comm", 3.0, 3.25),
+    ]
     return tl.summarize(events, 2, 4, 4.0, schedule, v)
 
 
@@ -126,8 +145,10 @@ def test_summary_line_and_monitors():
     assert rows[0]["idle"] == 1.5 and rows[1]["idle"] == 1.75
     assert s["idle_share"] == (1.5 / 4 + 1.75 / 4) / 2
     line = tl.describe(s)
-    assert line.startswith("pipeline batch 4000.0 ms (P=2, M=4, ideal bubble 11.1%) "
-                           "[interleaved_1f1b V=2: (P-1)/(V*M+P-1); mean idle 40.6%] | stage 0: busy 2500.0 ")
+    assert line.startswith(
+        "pipeline batch 4000.0 ms (P=2, M=4, ideal bubble 11.1%) "
+        "[interleaved_1f1b V=2: (P-1)/(V*M+P-1); mean idle 40.6%] | stage 0: busy 2500.0 "
+    )
     events = dict((k, v) for k, v, _ in tl.monitor_events(s, 7))
     assert events["Train/Pipeline/ideal_bubble"] == s["ideal_bubble"]
     assert events["Train/Pipeline/idle_share"] == s["idle_share"]
@@ -140,7 +161,8 @@ def test_summary_line_and_monitors():
     keys = [k for k, *_ in tl.monitor_events(z, 7)]
     assert "Train/Pipeline/ideal_bubble" not in keys and "Train/Pipeline/idle_share" in keys
     assert tl.describe(_summary("1f1b", 1)).startswith(
-        "pipeline batch 4000.0 ms (P=2, M=4, ideal bubble 20.0%) [1f1b: (P-1)/(M+P-1); mean idle")
+        "pipeline batch 4000.0 ms (P=2, M=4, ideal bubble 20.0%) [1f1b: (P-1)/(M+P-1); mean idle"
+    )
 
 
 def test_file_records_virtual_stages(tmp_path, capsys):
@@ -158,6 +180,5 @@ def test_file_records_virtual_stages(tmp_path, capsys):
     path.write_text(json.dumps(raw))
     assert tl.load_timeline(path)["virtual_stages"] == 0
     assert tl.main([str(path), "--out", str(tmp_path / "old.svg")]) == 0
-    assert "ideal bubble n/a) [interleaved_1f1b V=?: n/a: the timeline file does not record" in \
-        capsys.readouterr().out
+    assert "ideal bubble n/a) [interleaved_1f1b V=?: n/a: the timeline file does not record" in capsys.readouterr().out
     assert "(ideal n/a)" in (tmp_path / "old.svg").read_text()

@@ -29,5 +29,8 @@ def optimizer(params):
 def copies_differ(what, per_rank: list) -> list[str]:
     """The embedding's copies on the ranks holding it, after each step (``per_rank[rank][step]``),
     where they are not equal to the bit."""
-    return [f"{what} step {step}: the embedding's copies differ"
-            for step in range(len(per_rank[0])) if not all(torch.equal(r[step], per_rank[0][step]) for r in per_rank)]
+    return [
+        f"{what} step {step}: the embedding's copies differ"
+        for step in range(len(per_rank[0]))
+        if not all(torch.equal(r[step], per_rank[0][step]) for r in per_rank)
+    ]

@@ -13,19 +13,38 @@ from zerotrain.testing import run_on_ranks
 # DeepSpeed's ProgressiveLayerDrop(theta=0.5, gamma=0.1).update_state(s) for s = 0..19:
 # (1 - 0.5) * np.exp(-0.1 * s) + 0.5, as deepspeed/runtime/progressive_layer_drop.py computed it.
 THETA = [
-    1.0, 0.9524187090179798, 0.9093653765389909, 0.8704091103408589,
-    0.8351600230178197, 0.8032653298563167, 0.7744058180470133, 0.7482926518957047,
-    0.7246644820586108, 0.7032848298702996, 0.6839397205857212, 0.6664355418490397,
-    0.650597105956101, 0.6362658965170063, 0.6232984819708032, 0.611565080074215,
-    0.6009482589973277, 0.5913417620263673, 0.5826494441107932, 0.5747843096113175,
+    1.0,
+    0.9524187090179798,
+    0.9093653765389909,
+    0.8704091103408589,
+    0.8351600230178197,
+    0.8032653298563167,
+    0.7744058180470133,
+    0.7482926518957047,
+    0.7246644820586108,
+    0.7032848298702996,
+    0.6839397205857212,
+    0.6664355418490397,
+    0.650597105956101,
+    0.6362658965170063,
+    0.6232984819708032,
+    0.611565080074215,
+    0.6009482589973277,
+    0.5913417620263673,
+    0.5826494441107932,
+    0.5747843096113175,
 ]
 PLD = {"enabled": True, "theta": 0.5, "gamma": 0.1}
 
 
 def _config(gas: int = 2, optimizer: str = "SGD", pld=None, **extra) -> dict:
     params = {"lr": 0.05} if optimizer == "SGD" else {"lr": 1e-2, "weight_decay": 0.1}
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-           "gradient_clipping": 0.0, "optimizer": {"type": optimizer, "params": params}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": optimizer, "params": params},
+    }
     if pld is not None:
         cfg["progressive_layer_drop"] = pld
     cfg.update(extra)
@@ -78,8 +97,9 @@ def _schedule_and_switches():
         finals = []
         for pld in (None, {"enabled": True, "theta": 1.0, "gamma": 0.1}):
             m = PLDNet()
-            e, *_ = zerotrain.initialize(model=m, model_parameters=m.parameters(), config=_config(optimizer=optimizer,
-                                                                                                  pld=pld))
+            e, *_ = zerotrain.initialize(
+                model=m, model_parameters=m.parameters(), config=_config(optimizer=optimizer, pld=pld)
+            )
             _train(e, m, data, 5, gas=2)
             finals.append(_weights(m))
         same[optimizer] = all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
@@ -92,8 +112,15 @@ def _schedule_and_switches():
         refused = None
     except ValueError as error:
         refused = str(error)
-    return {"run": run, "eval": eval_kwargs, "train": train_kwargs, "accessors": accessors, "off": off_state,
-            "same": same, "pipeline": refused}
+    return {
+        "run": run,
+        "eval": eval_kwargs,
+        "train": train_kwargs,
+        "accessors": accessors,
+        "off": off_state,
+        "same": same,
+        "pipeline": refused,
+    }
 
 
 def test_theta_sequence_forward_kwargs_and_theta_one():
@@ -162,6 +189,7 @@ def _stage3_rank(steps: int):
         def start_gather(*args, **kwargs):
             counts[block] = counts.get(block, 0) + 1
             return original(*args, **kwargs)
+
         return start_gather
 
     for unit in engine.zero_stage_object.parameter_coordinator.units:
@@ -172,7 +200,7 @@ def _stage3_rank(steps: int):
     per_step = []
     for x, y in data:
         counts.clear()
-        engine.backward(engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
         engine.step()
         per_step.append({"kept": list(model.blocks.last_kept), "gathers": dict(counts)})
     return {"steps": per_step, "weights": engine.module_state_dict()}

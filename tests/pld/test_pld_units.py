@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.pld.models import Block, WIDTH
+from tests.pld.models import WIDTH, Block
 from tests.pld.test_pld_engine import THETA
 from zerotrain.config import ConfigError, check_supported, load_config
 from zerotrain.pld import ProgressiveLayerDrop, SwitchableBlocks, keep_probabilities
@@ -55,10 +55,14 @@ def test_config_section_defaults_and_errors():
     section = cfg.progressive_layer_drop
     assert (section.enabled, section.theta, section.gamma) == (True, 1.0, 0.001)  # DeepSpeed's constants
     assert load_config({"train_batch_size": 8}).progressive_layer_drop.enabled is False
-    for bad, field in (({"theta": 0}, "progressive_layer_drop.theta"), ({"theta": 1.5}, "progressive_layer_drop.theta"),
-                       ({"gamma": -1}, "progressive_layer_drop.gamma"), ({"theta": True}, "progressive_layer_drop.theta"),
-                       ({"enabled": "yes please"}, "progressive_layer_drop.enabled"),
-                       ({"thetta": 0.5}, "progressive_layer_drop.thetta")):
+    for bad, field in (
+        ({"theta": 0}, "progressive_layer_drop.theta"),
+        ({"theta": 1.5}, "progressive_layer_drop.theta"),
+        ({"gamma": -1}, "progressive_layer_drop.gamma"),
+        ({"theta": True}, "progressive_layer_drop.theta"),
+        ({"enabled": "yes please"}, "progressive_layer_drop.enabled"),
+        ({"thetta": 0.5}, "progressive_layer_drop.thetta"),
+    ):
         with pytest.raises(ConfigError) as info:
             load_config({"train_batch_size": 8, "progressive_layer_drop": {"enabled": True, **bad}})
         message = str(info.value)

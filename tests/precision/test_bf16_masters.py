@@ -2,7 +2,8 @@
 ``bf16.bf16_optimizer_states``): the optimizer steps the bf16 shards and keeps bf16 moments.
 
 Compared with a single-process reference doing the same bf16 arithmetic: torch AdamW/SGD on a
-bf16 model (fused AdamW, as the config's "AdamW" builds), each rank's gradient computed on its rows, averaged in bf16 as the reduction does
+bf16 model (fused AdamW, as the config's "AdamW" builds), each rank's gradient computed on its
+rows, averaged in bf16 as the reduction does
 (each divided by 2, then summed); weights must be bit-identical.
 """
 
@@ -24,8 +25,13 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 
 
 def _config(stage: int, bf16: dict, optimizer: dict) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": optimizer,
-            "zero_optimization": {"stage": stage}, "bf16": bf16}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage},
+        "bf16": bf16,
+    }
 
 
 def _state_bytes(opt) -> tuple[int, int]:
@@ -51,18 +57,22 @@ def _train_engines(runs, checkpoint_dir=None):
         model = make_model()
         engine, opt, _, _ = zerotrain.initialize(model=model, config=_config(stage, bf16, optimizer))
         for step in range(STEPS):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             engine.backward(engine(batch, labels=batch).loss)
             engine.step()
         total, moments = _state_bytes(opt)
-        out.append({
-            "state": {n: v.clone() for n, v in engine.module_state_dict().items()},
-            "stepped_dtypes": {p.dtype for g in opt.param_groups for p in g["params"]},
-            "state_dtypes": {k: v.dtype for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)},
-            "state_bytes": total, "moment_bytes": moments, "memory": engine.memory_breakdown(),
-            "accessors": (engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states()),
-            "skipped": engine.skipped_steps,
-        })
+        out.append(
+            {
+                "state": {n: v.clone() for n, v in engine.module_state_dict().items()},
+                "stepped_dtypes": {p.dtype for g in opt.param_groups for p in g["params"]},
+                "state_dtypes": {k: v.dtype for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)},
+                "state_bytes": total,
+                "moment_bytes": moments,
+                "memory": engine.memory_breakdown(),
+                "accessors": (engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states()),
+                "skipped": engine.skipped_steps,
+            }
+        )
         engine.destroy()
     if checkpoint_dir is not None:
         out.append(_resumes(checkpoint_dir, data, rank))
@@ -75,7 +85,7 @@ def _resumes(path, data, rank) -> dict:
     import zerotrain
 
     def step(engine, s):
-        batch = data[s, rank * MICRO:(rank + 1) * MICRO]
+        batch = data[s, rank * MICRO : (rank + 1) * MICRO]
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
 
@@ -92,8 +102,10 @@ def _resumes(path, data, rank) -> dict:
         engine.load_checkpoint(path, tag=f"stage{stage}")
         step(engine, 2)
         got = engine.module_state_dict()
-        out[stage] = (all(torch.equal(got[n], v) for n, v in want.items()),
-                      {k: v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"})
+        out[stage] = (
+            all(torch.equal(got[n], v) for n, v in want.items()),
+            {k: v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"},
+        )
         engine.destroy()
     return out
 
@@ -109,7 +121,7 @@ def _reference(optimizer: dict) -> dict:
     for step in range(STEPS):
         per_rank = []
         for rank in range(WORLD):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             model(batch, labels=batch).loss.backward()
             per_rank.append([p.grad / WORLD for p in params])
             opt.zero_grad()
@@ -120,8 +132,13 @@ def _reference(optimizer: dict) -> dict:
     return {n: v.clone() for n, v in model.state_dict().items()}
 
 
-RUNS = [(1, BF16_MASTERS, ADAMW), (2, BF16_MASTERS, ADAMW), (3, BF16_MASTERS, ADAMW), (2, BF16_MASTERS, SGD),
-        (2, {"enabled": True}, ADAMW)]
+RUNS = [
+    (1, BF16_MASTERS, ADAMW),
+    (2, BF16_MASTERS, ADAMW),
+    (3, BF16_MASTERS, ADAMW),
+    (2, BF16_MASTERS, SGD),
+    (2, {"enabled": True}, ADAMW),
+]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +154,9 @@ def test_weights_equal_bf16_reference(results, run):
     assert set(got["state"]) == set(want)
     for name, value in want.items():
         assert got["state"][name].dtype == torch.bfloat16
-        assert torch.equal(got["state"][name], value), f"{name}: max diff {(got['state'][name].float() - value.float()).abs().max()}"
+        assert torch.equal(got["state"][name], value), (
+            f"{name}: max diff {(got['state'][name].float() - value.float()).abs().max()}"
+        )
     start = make_model().to(torch.bfloat16).state_dict()
     assert any(not torch.equal(start[n], v) for n, v in want.items())  # the steps changed the weights
 
@@ -176,14 +195,21 @@ def test_state_bytes_half_of_plain_bf16(results):
         assert plain["memory"]["master_parameters"] == masters["moment_bytes"]
 
 
-@pytest.mark.parametrize("bf16, stage, offload, key", [
-    ({"enabled": True, "bf16_master_weights_and_grads": True}, 2, None, "bf16.bf16_master_weights_and_grads"),
-    ({"enabled": True, "bf16_optimizer_states": True}, 2, None, "bf16.bf16_optimizer_states"),
-    (BF16_MASTERS, 0, None, "bf16.bf16_master_weights_and_grads"),
-    (BF16_MASTERS, 2, "cpu", "bf16.bf16_master_weights_and_grads"),
-    ({"enabled": False, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, 2, None,
-     "bf16.bf16_master_weights_and_grads"),
-])
+@pytest.mark.parametrize(
+    "bf16, stage, offload, key",
+    [
+        ({"enabled": True, "bf16_master_weights_and_grads": True}, 2, None, "bf16.bf16_master_weights_and_grads"),
+        ({"enabled": True, "bf16_optimizer_states": True}, 2, None, "bf16.bf16_optimizer_states"),
+        (BF16_MASTERS, 0, None, "bf16.bf16_master_weights_and_grads"),
+        (BF16_MASTERS, 2, "cpu", "bf16.bf16_master_weights_and_grads"),
+        (
+            {"enabled": False, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+            2,
+            None,
+            "bf16.bf16_master_weights_and_grads",
+        ),
+    ],
+)
 def test_unsupported_combinations_name_the_key(bf16, stage, offload, key):
     cfg = _config(stage, bf16, ADAMW)
     if offload:

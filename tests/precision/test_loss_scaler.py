@@ -39,8 +39,9 @@ PATTERNS = {
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_scale_sequence_matches_documented_rules(pattern, consecutive):
     overflows = PATTERNS[pattern]
-    scaler = DynamicLossScaler(init_scale=2.0**6, scale_window=4, min_scale=2.0, hysteresis=2,
-                               consecutive_hysteresis=consecutive)
+    scaler = DynamicLossScaler(
+        init_scale=2.0**6, scale_window=4, min_scale=2.0, hysteresis=2, consecutive_hysteresis=consecutive
+    )
     got = []
     for overflow in overflows:
         got.append(scaler.loss_scale)
@@ -66,8 +67,7 @@ def test_at_min_scale_warns_and_keeps_going_unless_asked_to_raise(caplog):
     finally:
         logging.getLogger("zerotrain").propagate = False
     assert "minimum loss scale" in caplog.text and "bf16" in caplog.text
-    strict = DynamicLossScaler(init_scale=2.0, min_scale=2.0, hysteresis=1,
-                               raise_error_at_min_scale=True)
+    strict = DynamicLossScaler(init_scale=2.0, min_scale=2.0, hysteresis=1, raise_error_at_min_scale=True)
     with pytest.raises(FloatingPointError, match="bf16"):
         strict.update(True)
 

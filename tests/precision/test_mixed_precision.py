@@ -12,8 +12,14 @@ from tests.engine.workloads import adamw_config, global_batches, make_model
 from tests.precision.test_loss_scaler import reference_scales
 from zerotrain.testing import run_on_ranks
 
-FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 4,
-        "hysteresis": 2, "min_loss_scale": 16}
+FP16 = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 8,
+    "loss_scale_window": 4,
+    "hysteresis": 2,
+    "min_loss_scale": 16,
+}
 
 
 def _train(precision: dict | None, stage: int, steps: int, inject_on_rank1=()):
@@ -30,7 +36,7 @@ def _train(precision: dict | None, stage: int, steps: int, inject_on_rank1=()):
     data = global_batches(steps, 2 * world)
     losses, scales, skipped, unchanged, overflow = [], [], [], [], []
     for step in range(steps):
-        batch = data[step, rank * 2:rank * 2 + 2]
+        batch = data[step, rank * 2 : rank * 2 + 2]
         before = _snapshot(model, opt) if step in inject_on_rank1 else None
         loss = engine(batch, labels=batch).loss
         scales.append(engine.loss_scale)
@@ -51,11 +57,20 @@ def _train(precision: dict | None, stage: int, steps: int, inject_on_rank1=()):
         consolidated = "returned"
     except ValueError:
         consolidated = "ValueError"  # DeepSpeed's answer below stage 3 without tensor parallelism
-    return {"losses": losses, "overflow": overflow, "consolidated": consolidated, "scales": scales, "skipped": skipped, "unchanged": unchanged,
-            "skipped_steps": engine.skipped_steps, "param_dtypes": {p.dtype for p in model.parameters()},
-            "master_dtypes": set(masters), "memory": engine.memory_breakdown(),
-            "trainable": sum(p.numel() for p in model.parameters()),
-            "units": [u.layout.numel for u in getattr(engine._zero, "units", [])]}
+    return {
+        "losses": losses,
+        "overflow": overflow,
+        "consolidated": consolidated,
+        "scales": scales,
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "skipped_steps": engine.skipped_steps,
+        "param_dtypes": {p.dtype for p in model.parameters()},
+        "master_dtypes": set(masters),
+        "memory": engine.memory_breakdown(),
+        "trainable": sum(p.numel() for p in model.parameters()),
+        "units": [u.layout.numel for u in getattr(engine._zero, "units", [])],
+    }
 
 
 def _snapshot(model, opt):
@@ -86,7 +101,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(stage):
         assert r["unchanged"] == [True] * len(INJECT)  # weights, masters, Adam state bit-identical
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp32_losses(stage):
     return run_on_ranks(_train, 2, args=(None, stage, 50))[0]["losses"]
 
@@ -103,8 +118,9 @@ def _trajectory_gap(precision, stage):
 def test_16bit_follows_fp32_trajectory(kind, tolerance, stage):
     # fp16 starts at 2**10: at the default 2**16 the first steps overflow and are (rightly)
     # skipped, which shifts the trajectory; overflow handling is tested above.
-    precision = ({"bf16": {"enabled": True}} if kind == "bf16"
-                 else {"fp16": {"enabled": True, "initial_scale_power": 10}})
+    precision = (
+        {"bf16": {"enabled": True}} if kind == "bf16" else {"fp16": {"enabled": True, "initial_scale_power": 10}}
+    )
     gap, r = _trajectory_gap(precision, stage)
     assert gap <= tolerance, f"{kind} stage {stage}: loss differs from fp32 by {gap:.2%}"
     dtype = torch.bfloat16 if kind == "bf16" else torch.float16
@@ -123,7 +139,7 @@ def test_mixed_precision_memory_matches_zero_paper(stage):
     p = r["trainable"]
     assert math.ceil(p / 2) <= shard <= math.ceil(p / 2) + 7 * len(r["units"])
     mem = r["memory"]
-    assert mem["parameters"] == 2 * shard * 2                      # bf16 params: 2P (+padding)
+    assert mem["parameters"] == 2 * shard * 2  # bf16 params: 2P (+padding)
     assert mem["gradients"] == (2 * shard * 2 if stage == 1 else 2 * shard)  # 2P, or 2P/N
     # fp32 master (4) + Adam moments (8) per shard element = 12P/N, + one fp32 step per unit
     assert mem["master_parameters"] + mem["optimizer_state"] == 12 * shard + 4 * len(r["units"])

@@ -24,8 +24,13 @@ FP16 = {"enabled": True, "dtype": "float16"}
 
 
 def _config(stage: int, autocast: dict) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": ADAMW,
-            "zero_optimization": {"stage": stage}, "torch_autocast": autocast}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": ADAMW,
+        "zero_optimization": {"stage": stage},
+        "torch_autocast": autocast,
+    }
 
 
 def _train_engines(runs):
@@ -42,21 +47,27 @@ def _train_engines(runs):
         engine, _, _, _ = zerotrain.initialize(model=model, config=_config(stage, autocast))
         losses = []
         for step in range(STEPS):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             logits = engine(batch).logits
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                                     batch[:, 1:].flatten())
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
             losses.append(loss.detach().clone())
             engine.backward(loss)
             engine.step()
-        out.append({
-            "losses": losses, "logits_dtype": logits.dtype,
-            "state": {n: v.clone() for n, v in engine.module_state_dict().items()},
-            "param_dtypes": {p.dtype for p in model.parameters()},
-            "accessors": (engine.torch_autocast_enabled(), engine.torch_autocast_dtype(),
-                          engine.torch_autocast_lower_precision_safe_modules()),
-            "loss_scale": engine.loss_scale, "skipped": engine.skipped_steps,
-        })
+        out.append(
+            {
+                "losses": losses,
+                "logits_dtype": logits.dtype,
+                "state": {n: v.clone() for n, v in engine.module_state_dict().items()},
+                "param_dtypes": {p.dtype for p in model.parameters()},
+                "accessors": (
+                    engine.torch_autocast_enabled(),
+                    engine.torch_autocast_dtype(),
+                    engine.torch_autocast_lower_precision_safe_modules(),
+                ),
+                "loss_scale": engine.loss_scale,
+                "skipped": engine.skipped_steps,
+            }
+        )
         engine.destroy()
     return out
 
@@ -76,7 +87,7 @@ def _reference(dtype: torch.dtype, scale: float = 1.0, low_precision: bool = Fal
     for step in range(STEPS):
         per_rank, step_losses = [], []
         for rank in range(WORLD):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             with torch.autocast("cpu", dtype=dtype):
                 logits = model(batch).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -106,15 +117,17 @@ def results():
     return run_on_ranks(_train_engines, WORLD, args=(RUNS,))
 
 
-@pytest.mark.parametrize("run", range(len(RUNS)),
-                         ids=[f"stage{s}-{a['dtype']}{'-no-safe' if a is NO_SAFE else ''}" for s, a in RUNS])
+@pytest.mark.parametrize(
+    "run", range(len(RUNS)), ids=[f"stage{s}-{a['dtype']}{'-no-safe' if a is NO_SAFE else ''}" for s, a in RUNS]
+)
 def test_losses_and_weights_equal_autocast_reference(results, run):
     stage, autocast = RUNS[run]
     dtype = torch.float16 if autocast is FP16 else torch.bfloat16
     # fp16 autocast scales the loss by GradScaler's initial 2**16 (a power of two: exact). Stage
     # 0 reduces every gradient in fp32 (as DeepSpeed); stages 1-3 nn.Linear's in the autocast dtype.
-    want_losses, want = _reference(dtype, scale=2.0**16 if dtype == torch.float16 else 1.0,
-                                   low_precision=stage > 0 and autocast is not NO_SAFE)
+    want_losses, want = _reference(
+        dtype, scale=2.0**16 if dtype == torch.float16 else 1.0, low_precision=stage > 0 and autocast is not NO_SAFE
+    )
     for rank, r in enumerate(results):
         got = r[run]
         assert got["logits_dtype"] == dtype  # the forward ran under autocast
@@ -132,10 +145,16 @@ def test_losses_and_weights_equal_autocast_reference(results, run):
 
 def test_accessors(results):
     bf16, fp16 = results[0][0], results[0][5]
-    assert bf16["accessors"] == (True, torch.bfloat16, ["torch.nn.modules.linear.Linear",
-                                                        "torch.nn.modules.conv.Conv1d",
-                                                        "torch.nn.modules.conv.Conv2d",
-                                                        "torch.nn.modules.conv.Conv3d"])
+    assert bf16["accessors"] == (
+        True,
+        torch.bfloat16,
+        [
+            "torch.nn.modules.linear.Linear",
+            "torch.nn.modules.conv.Conv1d",
+            "torch.nn.modules.conv.Conv2d",
+            "torch.nn.modules.conv.Conv3d",
+        ],
+    )
     assert bf16["loss_scale"] == 1.0
     assert fp16["accessors"][:2] == (True, torch.float16)
     assert fp16["loss_scale"] == 2.0**16
@@ -152,8 +171,11 @@ def test_bad_dtype_and_module_name_name_the_key(in_process_rank):
         load_config({"train_batch_size": 2, "torch_autocast": {"enabled": True, "dtype": "fp32"}})
     import zerotrain
 
-    cfg = {"train_batch_size": 1, "optimizer": ADAMW,
-           "torch_autocast": {**BF16, "lower_precision_safe_modules": ["torch.nn.NoSuchLayer"]}}
+    cfg = {
+        "train_batch_size": 1,
+        "optimizer": ADAMW,
+        "torch_autocast": {**BF16, "lower_precision_safe_modules": ["torch.nn.NoSuchLayer"]},
+    }
     with pytest.raises(ValueError, match=r"torch_autocast\.lower_precision_safe_modules: 'torch\.nn\.NoSuchLayer'"):
         zerotrain.initialize(model=make_model(), config=cfg)
 

@@ -85,7 +85,7 @@ def test_tracker_states_are_what_recomputation_replays():
     ckpt.model_parallel_cuda_manual_seed(7)
     out = ckpt.checkpoint(block, x)
     ckpt.get_cuda_rng_tracker().add("other", 99)  # a state added after the forward ...
-    with ckpt.get_cuda_rng_tracker().fork():      # ... and the model-parallel state moved on
+    with ckpt.get_cuda_rng_tracker().fork():  # ... and the model-parallel state moved on
         torch.rand(10)
     states_before_backward = ckpt.get_cuda_rng_tracker().get_states()
     out.sum().backward()
@@ -172,8 +172,14 @@ def test_checkpoint_in_cpu_leaves_host_tensors_in_place():
 
 
 def test_configure_reads_the_config_section_and_arguments_override(tmp_path):
-    section = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 4,
-               "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True, "profile": True}
+    section = {
+        "partition_activations": True,
+        "contiguous_memory_optimization": True,
+        "number_checkpoints": 4,
+        "cpu_checkpointing": True,
+        "synchronize_checkpoint_boundary": True,
+        "profile": True,
+    }
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"train_batch_size": 8, "activation_checkpointing": section}))
     assert not ckpt.is_configured()
@@ -181,8 +187,14 @@ def test_configure_reads_the_config_section_and_arguments_override(tmp_path):
         ckpt.configure(None, deepspeed_config=source)
         s = settings.current()
         assert ckpt.is_configured()
-        assert (s.partition_activations, s.contiguous_checkpointing, s.num_checkpoints, s.checkpoint_in_cpu,
-                s.synchronize, s.profile) == (True, True, 4, True, True, True)
+        assert (
+            s.partition_activations,
+            s.contiguous_checkpointing,
+            s.num_checkpoints,
+            s.checkpoint_in_cpu,
+            s.synchronize,
+            s.profile,
+        ) == (True, True, 4, True, True, True)
     ckpt.configure(None, deepspeed_config=str(path), checkpoint_in_cpu=False, profile=False)
     assert not settings.current().checkpoint_in_cpu and not settings.current().profile
     assert settings.current().synchronize
@@ -207,16 +219,25 @@ class _Mpu:
         return 1
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"contiguous_checkpointing": True, "num_checkpoints": 2}, ValueError, "needs partition_activations"),
-    ({"contiguous_checkpointing": True, "partition_activations": True}, ValueError, "needs num_checkpoints"),
-    ({"num_checkpoints": 0}, ValueError, "num_checkpoints must be a positive integer"),
-    ({"mpu_": _Mpu(2), "partition_activations": True}, NotImplementedError, "get_model_parallel_world_size() is 2"),
-    ({"deepspeed_config": {"activation_checkpointing": {"profile": "often"}}}, ConfigError,
-     "activation_checkpointing.profile"),
-    ({"deepspeed_config": {"activation_checkpointing": {"cpu_checkpoint": True}}}, ConfigError,
-     "cpu_checkpointing"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"contiguous_checkpointing": True, "num_checkpoints": 2}, ValueError, "needs partition_activations"),
+        ({"contiguous_checkpointing": True, "partition_activations": True}, ValueError, "needs num_checkpoints"),
+        ({"num_checkpoints": 0}, ValueError, "num_checkpoints must be a positive integer"),
+        ({"mpu_": _Mpu(2), "partition_activations": True}, NotImplementedError, "get_model_parallel_world_size() is 2"),
+        (
+            {"deepspeed_config": {"activation_checkpointing": {"profile": "often"}}},
+            ConfigError,
+            "activation_checkpointing.profile",
+        ),
+        (
+            {"deepspeed_config": {"activation_checkpointing": {"cpu_checkpoint": True}}},
+            ConfigError,
+            "cpu_checkpointing",
+        ),
+    ],
+)
 def test_configure_errors_name_the_option(kwargs, error, words):
     with pytest.raises(error) as info:
         ckpt.configure(**kwargs)

@@ -9,14 +9,26 @@ import ast
 from tests.source_tree import import_base, modules
 
 #: torch's ways of creating process groups and meshes.
-CREATORS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "init_device_mesh",
-            "DeviceMesh", "_unflatten", "_flatten"}
+CREATORS = {
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+    "init_device_mesh",
+    "DeviceMesh",
+    "_unflatten",
+    "_flatten",
+}
 
 #: Where ``zerotrain.topology.current()`` may be read: the getters (and the package that exports
 #: it), and DeepSpeed's entry points without a topology argument (the ``MoE`` constructor,
 #: ``MonitorMaster(config)``), as their default.
-CURRENT_ALLOWED = {"zerotrain.topology", "zerotrain.topology.process_wide", "zerotrain.experts.layer",
-                   "zerotrain.monitor.monitor"}
+CURRENT_ALLOWED = {
+    "zerotrain.topology",
+    "zerotrain.topology.process_wide",
+    "zerotrain.experts.layer",
+    "zerotrain.monitor.monitor",
+}
 
 
 def _outside_topology():
@@ -59,8 +71,12 @@ def test_current_topology_is_read_only_behind_deepspeeds_getters():
             if isinstance(node, ast.ImportFrom) and import_base(node, package).startswith("zerotrain.topology"):
                 if any(alias.name == "current" for alias in node.names):
                     found.append(f"{name}:{node.lineno}")
-            elif (isinstance(node, ast.Attribute) and node.attr == "current" and isinstance(node.value, ast.Name)
-                  and node.value.id in ("topology", "process_wide")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "current"
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("topology", "process_wide")
+            ):
                 found.append(f"{name}:{node.lineno}")
     assert found == [], "pass the engine's topology instead of zerotrain.topology.current(): " + ", ".join(found)
 

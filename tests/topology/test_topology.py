@@ -42,8 +42,8 @@ def _ranks_of(group):
 def _grid_checks():
     import torch.distributed as dist
 
-    from zerotrain.topology import PipelineParallelGrid, Topology
     from zerotrain.comm.distributed import init_distributed
+    from zerotrain.topology import PipelineParallelGrid, Topology
     from zerotrain.topology.topology import MESH_AXES
     from zerotrain.utils import groups
 
@@ -51,70 +51,139 @@ def _grid_checks():
     rank = dist.get_rank()
     out = {}
     pipe2 = Topology.build(pipe=2)
-    out["pipe2"] = (pipe2.size("pipe"), pipe2.size("data"), pipe2.size("model"), pipe2.rank("pipe"), pipe2.data_rank,
-                    _ranks_of(pipe2.data_group), _ranks_of(pipe2.group("pipe")), _ranks_of(pipe2.group("model")),
-                    _ranks_of(pipe2.distinct_group), pipe2.first_global_rank("data"), pipe2.axis_ranks("pipe"))
+    out["pipe2"] = (
+        pipe2.size("pipe"),
+        pipe2.size("data"),
+        pipe2.size("model"),
+        pipe2.rank("pipe"),
+        pipe2.data_rank,
+        _ranks_of(pipe2.data_group),
+        _ranks_of(pipe2.group("pipe")),
+        _ranks_of(pipe2.group("model")),
+        _ranks_of(pipe2.distinct_group),
+        pipe2.first_global_rank("data"),
+        pipe2.axis_ranks("pipe"),
+    )
     mesh = pipe2.mesh  # torch's DeviceMesh over the same groups
-    out["mesh"] = (mesh.mesh.tolist(), mesh.mesh_dim_names, _ranks_of(mesh.get_group("data")),
-                   _ranks_of(mesh.get_group("pipe")))
+    out["mesh"] = (
+        mesh.mesh.tolist(),
+        mesh.mesh_dim_names,
+        _ranks_of(mesh.get_group("data")),
+        _ranks_of(mesh.get_group("pipe")),
+    )
     # One mesh, kept; every axis group (and the distinct one) is the mesh's own.
-    out["mesh_kept"] = (pipe2.mesh is mesh, _mesh_groups_are_the_topologys(pipe2), pipe2.size("sequence"),
-                        pipe2.rank("sequence"), _ranks_of(pipe2.group("sequence")), pipe2.size("tensor"),
-                        pipe2.group("tensor") is pipe2.group("model"))
+    out["mesh_kept"] = (
+        pipe2.mesh is mesh,
+        _mesh_groups_are_the_topologys(pipe2),
+        pipe2.size("sequence"),
+        pipe2.rank("sequence"),
+        _ranks_of(pipe2.group("sequence")),
+        pipe2.size("tensor"),
+        pipe2.group("tensor") is pipe2.group("model"),
+    )
     del mesh
     model2 = Topology.build(model=2)
-    out["model2"] = (_ranks_of(model2.data_group), _ranks_of(model2.group("model")), model2.distinct_size,
-                     _ranks_of(model2.distinct_group), model2.group("pipe") is not None)
+    out["model2"] = (
+        _ranks_of(model2.data_group),
+        _ranks_of(model2.group("model")),
+        model2.distinct_size,
+        _ranks_of(model2.distinct_group),
+        model2.group("pipe") is not None,
+    )
     out["model2_mesh"] = (model2.mesh.mesh.tolist(), _mesh_groups_are_the_topologys(model2))
     # pipe x model over the whole world: the distinct group spans it, and is a group of its own.
     pipe_model = Topology.build(pipe=2, model=2)
-    out["pipe_model"] = (pipe_model.mesh.mesh.tolist(), _ranks_of(pipe_model.distinct_group),
-                         pipe_model.distinct_group is not dist.group.WORLD, _mesh_groups_are_the_topologys(pipe_model))
+    out["pipe_model"] = (
+        pipe_model.mesh.mesh.tolist(),
+        _ranks_of(pipe_model.distinct_group),
+        pipe_model.distinct_group is not dist.group.WORLD,
+        _mesh_groups_are_the_topologys(pipe_model),
+    )
     grid = PipelineParallelGrid(topology=PipeDataParallelTopology(2, 2))
-    out["grid"] = (grid.get_stage_id(), grid.get_data_parallel_id(), grid.is_first_stage(), grid.is_last_stage(),
-                   grid.get_pipe_parallel_world_size(), grid.get_data_parallel_world_size(),
-                   _ranks_of(grid.get_data_parallel_group()), _ranks_of(grid.get_pipe_parallel_group()),
-                   grid.get_model_parallel_world_size(), _ranks_of(grid.get_model_parallel_group()),
-                   grid.stage_to_global(1), grid.stage_to_global(0, data=1), grid.p2p_groups)
+    out["grid"] = (
+        grid.get_stage_id(),
+        grid.get_data_parallel_id(),
+        grid.is_first_stage(),
+        grid.is_last_stage(),
+        grid.get_pipe_parallel_world_size(),
+        grid.get_data_parallel_world_size(),
+        _ranks_of(grid.get_data_parallel_group()),
+        _ranks_of(grid.get_pipe_parallel_group()),
+        grid.get_model_parallel_world_size(),
+        _ranks_of(grid.get_model_parallel_group()),
+        grid.stage_to_global(1),
+        grid.stage_to_global(0, data=1),
+        grid.p2p_groups,
+    )
     default = PipelineParallelGrid()  # DeepSpeed's split of 4 ranks: pipe 2 x data 2
     out["default"] = (default.pipe_parallel_size, default.data_parallel_size)
     # Two engines' worth of groups: {0,1} and {2,3} (every rank creates both, in order).
     a, b = dist.new_group([0, 1]), dist.new_group([2, 3])
     half = Topology.from_group(a if rank < 2 else b)
-    out["half"] = (half.members, half.data_rank, half.data_size, half.world_size, half.is_world,
-                   _ranks_of(half.data_group), half.first_global_rank("data"), half.is_first("data"))
+    out["half"] = (
+        half.members,
+        half.data_rank,
+        half.data_size,
+        half.world_size,
+        half.is_world,
+        _ranks_of(half.data_group),
+        half.first_global_rank("data"),
+        half.is_first("data"),
+    )
     # from a group too: a mesh over the group's ranks, its data axis the group itself, the
     # other axes this rank alone (created by the group's ranks only).
-    out["half_mesh"] = (half.mesh.mesh.tolist(), half.mesh.mesh_dim_names, half.mesh.get_group("data") is half.data_group,
-                        half.data_group is (a if rank < 2 else b), _ranks_of(half.group("pipe")),
-                        _mesh_groups_are_the_topologys(half))
+    out["half_mesh"] = (
+        half.mesh.mesh.tolist(),
+        half.mesh.mesh_dim_names,
+        half.mesh.get_group("data") is half.data_group,
+        half.data_group is (a if rank < 2 else b),
+        _ranks_of(half.group("pipe")),
+        _mesh_groups_are_the_topologys(half),
+    )
     del a, b
     alone = [dist.new_group([r]) for r in range(4)][rank]
     single = Topology.from_group(alone)
-    out["single"] = (single.mesh.mesh.tolist(), [single.group(axis) is alone for axis in MESH_AXES],
-                     single.members, single.data_size)
+    out["single"] = (
+        single.mesh.mesh.tolist(),
+        [single.group(axis) is alone for axis in MESH_AXES],
+        single.members,
+        single.data_size,
+    )
     del alone
     whole = Topology.build()
-    out["world_mesh"] = (whole.mesh.mesh.tolist(), whole.mesh.get_group("data") is dist.group.WORLD,
-                         _mesh_groups_are_the_topologys(whole))
+    out["world_mesh"] = (
+        whole.mesh.mesh.tolist(),
+        whole.mesh.get_group("data") is dist.group.WORLD,
+        _mesh_groups_are_the_topologys(whole),
+    )
     # The groups beyond the axes come from the topology too: tied layers (a collective of the
     # world, every group in order) and the checkpoint agreement (the group's ranks alone, kept).
     tied = [pipe2.tied_group([d, d + 2], "embed") for d in range(2)][rank % 2]
     agreement = pipe2.agreement_group(pipe2.axis_ranks("data"), pipe2.data_group)
-    out["more_groups"] = (_ranks_of(tied), _ranks_of(agreement), dist.get_backend(agreement),
-                          pipe2.agreement_group(pipe2.axis_ranks("data"), pipe2.data_group) is agreement)
+    out["more_groups"] = (
+        _ranks_of(tied),
+        _ranks_of(agreement),
+        dist.get_backend(agreement),
+        pipe2.agreement_group(pipe2.axis_ranks("data"), pipe2.data_group) is agreement,
+    )
     del tied, agreement
     # DeepSpeed's global getters answer from the current topology (the world until set).
     world = groups._get_data_parallel_world_size(), _ranks_of(groups._get_data_parallel_group())
     groups._create_expert_and_data_parallel(2)
     groups._create_expert_and_data_parallel(4)
-    out["experts"] = (world, groups._get_expert_parallel_world_size("ep_size_2"),
-                      _ranks_of(groups._get_expert_parallel_group("ep_size_2")),
-                      _ranks_of(groups._get_expert_data_parallel_group("ep_size_2")),
-                      groups._get_expert_parallel_rank("ep_size_2"), groups._get_expert_data_parallel_rank("ep_size_2"),
-                      groups._get_expert_broadcast_src_rank("ep_size_2"), groups._get_max_expert_size(),
-                      groups._get_max_expert_size_name(), _ranks_of(groups._get_max_expert_parallel_group()),
-                      sorted(groups._get_expert_parallel_group_dict()))
+    out["experts"] = (
+        world,
+        groups._get_expert_parallel_world_size("ep_size_2"),
+        _ranks_of(groups._get_expert_parallel_group("ep_size_2")),
+        _ranks_of(groups._get_expert_data_parallel_group("ep_size_2")),
+        groups._get_expert_parallel_rank("ep_size_2"),
+        groups._get_expert_data_parallel_rank("ep_size_2"),
+        groups._get_expert_broadcast_src_rank("ep_size_2"),
+        groups._get_max_expert_size(),
+        groups._get_max_expert_size_name(),
+        _ranks_of(groups._get_max_expert_parallel_group()),
+        sorted(groups._get_expert_parallel_group_dict()),
+    )
     swapped = Topology.build()
     swapped.expert_groups(2, data_before_expert=True)
     g = swapped.expert_groups(2)
@@ -122,8 +191,12 @@ def _grid_checks():
     # Expert groups split the mesh's data axis; one over the whole world is still a group of its own.
     e4 = groups._get_expert_parallel_group("ep_size_4")
     e2 = swapped.expert_groups(2)
-    out["expert_mesh"] = (e2.mesh.mesh_dim_names, e2.mesh.get_group("expert") is e2.expert_group,
-                          e2.mesh.get_group("expert_data") is e2.expert_data_group, e4 is not dist.group.WORLD)
+    out["expert_mesh"] = (
+        e2.mesh.mesh_dim_names,
+        e2.mesh.get_group("expert") is e2.expert_group,
+        e2.mesh.get_group("expert_data") is e2.expert_data_group,
+        e4 is not dist.group.WORLD,
+    )
     del e4, e2, g
     try:
         groups._get_expert_parallel_group("ep_size_3")
@@ -158,22 +231,61 @@ def test_four_ranks_groups_follow_the_layout():
     for rank, out in enumerate(results):
         pipe, data = divmod(rank, 2)
         members = [0, 1] if rank < 2 else [2, 3]
-        assert out["pipe2"] == (2, 2, 1, pipe, data, [2 * pipe, 2 * pipe + 1], [data, data + 2], [rank],
-                                [data, data + 2], 2 * pipe, [data, data + 2])
+        assert out["pipe2"] == (
+            2,
+            2,
+            1,
+            pipe,
+            data,
+            [2 * pipe, 2 * pipe + 1],
+            [data, data + 2],
+            [rank],
+            [data, data + 2],
+            2 * pipe,
+            [data, data + 2],
+        )
         # model fastest: model groups are adjacent ranks, data groups stride by 2
-        assert out["model2"] == ([rank % 2, rank % 2 + 2], [2 * (rank // 2), 2 * (rank // 2) + 1], 2,
-                                 [2 * (rank // 2), 2 * (rank // 2) + 1], True)
-        assert out["grid"] == (pipe, data, pipe == 0, pipe == 1, 2, 2, [2 * pipe, 2 * pipe + 1], [data, data + 2],
-                               2, [data, data + 2], 2 + data, 1, [[0, 2], [1, 3], [2, 0], [3, 1]])
+        assert out["model2"] == (
+            [rank % 2, rank % 2 + 2],
+            [2 * (rank // 2), 2 * (rank // 2) + 1],
+            2,
+            [2 * (rank // 2), 2 * (rank // 2) + 1],
+            True,
+        )
+        assert out["grid"] == (
+            pipe,
+            data,
+            pipe == 0,
+            pipe == 1,
+            2,
+            2,
+            [2 * pipe, 2 * pipe + 1],
+            [data, data + 2],
+            2,
+            [data, data + 2],
+            2 + data,
+            1,
+            [[0, 2], [1, 3], [2, 0], [3, 1]],
+        )
         assert out["default"] == (2, 2)
         # pipe x data x sequence x model, model fastest (sequence and model of size 1 here)
-        assert out["mesh"] == ([[[[0]], [[1]]], [[[2]], [[3]]]], ("pipe", "data", "sequence", "model"),
-                               [2 * pipe, 2 * pipe + 1], [data, data + 2])
+        assert out["mesh"] == (
+            [[[[0]], [[1]]], [[[2]], [[3]]]],
+            ("pipe", "data", "sequence", "model"),
+            [2 * pipe, 2 * pipe + 1],
+            [data, data + 2],
+        )
         assert out["mesh_kept"] == (True, True, 1, 0, [rank], 1, True)
         assert out["model2_mesh"] == ([[[[0, 1]], [[2, 3]]]], True)
         assert out["pipe_model"] == ([[[[0, 1]]], [[[2, 3]]]], [0, 1, 2, 3], True, True)
-        assert out["half_mesh"] == ([[[[members[0]]], [[members[1]]]]], ("pipe", "data", "sequence", "model"), True,
-                                    True, [rank], True)
+        assert out["half_mesh"] == (
+            [[[[members[0]]], [[members[1]]]]],
+            ("pipe", "data", "sequence", "model"),
+            True,
+            True,
+            [rank],
+            True,
+        )
         assert out["single"] == ([[[[rank]]]], [True] * 4, [rank], 1)
         assert out["world_mesh"] == ([[[[0]], [[1]], [[2]], [[3]]]], True, True)
         assert out["more_groups"] == ([data, data + 2], [2 * pipe, 2 * pipe + 1], "gloo", True)
@@ -184,8 +296,19 @@ def test_four_ranks_groups_follow_the_layout():
         # DeepSpeed's docstring layout: expert groups contiguous, expert-data groups strided
         ep = [2 * (rank // 2), 2 * (rank // 2) + 1]
         edp = [rank % 2, rank % 2 + 2]
-        assert out["experts"] == ((4, [0, 1, 2, 3]), 2, ep, edp, rank % 2, rank // 2, rank % 2, 4, "ep_size_4",
-                                  [0, 1, 2, 3], ["ep_size_2", "ep_size_4"])
+        assert out["experts"] == (
+            (4, [0, 1, 2, 3]),
+            2,
+            ep,
+            edp,
+            rank % 2,
+            rank // 2,
+            rank % 2,
+            4,
+            "ep_size_4",
+            [0, 1, 2, 3],
+            ["ep_size_2", "ep_size_4"],
+        )
         assert out["data_before_expert"] == (edp, ep)
         assert "ep_size_3" in out["unknown"] and "ep_size_2, ep_size_4" in out["unknown"]
 

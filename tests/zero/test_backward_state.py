@@ -34,4 +34,3 @@ def test_kept_during_another_sets_backward_refused_after_it_is_closed():
     grads_b.remove_hooks()
     with pytest.raises(RuntimeError, match="outside engine.backward"):
         param_a.sum().backward()
-

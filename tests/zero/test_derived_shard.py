@@ -23,8 +23,11 @@ def _model_and_optimizer(optimizer: str, seed: int = 0):
     model = make_model(seed=seed)
     model.blocks[0].attn.qkv.weight.requires_grad_(False)  # a frozen unit has no master to cast
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1, eps=1e-6))
+    opt = (
+        torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1, eps=1e-6)
+    )
     return model, opt
 
 
@@ -35,14 +38,20 @@ def _train(optimizer: str, derive: bool, ckpt_dir: str | None = None) -> dict:
     if not derive:  # the shard kept, as before: the reference run
         FlatParamUnit.derive_shard_from_master = lambda self: None
     model, opt = _model_and_optimizer(optimizer)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "gradient_clipping": 0.5, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "reduce_bucket_size": 2000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000},
+    }
     engine, *_ = zerotrain.initialize(model=model, optimizer=opt, config=cfg)
     units = engine._zero.units
-    out = {"derived": [u.derived for u in units], "trained": [u.trained for u in units],
-           "shard_bytes": sum(u.layout.shard_numel * 2 for u in units if u.trained)}
+    out = {
+        "derived": [u.derived for u in units],
+        "trained": [u.trained for u in units],
+        "shard_bytes": sum(u.layout.shard_numel * 2 for u in units if u.trained),
+    }
     out["losses"] = train_steps(engine, STEPS)
     out["masters"] = [m.detach().clone() for m in engine._zero.masters]
     out["memory"] = engine.memory_breakdown()

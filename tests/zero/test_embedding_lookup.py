@@ -22,8 +22,10 @@ from tests.engine.workloads import reference_run
 from zerotrain.testing import run_on_ranks
 
 STEPS = 3
-OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-              "sgd": {"type": "SGD", "params": {"lr": 0.1}}}
+OPTIMIZERS = {
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+    "sgd": {"type": "SGD", "params": {"lr": 0.1}},
+}
 CASES = [(512, True, "adamw"), (511, True, "sgd"), (511, False, "adamw"), (512, False, "sgd")]
 
 
@@ -64,13 +66,14 @@ def _ranks():
     try:
         for vocab, tied, name in CASES:
             model = make_model(vocab_size=vocab, tie_word_embeddings=tied)
-            engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-                2, zero_optimization=zero, optimizer=OPTIMIZERS[name]))
+            engine, *_ = zerotrain.initialize(
+                model=model, config=adamw_config(2, zero_optimization=zero, optimizer=OPTIMIZERS[name])
+            )
             wte = engine._zero.coordinator._unit_of[id(model.wte.weight)]
             data = global_batches(STEPS, 2 * world, vocab=vocab)
             losses, wte_gathers = [], []
             for step in range(STEPS):
-                batch = data[step, rank * 2:rank * 2 + 2]
+                batch = data[step, rank * 2 : rank * 2 + 2]
                 gathers.clear()
                 loss = engine(batch, labels=batch).loss
                 engine.backward(loss)
@@ -79,24 +82,29 @@ def _ranks():
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)
                 losses.append(mean.item() / world)
-            out[(vocab, tied, name)] = {"losses": losses, "wte_gathers": wte_gathers,
-                                        "params": engine.module_state_dict()}
+            out[(vocab, tied, name)] = {
+                "losses": losses,
+                "wte_gathers": wte_gathers,
+                "params": engine.module_state_dict(),
+            }
             if (vocab, tied) == (511, True):
                 out["rows"] = _rows(engine, model, rank, gathers, wte)
             engine.destroy()
             out.setdefault("forward_restored", []).append(
-                "forward" not in vars(model.wte) and "forward" not in vars(model.wpe))
+                "forward" not in vars(model.wte) and "forward" not in vars(model.wpe)
+            )
         # bf16: the shard is derived from the fp32 master; rows still exact.
         model = make_model(vocab_size=511)
-        engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-            2, zero_optimization=zero, bf16={"enabled": True}))
-        out["rows_bf16"] = _rows(engine, model, rank, gathers,
-                                 engine._zero.coordinator._unit_of[id(model.wte.weight)])
+        engine, *_ = zerotrain.initialize(
+            model=model, config=adamw_config(2, zero_optimization=zero, bf16={"enabled": True})
+        )
+        out["rows_bf16"] = _rows(engine, model, rank, gathers, engine._zero.coordinator._unit_of[id(model.wte.weight)])
         engine.destroy()
         # A pad token: its row's gradient stays zero, as in nn.Embedding.
         model = _Padded()
-        engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-            2, zero_optimization=zero, optimizer=OPTIMIZERS["sgd"]))
+        engine, *_ = zerotrain.initialize(
+            model=model, config=adamw_config(2, zero_optimization=zero, optimizer=OPTIMIZERS["sgd"])
+        )
         ids = _padded_batches(world)[rank]
         for _ in range(STEPS):
             loss = engine(ids, labels=ids)
@@ -130,9 +138,13 @@ def _rows(engine, model, rank, gathers, wte):
         engine.module.train()
     with zerotrain.zero.GatheredParameters([model.wte.weight]):
         table = model.wte.weight.detach().clone()
-    return {"looked_up": torch.equal(looked_up, table[ids]), "dtype": str(looked_up.dtype),
-            "lookup_gathers": lookup_gathers, "large": torch.equal(gathered, table[large]),
-            "large_gathers": large_gathers}
+    return {
+        "looked_up": torch.equal(looked_up, table[ids]),
+        "dtype": str(looked_up.dtype),
+        "lookup_gathers": lookup_gathers,
+        "large": torch.equal(gathered, table[large]),
+        "large_gathers": large_gathers,
+    }
 
 
 def _padded_batches(world):

@@ -15,12 +15,12 @@ from torch import nn
 
 from zerotrain.testing import run_on_ranks
 
-D = 6          # features in and out of each layer
-MICRO = 3      # samples per data rank
-DP = 2         # data-parallel ranks
+D = 6  # features in and out of each layer
+MICRO = 3  # samples per data rank
+DP = 2  # data-parallel ranks
 STEPS = 3
 LR = 0.1
-CLIP = 0.05    # far below the gradient norm: clipping scales every step
+CLIP = 0.05  # far below the gradient norm: clipping scales every step
 
 
 def _full_model() -> nn.Sequential:
@@ -106,9 +106,12 @@ def _sum_over(group):
 
 
 def _config(stage: int, precision: str = "fp32", clip: float | None = CLIP) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     cfg["gradient_clipping"] = clip or 0.0  # off unless given (the default is 1.0)
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
@@ -121,12 +124,14 @@ def _weights(engine, stage: int) -> dict:
 
     params = list(engine.module.parameters())
     with GatheredParameters(params, enabled=stage == 3):
-        return {(n if n == "tie" else f"{engine.module.m}.{n.split('.', 1)[1]}"): p.detach().float().clone()
-                for n, p in engine.module.named_parameters()}
+        return {
+            (n if n == "tie" else f"{engine.module.m}.{n.split('.', 1)[1]}"): p.detach().float().clone()
+            for n, p in engine.module.named_parameters()
+        }
 
 
 def _grid():
-    from zerotrain.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from zerotrain.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
     return PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=DP))
 
@@ -146,7 +151,7 @@ def _train_on_grid(grid, stage: int, precision: str = "fp32", overflow_step: int
     out = {"norms": [], "applied": [], "scales": [], "weights": []}
     for step in range(STEPS):
         x, y = _batches(step)
-        x, y = x[m, d * MICRO:(d + 1) * MICRO].to(dtype), y[m, d * MICRO:(d + 1) * MICRO].to(dtype)
+        x, y = x[m, d * MICRO : (d + 1) * MICRO].to(dtype), y[m, d * MICRO : (d + 1) * MICRO].to(dtype)
         if step == overflow_step and (m, d) == (1, 0):  # one model rank of one replica overflows
             x = x * 6e4
         engine.backward(engine(x, y))
@@ -168,8 +173,7 @@ def _train_on_grid(grid, stage: int, precision: str = "fp32", overflow_step: int
 
 
 def _units_named(stage_object, prefix: str) -> list:
-    return [u for u in stage_object.sharded_state().units
-            if u.trained and all(n.startswith(prefix) for n in u.names)]
+    return [u for u in stage_object.sharded_state().units if u.trained and all(n.startswith(prefix) for n in u.names)]
 
 
 def _on_ranks():
@@ -229,8 +233,13 @@ def test_grid_clips_with_the_whole_models_norm_and_overflow_skips_everywhere():
             assert got["applied"] == [True] * STEPS
             assert "model 2" in got["save"] and "not supported" in got["save"], got["save"]
             for step in range(STEPS):
-                assert abs(got["norms"][step] - ref_norms[step]) <= 1e-5 * ref_norms[step], \
-                    (rank, stage, step, got["norms"][step], ref_norms[step])
+                assert abs(got["norms"][step] - ref_norms[step]) <= 1e-5 * ref_norms[step], (
+                    rank,
+                    stage,
+                    step,
+                    got["norms"][step],
+                    ref_norms[step],
+                )
                 for name, value in got["weights"][step].items():
                     want = ref_weights[step][name]
                     assert torch.allclose(value, want, rtol=0, atol=1e-6), (rank, stage, step, name)
@@ -262,6 +271,7 @@ def test_grid_clips_with_the_whole_models_norm_and_overflow_skips_everywhere():
 # Four data ranks; a shared layer reduced over all of them, and an "expert" layer each pair of
 # ranks ({0,1}: expert 0, {2,3}: expert 1) holds alone, reduced over its pair and divided by 4
 # (a divide factor that is not its group's size). One ZeroStage holds both kinds of unit.
+
 
 def _expert_reference(steps: int = STEPS, clip: float = CLIP):
     torch.manual_seed(1)
@@ -305,8 +315,13 @@ def _expert_stage_on_ranks():
         expert_reduction = UnitReduction.over(pairs[rank // 2], divide_factor=4)
         expert_params = {id(p) for p in model["expert"].parameters()}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        zero = build_sharded_stage(STRATEGIES[stage], model, optimizer, StageOptions(unit_numel=10 ** 6),
-                                   reduce_group_of=lambda p: expert_reduction if id(p) in expert_params else None)
+        zero = build_sharded_stage(
+            STRATEGIES[stage],
+            model,
+            optimizer,
+            StageOptions(unit_numel=10**6),
+            reduce_group_of=lambda p: expert_reduction if id(p) in expert_params else None,
+        )
         assert len(zero.trained) == 2  # the two kinds never share a unit
         rows = slice((rank % 2) * MICRO, (rank % 2 + 1) * MICRO)
         norms = []
@@ -326,14 +341,18 @@ def _expert_stage_on_ranks():
         except NotImplementedError as error:
             refused = str(error)
         zero.close()  # stage 3: every unit gathered back into whole parameters
-        out[stage] = {"norms": norms, "refused": refused,
-                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        out[stage] = {
+            "norms": norms,
+            "refused": refused,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     model = nn.ModuleDict({"shared": nn.Linear(D, D), "expert": nn.Linear(D, D)})
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     spec = UnitReduction.over(pairs[rank // 2])
     # Units sharing one reduce_group_of answer still take their own divide factor.
-    zero = build_sharded_stage(STRATEGIES[1], model, optimizer, StageOptions(unit_numel=1),
-                               reduce_group_of=lambda p: spec)
+    zero = build_sharded_stage(
+        STRATEGIES[1], model, optimizer, StageOptions(unit_numel=1), reduce_group_of=lambda p: spec
+    )
     zero.set_gradient_divide_factor(1.0, units=zero.trained[:1])
     out["factors"] = [zero.reduction_of(u).divide_factor for u in zero.trained]
     zero.close()
@@ -344,8 +363,10 @@ def test_one_stage_holds_units_over_different_groups():
     per_rank = run_on_ranks(_expert_stage_on_ranks, world_size=4, timeout=600)
     shared, experts, norms = _expert_reference()
     for rank, out in enumerate(per_rank):
-        want = {**{f"shared.{n}": p for n, p in shared.named_parameters()},
-                **{f"expert.{n}": p for n, p in experts[rank // 2].named_parameters()}}
+        want = {
+            **{f"shared.{n}": p for n, p in shared.named_parameters()},
+            **{f"expert.{n}": p for n, p in experts[rank // 2].named_parameters()},
+        }
         for stage in (0, 1, 2, 3):  # stage 3: the expert unit sharded and gathered over its pair
             got = out[stage]
             for step in range(STEPS):

@@ -14,9 +14,9 @@ from torch import nn
 
 from zerotrain.testing import run_on_ranks
 
-MICRO = 2           # per rank; 2 ranks a group
+MICRO = 2  # per rank; 2 ranks a group
 GROUP_SIZE = 2
-SEEDS = (11, 23)    # build seed of group 0 / group 1 (group rank r seeds SEED + 1000 r)
+SEEDS = (11, 23)  # build seed of group 0 / group 1 (group rank r seeds SEED + 1000 r)
 NEST_SEEDS = (31, 47)
 MIXED_SEEDS = (53, 71)
 DATA_SEEDS = (5, 9)
@@ -50,10 +50,14 @@ def _batches(group: int, steps: int = 3) -> torch.Tensor:
 
 
 def _config(stage: int, precision: str = "fp32") -> dict:
-    return {"train_batch_size": MICRO * GROUP_SIZE, "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "bf16": {"enabled": precision == "bf16"},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_batch_size": MICRO * GROUP_SIZE,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def _state(module) -> dict:
@@ -70,7 +74,7 @@ def _gathered_state(module) -> dict:
 def _train(engine, group: int, grank: int, steps, dtype=torch.float32) -> None:
     data = _batches(group)
     for step in steps:
-        x = data[step, grank * MICRO:(grank + 1) * MICRO].to(dtype)
+        x = data[step, grank * MICRO : (grank + 1) * MICRO].to(dtype)
         loss = engine(x).float().square().mean()
         engine.backward(loss)
         engine.step()
@@ -122,12 +126,9 @@ def _job() -> dict:
             group_lin = nn.Linear(8, 4)
         after = nn.Linear(4, 4)
         model.fc1.bias.data.add_(1.0)
-    out["nest_shards"] = [p._zerotrain_shard.numel()
-                          for p in (world_lin.weight, group_lin.weight, after.weight)]
-    with GatheredParameters([*world_lin.parameters(), *group_lin.parameters(),
-                             *after.parameters()]):
-        out["nested"] = {"world_lin": _state(world_lin), "group_lin": _state(group_lin),
-                         "after": _state(after)}
+    out["nest_shards"] = [p._zerotrain_shard.numel() for p in (world_lin.weight, group_lin.weight, after.weight)]
+    with GatheredParameters([*world_lin.parameters(), *group_lin.parameters(), *after.parameters()]):
+        out["nested"] = {"world_lin": _state(world_lin), "group_lin": _state(group_lin), "after": _state(after)}
 
     # 4. Stage 3 on the group: 2 SGD steps, an edit by group rank 1, a third step.
     engine, *_ = zerotrain.initialize(model=model, config=_config(3), data_parallel_group=g)
@@ -149,8 +150,7 @@ def _job() -> dict:
     with Init(data_parallel_group=g, config_dict_or_path=cfg):
         model2 = _Net()
     engine2, *_ = zerotrain.initialize(model=model2, config=cfg, data_parallel_group=g)
-    _train(engine2, mine, grank, range(2),
-           dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    _train(engine2, mine, grank, range(2), dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     out["mixed"] = _gathered_state(engine2.module)
     engine2.destroy()
 
@@ -158,9 +158,14 @@ def _job() -> dict:
     with Init(data_parallel_group=g):
         model3 = nn.Linear(4, 4)
     try:
-        zerotrain.initialize(model=model3, config={
-            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "zero_optimization": {"stage": 3}})
+        zerotrain.initialize(
+            model=model3,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": 3},
+            },
+        )
         out["mismatch_error"] = None
     except ValueError as e:
         out["mismatch_error"] = str(e)
@@ -224,18 +229,22 @@ def per_rank():
 def test_init_on_a_group_partitions_over_it_and_takes_its_first_rank(per_rank):
     for out in per_rank:
         assert out["shard_numel"] == 16 * 8 // GROUP_SIZE, out["grank"]
-        _assert_equal(out["built"], _state(_reference_model(out["group"])),
-                      f"group {out['group']} rank {out['grank']} built", rtol=0.0)
-        assert "zero.Init(data_parallel_group=...): this process is not in the group" in \
-            out["member_error"], out["member_error"]
+        _assert_equal(
+            out["built"],
+            _state(_reference_model(out["group"])),
+            f"group {out['group']} rank {out['grank']} built",
+            rtol=0.0,
+        )
+        assert "zero.Init(data_parallel_group=...): this process is not in the group" in out["member_error"], out[
+            "member_error"
+        ]
 
 
 def test_modifier_rank_is_a_rank_of_the_group(per_rank):
     for out in per_rank:
         want = _state(_reference_model(out["group"]))
         want["fc2.weight"] = want["fc2.weight"] * MARK[out["group"]]
-        _assert_equal(out["marked"], want, f"group {out['group']} rank {out['grank']} marked",
-                      rtol=0.0)
+        _assert_equal(out["marked"], want, f"group {out['group']} rank {out['grank']} marked", rtol=0.0)
         assert "modifier_rank=2" in out["range_error"] and "0..1" in out["range_error"]
 
 
@@ -280,8 +289,7 @@ def test_stage2_fp32_and_stage3_bf16_side_by_side(per_rank):
             assert 0.9 <= float(update.norm() / ref.norm()) <= 1.1
             assert float(nn.functional.cosine_similarity(update, ref, dim=0)) > 0.99
     for first, second in ((0, 1), (2, 3)):  # every member of a group holds the same weights
-        _assert_equal(per_rank[second]["mixed"], per_rank[first]["mixed"], "group members",
-                      rtol=0.0)
+        _assert_equal(per_rank[second]["mixed"], per_rank[first]["mixed"], "group members", rtol=0.0)
 
 
 def test_whole_parameters_take_the_group_ranks_edit(per_rank):

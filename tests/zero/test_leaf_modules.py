@@ -29,8 +29,7 @@ def test_set_unset_by_class_name_and_suffix_like_deepspeed():
     leaves.set_z3_leaf_modules(model, ["zerotrain.models.gpt.CausalSelfAttention"])
     assert leaves.get_z3_leaf_modules(model) == [b.attn for b in model.blocks]
     leaves.unset_z3_leaf_modules(model, [CausalSelfAttention])
-    found, missing = leaves.set_z3_leaf_modules_by_name(model, ["blocks.1.mlp", "nope"],
-                                                        raise_if_not_found=False)
+    found, missing = leaves.set_z3_leaf_modules_by_name(model, ["blocks.1.mlp", "nope"], raise_if_not_found=False)
     assert found == [model.blocks[1].mlp] and missing == ["nope"]
     found, missing = leaves.set_z3_leaf_modules_by_suffix(model, ["attn"])
     assert found == [b.attn for b in model.blocks] and not missing
@@ -88,9 +87,14 @@ def _runs(cases: dict) -> dict:
         coordinator = engine._zero.coordinator
         hooked = {type(m).__name__ for m in coordinator._module_units}
         state = engine.module_state_dict()
-        out[name] = {"losses": losses, "units": len(engine._zero.units), "hooked": hooked,
-                     "hooks": len(coordinator.hook_handles), "skipped": engine.skipped_steps,
-                     "params": {n: v.float().clone() for n, v in state.items()}}
+        out[name] = {
+            "losses": losses,
+            "units": len(engine._zero.units),
+            "hooked": hooked,
+            "hooks": len(coordinator.hook_handles),
+            "skipped": engine.skipped_steps,
+            "params": {n: v.float().clone() for n, v in state.items()},
+        }
         engine.destroy()
         out[name]["plain_parameters"] = all(type(m._parameters) is dict for m in model.modules())
         out[name]["flags_left"] = len(leaves.get_z3_leaf_modules(model))
@@ -118,15 +122,23 @@ def runs():
 
 def test_leaves_train_like_per_module_units_and_the_reference(runs):
     rank0 = runs[0]
-    for per_module, leafy in (("sgd", "sgd_leaf"), ("adamw_gas", "adamw_gas_leaf"),
-                              ("adamw_gas", "adamw_gas_flag"), ("adamw_gas", "adamw_gas_threshold"),
-                              ("bf16_sgd", "bf16_sgd_leaf")):
+    for per_module, leafy in (
+        ("sgd", "sgd_leaf"),
+        ("adamw_gas", "adamw_gas_leaf"),
+        ("adamw_gas", "adamw_gas_flag"),
+        ("adamw_gas", "adamw_gas_threshold"),
+        ("bf16_sgd", "bf16_sgd_leaf"),
+    ):
         want, got = rank0[per_module], rank0[leafy]
         for name, value in want["params"].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, n=name, c=leafy: f"{c} {n}: {m}")
-    results = {("fp32", 1, "sgd"): rank0["sgd_leaf"], ("fp32", 3, "adamw"): rank0["adamw_gas_leaf"],
-               ("bf16", 3, "sgd"): rank0["bf16_sgd_leaf"]}
+            torch.testing.assert_close(
+                got["params"][name], value, rtol=1e-5, atol=1e-7, msg=lambda m, n=name, c=leafy: f"{c} {n}: {m}"
+            )
+    results = {
+        ("fp32", 1, "sgd"): rank0["sgd_leaf"],
+        ("fp32", 3, "adamw"): rank0["adamw_gas_leaf"],
+        ("bf16", 3, "sgd"): rank0["bf16_sgd_leaf"],
+    }
     failures = _check(results, 3, world=2)
     assert not failures, "\n".join(failures)
 
@@ -155,9 +167,20 @@ def _tiny_gpt2():
     import transformers
 
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def test_default_leaves_are_the_no_split_blocks_on_an_accelerator_only(monkeypatch):
@@ -165,8 +188,9 @@ def test_default_leaves_are_the_no_split_blocks_on_an_accelerator_only(monkeypat
     from zerotrain.config import load_config
 
     def zero(**extra):
-        return load_config({"train_micro_batch_size_per_gpu": 1,
-                            "zero_optimization": {"stage": 3, **extra}}, world_size=1).zero_optimization
+        return load_config(
+            {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **extra}}, world_size=1
+        ).zero_optimization
 
     model = _tiny_gpt2()
     blocks = list(model.transformer.h)
@@ -185,8 +209,9 @@ def test_default_leaves_are_the_no_split_blocks_on_an_accelerator_only(monkeypat
     assert leaves.leaf_modules(model, zero()) == blocks
     assert leaves.leaf_modules(model, zero(leaf_module={})) == []  # an explicit section wins
     assert leaves.leaf_modules(model, zero(leaf_module={"names": ["transformer.h.1"]})) == blocks[1:]
-    assert "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock" in \
-        leaves.default_leaf_classes(model, on_accelerator=False)  # DeepSpeed's default, everywhere
+    assert "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock" in leaves.default_leaf_classes(
+        model, on_accelerator=False
+    )  # DeepSpeed's default, everywhere
 
 
 def _hf_runs() -> dict:
@@ -195,11 +220,13 @@ def _hf_runs() -> dict:
     zerotrain.init_distributed()
     out = {}
     blocks = {"leaf_module": {"classes": "GPT2Block"}}
-    for name, zero_extra, recompute in (("blocks", blocks, None),
-                                        ("per_module", {"leaf_module": {}}, None),
-                                        ("default", {}, None),
-                                        ("blocks_reentrant", blocks, True),
-                                        ("blocks_non_reentrant", blocks, False)):
+    for name, zero_extra, recompute in (
+        ("blocks", blocks, None),
+        ("per_module", {"leaf_module": {}}, None),
+        ("default", {}, None),
+        ("blocks_reentrant", blocks, True),
+        ("blocks_non_reentrant", blocks, False),
+    ):
         model = _tiny_gpt2()
         if recompute is not None:  # HF activation checkpointing: each block runs again in backward
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recompute})
@@ -207,9 +234,12 @@ def _hf_runs() -> dict:
         cfg["zero_optimization"].update(zero_extra)
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         losses = train_steps(engine, 4)
-        out[name] = {"losses": losses, "units": len(engine._zero.units),
-                     "hooked": {type(m).__name__ for m in engine._zero.coordinator._module_units},
-                     "params": {n: v.clone() for n, v in engine.module_state_dict().items()}}
+        out[name] = {
+            "losses": losses,
+            "units": len(engine._zero.units),
+            "hooked": {type(m).__name__ for m in engine._zero.coordinator._module_units},
+            "params": {n: v.clone() for n, v in engine.module_state_dict().items()},
+        }
         engine.destroy()
     return out
 
@@ -226,5 +256,6 @@ def test_hugging_face_blocks_as_leaves_train_like_per_module_units():
     for leafy in ("blocks", "default", "blocks_reentrant", "blocks_non_reentrant"):
         assert out[leafy]["losses"] == pytest.approx(per_module["losses"], rel=1e-6), leafy
         for name, value in per_module["params"].items():
-            torch.testing.assert_close(out[leafy]["params"][name], value, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, c=leafy, n=name: f"{c} {n}: {m}")
+            torch.testing.assert_close(
+                out[leafy]["params"][name], value, rtol=1e-5, atol=1e-7, msg=lambda m, c=leafy, n=name: f"{c} {n}: {m}"
+            )

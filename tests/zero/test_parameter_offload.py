@@ -27,8 +27,10 @@ from zerotrain.testing import run_on_ranks
 pytest.importorskip("trl")
 
 STEPS, MICRO = 3, 2
-OPTIMIZERS = {"sgd": {"type": "SGD", "params": {"lr": 0.1}},
-              "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+OPTIMIZERS = {
+    "sgd": {"type": "SGD", "params": {"lr": 0.1}},
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+}
 
 
 def _train(name: str, optimizer: dict) -> dict:
@@ -42,8 +44,12 @@ def _train(name: str, optimizer: dict) -> dict:
     zerotrain.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": optimizer, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": optimizer,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     offload = opt.parameter_offload
     data = global_batches(STEPS, MICRO * world)
@@ -62,13 +68,14 @@ def _train(name: str, optimizer: dict) -> dict:
     block_param = next(block.parameters())
 
     def note_active(module, args):
-        seen.setdefault("active", (len(block_param.ds_active_sub_modules),
-                                   id(module) in block_param.ds_active_sub_modules))
+        seen.setdefault(
+            "active", (len(block_param.ds_active_sub_modules), id(module) in block_param.ds_active_sub_modules)
+        )
 
     handle = block.register_forward_pre_hook(note_active)
     try:
         for step in range(STEPS):
-            batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+            batch = data[step, rank * MICRO : (rank + 1) * MICRO]
             engine.train()
             loss = engine(batch, labels=batch).loss
             engine.backward(loss)
@@ -115,13 +122,18 @@ def _train(name: str, optimizer: dict) -> dict:
     result["names"] = [n for n, _ in model.named_parameters()]
     state = engine.module_state_dict()
     consolidated = engine._consolidated_16bit_state_dict()  # DeepSpeed's general name (accelerate, OpenRLHF)
-    result["consolidated"] = None if consolidated is None else all(
-        torch.equal(consolidated[k], v) for k, v in state.items()) and consolidated.keys() == state.keys()
+    result["consolidated"] = (
+        None
+        if consolidated is None
+        else all(torch.equal(consolidated[k], v) for k, v in state.items()) and consolidated.keys() == state.keys()
+    )
     engine.destroy()
     result["state"] = {k: v.clone() for k, v in state.items()}
-    result["after_destroy"] = [hasattr(opt, "parameter_offload"),
-                               any("ds_external_parameters" in vars(m) for m in model.modules()),
-                               any(hasattr(p, "ds_active_sub_modules") for p in model.parameters())]
+    result["after_destroy"] = [
+        hasattr(opt, "parameter_offload"),
+        any("ds_external_parameters" in vars(m) for m in model.modules()),
+        any(hasattr(p, "ds_active_sub_modules") for p in model.parameters()),
+    ]
     return result
 
 

@@ -26,8 +26,7 @@ def _model_and_params(variant: str):
     if variant == "groups":
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-        params = [{"params": decay, "weight_decay": 0.1},
-                  {"params": rest, "weight_decay": 0.0, "lr": 3 * LR}]
+        params = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3 * LR}]
     return model, params
 
 
@@ -49,8 +48,9 @@ def _train_stages(variant: str, stages=(0, 1, 2), steps: int = STEPS, bucket: in
     out = {}
     for stage in stages:
         model, params = _model_and_params(variant)
-        engine, opt, _, _ = zerotrain.initialize(model=model, model_parameters=params,
-                                                 config=_config(variant, stage, bucket))
+        engine, opt, _, _ = zerotrain.initialize(
+            model=model, model_parameters=params, config=_config(variant, stage, bucket)
+        )
         losses = train_steps(engine, steps)
         state_tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         units = getattr(engine._zero, "units", [])
@@ -86,8 +86,7 @@ _RUNS: dict[int, list] = {}
 def _variant_results(world: int, variant: str) -> list:
     """Each rank's result for ``variant``; all variants of a world size run once, together."""
     if world not in _RUNS:
-        _RUNS[world] = run_on_ranks(_train_variants, world, args=(VARIANTS_BY_WORLD[world], BUCKET),
-                                    timeout=600)
+        _RUNS[world] = run_on_ranks(_train_variants, world, args=(VARIANTS_BY_WORLD[world], BUCKET), timeout=600)
     return [rank[variant] for rank in _RUNS[world]]
 
 
@@ -152,7 +151,7 @@ def test_memory_per_rank_matches_formula(world):
             assert r[stage]["state_bytes"] == mem["optimizer_state"] == 8 * shard + 4 * len(units)
             assert mem["parameters"] == 4 * shard * world  # full, padded flat buffers
         assert s1["memory"]["gradients"] == 4 * shards[1] * world  # full (padded) gradients
-        assert s2["memory"]["gradients"] == 4 * shards[2]          # only this rank's shard
+        assert s2["memory"]["gradients"] == 4 * shards[2]  # only this rank's shard
         # Stage 2's units hold a quarter bucket; its staging pool is four slots of one unit (or of
         # the largest unit, if smaller), reduced in place: one bucket of full-size gradient.
         # A parameter larger than a slot (4096 > 1500 here) is reduced in slot-sized chunks.
@@ -177,28 +176,32 @@ def _stage1_reduction(reduce_scatter: bool) -> dict:
     out = {}
     for stage in (0, 1):
         model = make_model()
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": 6000,
-                                     "reduce_scatter": reduce_scatter},
-               "comms_logger": {"enabled": True, "prof_all": True}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 6000, "reduce_scatter": reduce_scatter},
+            "comms_logger": {"enabled": True, "prof_all": True},
+        }
         engine, *_ = zerotrain.initialize(model=model, config=cfg)
         data = global_batches(8, 2 * world)
         comms_logger.reset()
-        batch = data[0, 2 * rank:2 * rank + 2]
+        batch = data[0, 2 * rank : 2 * rank + 2]
         engine.backward(engine(batch, labels=batch).loss)
-        ops = {op: sum(row["count"] for row in sizes.values())
-               for op, sizes in comms_logger.summary()["ops"].items()}
+        ops = {op: sum(row["count"] for row in sizes.values()) for op, sizes in comms_logger.summary()["ops"].items()}
         grads_shown = [p.grad is not None for p in model.parameters()]
         engine.step()
         for step in range(1, 4):
             for half in (0, 1):  # two backward passes, one step
-                batch = data[2 * step + half, 2 * rank:2 * rank + 2]
+                batch = data[2 * step + half, 2 * rank : 2 * rank + 2]
                 engine.backward(engine(batch, labels=batch).loss)
             engine.step()
-        out[stage] = {"ops": ops, "grads_shown": grads_shown, "buckets": len(engine._zero.grads.buckets)
-                      if stage else None,
-                      "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        out[stage] = {
+            "ops": ops,
+            "grads_shown": grads_shown,
+            "buckets": len(engine._zero.grads.buckets) if stage else None,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
         engine.destroy()
     zerotrain.comm.configure(enabled=False)
     return out

@@ -45,7 +45,7 @@ class Branchy(torch.nn.Module):
     def forward(self, input_ids, labels=None):
         self.calls += 1
         x = self.embed(input_ids)
-        for layer in (self.layers if self.calls % 2 else reversed(self.layers)):
+        for layer in self.layers if self.calls % 2 else reversed(self.layers):
             x = torch.tanh(layer(x))
         logits = self.head(x)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
@@ -56,21 +56,28 @@ def _make(variant: str):
     if variant in ("external", "branchy"):
         torch.manual_seed(0)
         return ExternalUse() if variant == "external" else Branchy()
-    kwargs = {"plain": {}, "repeat": {"block_repeats": 2},
-              "reentrant": {"activation_checkpointing": "reentrant"},
-              "non_reentrant": {"activation_checkpointing": "non_reentrant"}}[variant]
+    kwargs = {
+        "plain": {},
+        "repeat": {"block_repeats": 2},
+        "reentrant": {"activation_checkpointing": "reentrant"},
+        "non_reentrant": {"activation_checkpointing": "non_reentrant"},
+    }[variant]
     return make_model(**kwargs)
 
 
 def _zero3(stage: int, **extra) -> dict:
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 100,
-            "stage3_gather_16bit_weights_on_model_save": True}
+    zero = {
+        "stage": stage,
+        "stage3_param_persistence_threshold": 100,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
     zero.update(extra)
     return zero
 
 
-def _train(variant: str, stages=(0, 3), steps: int = STEPS, zero_extra: dict | None = None,
-           precision: dict | None = None):
+def _train(
+    variant: str, stages=(0, 3), steps: int = STEPS, zero_extra: dict | None = None, precision: dict | None = None
+):
     import torch.distributed as dist
 
     import zerotrain
@@ -85,7 +92,7 @@ def _train(variant: str, stages=(0, 3), steps: int = STEPS, zero_extra: dict | N
         data = global_batches(steps, 2 * world)
         losses, gathered_between_steps = [], []
         for step in range(steps):
-            batch = data[step, rank * 2:rank * 2 + 2]
+            batch = data[step, rank * 2 : rank * 2 + 2]
             loss = engine(batch, labels=batch).loss
             engine.backward(loss)
             engine.step()
@@ -97,11 +104,14 @@ def _train(variant: str, stages=(0, 3), steps: int = STEPS, zero_extra: dict | N
         with torch.no_grad():
             probe = data[0, :2]
             eval_logits = engine(probe, labels=probe).logits.float()
-        out[stage] = {"losses": losses, "state": engine.module_state_dict(),
-                      "memory": engine.memory_breakdown(), "eval_logits": eval_logits,
-                      "gathered_between_steps": gathered_between_steps,
-                      "units": [(u.numel, u.resharded, u.layout.padded_numel)
-                                for u in getattr(engine._zero, "units", [])]}
+        out[stage] = {
+            "losses": losses,
+            "state": engine.module_state_dict(),
+            "memory": engine.memory_breakdown(),
+            "eval_logits": eval_logits,
+            "gathered_between_steps": gathered_between_steps,
+            "units": [(u.numel, u.resharded, u.layout.padded_numel) for u in getattr(engine._zero, "units", [])],
+        }
         engine.destroy()
     return out
 
@@ -160,11 +170,11 @@ def test_between_steps_each_rank_holds_its_shard(world):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_stage3_16bit_follows_fp32(kind):
-    precision = ({"bf16": {"enabled": True}} if kind == "bf16"
-                 else {"fp16": {"enabled": True, "initial_scale_power": 10}})
+    precision = (
+        {"bf16": {"enabled": True}} if kind == "bf16" else {"fp16": {"enabled": True, "initial_scale_power": 10}}
+    )
     fp32 = run_on_ranks(_train, 2, args=("plain",), kwargs={"stages": (0,), "steps": 30})[0][0]
-    low = run_on_ranks(_train, 2, args=("plain",), kwargs={"stages": (3,), "steps": 30,
-                                                           "precision": precision})[0][3]
+    low = run_on_ranks(_train, 2, args=("plain",), kwargs={"stages": (3,), "steps": 30, "precision": precision})[0][3]
     gap = max(abs(a - b) / b for a, b in zip(low["losses"], fp32["losses"]))
     assert gap <= (0.02 if kind == "bf16" else 0.005), gap
     assert low["memory"]["master_parameters"] > 0

@@ -49,19 +49,26 @@ class Fork(nn.Module):
 # In forward, rank 0's gather of ``extra`` meets rank 1's gather of ``head``; in backward rank
 # 0's re-gather of ``extra`` meets rank 1's re-gather of ``inner``. Shapes that make those units
 # the same size as ``extra`` (1 x 16 x 16 + 16) or not:
-SHAPES = {("forward", "equal"): dict(head_out=WIDTH), ("forward", "unequal"): dict(head_out=8),
-          ("backward", "equal"): dict(inner_in=WIDTH), ("backward", "unequal"): dict(inner_in=8),
-          # "reduce": backward divergence with ``extra`` (272 elements) kept whole below the
-          # persistence threshold: rank 0's first extra collective is its gradient reduce-scatter.
-          ("reduce", "unequal"): dict(inner_in=32, head_out=32)}
+SHAPES = {
+    ("forward", "equal"): dict(head_out=WIDTH),
+    ("forward", "unequal"): dict(head_out=8),
+    ("backward", "equal"): dict(inner_in=WIDTH),
+    ("backward", "unequal"): dict(inner_in=8),
+    # "reduce": backward divergence with ``extra`` (272 elements) kept whole below the
+    # persistence threshold: rank 0's first extra collective is its gradient reduce-scatter.
+    ("reduce", "unequal"): dict(inner_in=32, head_out=32),
+}
 OTHER = {"forward": "head", "backward": "inner", "reduce": "inner"}
 THRESHOLD = {"reduce": 300}
 
 
 def _config(precision: str, threshold: int = 0) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -85,8 +92,9 @@ def _run_case(mode: str, shape: dict, precision: str, diverge_at: int) -> str:
     group = dist.new_group(backend="gloo", timeout=default_timeout())
     rank = dist.get_rank()
     model = Fork(**shape)
-    engine, *_ = zerotrain.initialize(model=model, config=_config(precision, THRESHOLD.get(mode, 0)),
-                                      data_parallel_group=group)
+    engine, *_ = zerotrain.initialize(
+        model=model, config=_config(precision, THRESHOLD.get(mode, 0)), data_parallel_group=group
+    )
     mode = "backward" if mode == "reduce" else mode
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     data = _batches(diverge_at + 1, shape.get("inner_in", WIDTH)).to(dtype)
@@ -94,7 +102,7 @@ def _run_case(mode: str, shape: dict, precision: str, diverge_at: int) -> str:
         for step in range(diverge_at + 1):
             before = "skip" if mode == "forward" else "agree"
             step_mode = mode if step == diverge_at else before
-            out = engine(data[step, 2 * rank:2 * rank + 2], mode=step_mode, use_extra=rank == 0)
+            out = engine(data[step, 2 * rank : 2 * rank + 2], mode=step_mode, use_extra=rank == 0)
             engine.backward(out.float().square().mean())
             engine.step()
     except Exception as error:  # noqa: BLE001 - the test inspects every rank's message
@@ -102,8 +110,12 @@ def _run_case(mode: str, shape: dict, precision: str, diverge_at: int) -> str:
     return "trained"
 
 
-CASES = [(mode, size, precision, 0) for mode in ("forward", "backward")
-         for size in ("equal", "unequal") for precision in ("fp32", "bf16")]
+CASES = [
+    (mode, size, precision, 0)
+    for mode in ("forward", "backward")
+    for size in ("equal", "unequal")
+    for precision in ("fp32", "bf16")
+]
 # Diverging on the second step, when the recorded order is prefetched ahead of use.
 CASES += [("forward", "unequal", "fp32", 1), ("backward", "equal", "fp32", 1)]
 CASES += [("reduce", "unequal", precision, 0) for precision in ("fp32", "bf16")]
@@ -120,7 +132,7 @@ def _agreed(steps: int) -> dict:
     engine, *_ = zerotrain.initialize(model=model, config=_config("fp32"))
     data = _batches(steps, WIDTH)
     for step in range(steps):
-        out = engine(data[step, 2 * rank:2 * rank + 2])
+        out = engine(data[step, 2 * rank : 2 * rank + 2])
         engine.backward(out.square().mean())
         engine.step()
     state = {k: v.clone() for k, v in engine.module_state_dict().items()}
@@ -146,14 +158,14 @@ def test_rank_dependent_control_flow_raises_on_every_rank_naming_the_units():
             assert message.startswith("CollectiveMismatch: stage 3: rank"), (case, rank, message)
             # Both ranks say the same: what rank 0 did (the extra module) and what rank 1 did.
             did = "reduced the gradients of" if mode == "reduce" else "gathered"
-            assert f"rank 0 {did} unit 'extra' (extra.weight, extra.bias) while rank 1 " in message, (
-                case, message)
+            assert f"rank 0 {did} unit 'extra' (extra.weight, extra.bias) while rank 1 " in message, (case, message)
             if case[3] == 0:
-                assert f"rank 1 gathered unit '{OTHER[mode]}' ({OTHER[mode]}.weight" in message, (
-                    case, message)
+                assert f"rank 1 gathered unit '{OTHER[mode]}' ({OTHER[mode]}.weight" in message, (case, message)
             else:  # prefetching: rank 1 is at its backward by then
-                assert ("rank 1 gathered unit '" in message
-                        or "rank 1 reduced the gradients of unit '" in message), (case, message)
+                assert "rank 1 gathered unit '" in message or "rank 1 reduced the gradients of unit '" in message, (
+                    case,
+                    message,
+                )
             assert "same modules in the same order" in message, message
         assert results[0][case] == results[1][case], case
 
@@ -162,7 +174,7 @@ def test_rank_dependent_control_flow_raises_on_every_rank_naming_the_units():
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = _batches(4, WIDTH)
     for step in range(4):
-        loss = 0.5 * sum(model(data[step, 2 * r:2 * r + 2]).square().mean() for r in range(2))
+        loss = 0.5 * sum(model(data[step, 2 * r : 2 * r + 2]).square().mean() for r in range(2))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -39,9 +39,17 @@ STEPS = 10
 CLIP = 0.1  # below the reference norm at every step of both optimizers
 # (stage, precision, optimizer, offload to NVMe: "" none, "optimizer", "both" with the parameters;
 # "persist": no offload, units under 20 elements (the output layer) kept whole)
-CASES = [(3, "fp32", "sgd", ""), (3, "fp32", "sgd", "persist"), (3, "fp32", "adamw", ""), (3, "bf16", "sgd", ""),
-         (3, "bf16", "adamw", ""), (2, "fp32", "adamw", "optimizer"), (3, "fp32", "adamw", "optimizer"),
-         (3, "bf16", "adamw", "optimizer"), (3, "fp32", "adamw", "both")]
+CASES = [
+    (3, "fp32", "sgd", ""),
+    (3, "fp32", "sgd", "persist"),
+    (3, "fp32", "adamw", ""),
+    (3, "bf16", "sgd", ""),
+    (3, "bf16", "adamw", ""),
+    (2, "fp32", "adamw", "optimizer"),
+    (3, "fp32", "adamw", "optimizer"),
+    (3, "bf16", "adamw", "optimizer"),
+    (3, "fp32", "adamw", "both"),
+]
 
 
 def _batches(world: int) -> torch.Tensor:
@@ -50,15 +58,21 @@ def _batches(world: int) -> torch.Tensor:
 
 
 def _config(stage: int, precision: str, optimizer: str, nvme: str | None, offload: str = "") -> dict:
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 20 if offload == "persist" else 0,
-            "stage3_gather_16bit_weights_on_model_save": True}
+    zero = {
+        "stage": stage,
+        "stage3_param_persistence_threshold": 20 if offload == "persist" else 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
     if offload in ("optimizer", "both"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
     if offload == "both":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP, "zero_optimization": zero,
-           "optimizer": {"type": "SGD" if optimizer == "sgd" else "AdamW",
-                         "params": SGD if optimizer == "sgd" else ADAMW}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+        "optimizer": {"type": "SGD" if optimizer == "sgd" else "AdamW", "params": SGD if optimizer == "sgd" else ADAMW},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -68,8 +82,11 @@ def _reference(ep_size: int, world: int, optimizer: str):
     """One process holding every expert, fed every rank's batch: weights after STEPS (expert keys
     ``experts.<global index>``) and the gradient norm before clipping at each step."""
     model = ExpertModel(ep_size)
-    opt = (torch.optim.SGD(model.parameters(), **SGD) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), **ADAMW))
+    opt = (
+        torch.optim.SGD(model.parameters(), **SGD)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), **ADAMW)
+    )
     norms = []
     for batch in _batches(world):
         opt.zero_grad()
@@ -108,8 +125,7 @@ def _run(ep_size: int):
     nvme = tempfile.mkdtemp(prefix=f"zt-moe-nvme-{rank}-")
     for stage, precision, optimizer, offload in CASES:
         model = ExpertModel(ep_size, groups.expert_group, expert)
-        engine, _, _, _ = zerotrain.initialize(
-            model=model, config=_config(stage, precision, optimizer, nvme, offload))
+        engine, _, _, _ = zerotrain.initialize(model=model, config=_config(stage, precision, optimizer, nvme, offload))
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         if stage == 3:  # every trained parameter is partitioned (a placeholder between uses)
             whole = [n for n, p in engine.module.named_parameters() if p.numel()]
@@ -160,8 +176,16 @@ class MoEModel(torch.nn.Module):
         self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
         # Dropless (top-2): the layer runs its local experts itself, not through Experts.forward,
         # so at stage 3 their unit is gathered on access.
-        self.moe = MoE(HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=4, ep_size=ep_size,
-                       k=2 if dropless else 1, min_capacity=1, use_rts=False, drop_tokens=not dropless)
+        self.moe = MoE(
+            HIDDEN,
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            num_experts=4,
+            ep_size=ep_size,
+            k=2 if dropless else 1,
+            min_capacity=1,
+            use_rts=False,
+            drop_tokens=not dropless,
+        )
         self.out = torch.nn.Linear(HIDDEN, 2)
 
     def forward(self, x):
@@ -237,8 +261,9 @@ def _dropless_case(ep_size: int, world: int, rank: int) -> list[dict]:
 
     results = []
     for stage in (3, 2):
-        engine, _, _, _ = zerotrain.initialize(model=MoEModel(ep_size, dropless=True),
-                                               config=_config(stage, "fp32", "adamw", None))
+        engine, _, _, _ = zerotrain.initialize(
+            model=MoEModel(ep_size, dropless=True), config=_config(stage, "fp32", "adamw", None)
+        )
         for batch in _batches(world)[:3]:
             out, l_aux = engine(batch[rank])
             engine.backward(_loss(out) + 0.01 * l_aux)
@@ -295,14 +320,17 @@ def _check(per_rank: list[dict], ep_size: int) -> list[str]:
                 if plain is not None:
                     for k, v in got.items():
                         if not torch.equal(v, plain[0][k]):
-                            failures.append(f"{what}: {k} differs from the run without offload by "
-                                            f"{float((v - plain[0][k]).abs().max()):.3g}")
+                            failures.append(
+                                f"{what}: {k} differs from the run without offload by "
+                                f"{float((v - plain[0][k]).abs().max()):.3g}"
+                            )
         checks = result["checks"]
         gathered = result["cases"][(3, "fp32", "sgd", "")][0]
         if rank == 0:
             for name in ("state", "saved"):
                 if set(checks[name]) != set(gathered) or any(
-                        not torch.equal(checks[name][k].float(), gathered[k]) for k in gathered):
+                    not torch.equal(checks[name][k].float(), gathered[k]) for k in gathered
+                ):
                     failures.append(f"rank 0: {name} != the gathered weights")
         elif checks["state"] or checks["saved"]:
             failures.append(f"rank {rank}: module_state_dict/save_16bit_model returned data off rank 0")

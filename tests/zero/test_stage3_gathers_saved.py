@@ -21,8 +21,10 @@ from tests.engine.workloads import reference_run
 from zerotrain.testing import run_on_ranks
 
 STEPS = 3
-OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-              "sgd": {"type": "SGD", "params": {"lr": 0.1}}}
+OPTIMIZERS = {
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+    "sgd": {"type": "SGD", "params": {"lr": 0.1}},
+}
 
 
 def _train(ckpt_dir: str):
@@ -48,20 +50,25 @@ def _train(ckpt_dir: str):
         for tied in (True, False):
             for name, optimizer in OPTIMIZERS.items():
                 model = make_model(tie_word_embeddings=tied)
-                config = adamw_config(2, zero_optimization={
-                    "stage": 3, "stage3_param_persistence_threshold": 0}, optimizer=optimizer)
+                config = adamw_config(
+                    2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}, optimizer=optimizer
+                )
                 engine, *_ = zerotrain.initialize(model=model, config=config)
                 coordinator = engine._zero.coordinator
                 head = coordinator._unit_of[id(model.lm_head.weight)]
                 data = global_batches(STEPS, 2 * world)
                 per_step, losses, held_after_forward = [], [], []
                 for step in range(STEPS):
-                    batch = data[step, rank * 2:rank * 2 + 2]
+                    batch = data[step, rank * 2 : rank * 2 + 2]
                     gathers.clear()
                     loss = engine(batch, labels=batch).loss
-                    held_after_forward.append(sorted(
-                        coordinator._position[u] for u in coordinator.units
-                        if u.flat is not None and u.flat.untyped_storage().nbytes() > 0))
+                    held_after_forward.append(
+                        sorted(
+                            coordinator._position[u]
+                            for u in coordinator.units
+                            if u.flat is not None and u.flat.untyped_storage().nbytes() > 0
+                        )
+                    )
                     engine.backward(loss)
                     engine.step()
                     per_step.append([(coordinator._position[u], phase) for u, phase in gathers])
@@ -69,17 +76,21 @@ def _train(ckpt_dir: str):
                     dist.all_reduce(mean)
                     losses.append(mean.item() / world)
                 embeddings = [model.wpe] + ([] if tied else [model.wte])
-                run = {"per_step": per_step, "held_after_forward": held_after_forward,
-                       "head": coordinator._position[head], "units": len(coordinator.units),
-                       "embedding_only": sorted(coordinator._position[coordinator._unit_of[id(m.weight)]]
-                                                for m in embeddings),
-                       "hollowed": coordinator.hollowed,
-                       "gathered_after_step": sum(u.gathered for u in coordinator.units),
-                       "losses": losses,
-                       "params": engine.module_state_dict()}  # consolidated on rank 0
+                run = {
+                    "per_step": per_step,
+                    "held_after_forward": held_after_forward,
+                    "head": coordinator._position[head],
+                    "units": len(coordinator.units),
+                    "embedding_only": sorted(
+                        coordinator._position[coordinator._unit_of[id(m.weight)]] for m in embeddings
+                    ),
+                    "hollowed": coordinator.hollowed,
+                    "gathered_after_step": sum(u.gathered for u in coordinator.units),
+                    "losses": losses,
+                    "params": engine.module_state_dict(),
+                }  # consolidated on rank 0
                 if tied and name == "adamw":
-                    run["reloaded"] = _evaluate_then_load(engine, data[0, rank * 2:rank * 2 + 2],
-                                                          ckpt_dir)
+                    run["reloaded"] = _evaluate_then_load(engine, data[0, rank * 2 : rank * 2 + 2], ckpt_dir)
                 out[(tied, name)] = run
                 engine.destroy()
     finally:

@@ -18,12 +18,26 @@ def _train_gpt2(stage: int):
     import zerotrain
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-                                       n_positions=32, bos_token_id=0, eos_token_id=0,
-                                       resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100}}
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=128,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        )
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+    }
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
@@ -37,8 +51,7 @@ def _train_gpt2(stage: int):
         losses.append(total.item() / dist.get_world_size())
     engine.eval()
     with torch.no_grad():  # an eval generation loop: many forwards with a KV cache
-        generated = engine.module.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6,
-                                           do_sample=False, pad_token_id=0)
+        generated = engine.module.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
     return losses, generated
 
 

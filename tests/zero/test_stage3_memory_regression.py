@@ -34,8 +34,12 @@ def _train(policy: str):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(n_layer=4)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 100,
-            "stage3_prefetch_bucket_size": PREFETCH, "reduce_bucket_size": 6000}
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 100,
+        "stage3_prefetch_bucket_size": PREFETCH,
+        "reduce_bucket_size": 6000,
+    }
     config = adamw_config(2, zero_optimization=zero)
     config["memory_release"] = policy
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
@@ -43,15 +47,20 @@ def _train(policy: str):
     data = global_batches(STEPS, 2 * world)
     allocated, refills, rss, pool, held_after_forward = [], [], [], [], []
     for step in range(STEPS):
-        batch = data[step, rank * 2:rank * 2 + 2]
+        batch = data[step, rank * 2 : rank * 2 + 2]
         loss = engine(batch, labels=batch).loss
         # Released buffers that autograd still refers to (nn.Linear saves weight.t()) must
         # hold no memory until backward gathers into them again; all but the unit backward
         # starts with (the output layer's), kept whole from the second step on.
         held = coordinator._held
         emptied = [t for u, t in coordinator._own_storage.items() if u is not held]
-        held_after_forward.append((len(emptied), sum(t.untyped_storage().nbytes() for t in emptied),
-                                   None if held is None else held.flat.untyped_storage().nbytes()))
+        held_after_forward.append(
+            (
+                len(emptied),
+                sum(t.untyped_storage().nbytes() for t in emptied),
+                None if held is None else held.flat.untyped_storage().nbytes(),
+            )
+        )
         engine.backward(loss)
         engine.step()
         allocated.append(coordinator.buffers_allocated)
@@ -59,9 +68,18 @@ def _train(policy: str):
         pool.append(engine.memory_breakdown()["gather_pool"])
         rss.append(_vm_rss_kib())
     units = [u.layout.padded_numel for u in coordinator.units]
-    out = {"memory": engine.memory_breakdown(), "units": units, "allocated": allocated, "refills": refills,
-           "pool": pool, "rss_kib": rss, "held_after_forward": held_after_forward, "element": coordinator.units[0].dtype.itemsize,
-           "bucket": 6000, "pool_dropped": coordinator.pool_drops}
+    out = {
+        "memory": engine.memory_breakdown(),
+        "units": units,
+        "allocated": allocated,
+        "refills": refills,
+        "pool": pool,
+        "rss_kib": rss,
+        "held_after_forward": held_after_forward,
+        "element": coordinator.units[0].dtype.itemsize,
+        "bucket": 6000,
+        "pool_dropped": coordinator.pool_drops,
+    }
     engine.destroy()
     return out
 

@@ -25,8 +25,11 @@ def _optimizer(kind: str) -> dict:
 
 def _reference(kind: str, steps: int, world: int, clip: float) -> dict:
     model = make_model(**DEPTH)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    )
     data = global_batches(steps, MICRO * world)
     norms = []
     for step in range(steps):
@@ -46,11 +49,17 @@ def _train(kind: str, threshold: int, clip: float, steps: int = STEPS, load_from
     zerotrain.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(**DEPTH)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
-           "optimizer": _optimizer(kind),
-           # No prefetch: the peak of gathered parameters shows how long units stay gathered.
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold,
-                                 "stage3_prefetch_bucket_size": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": clip,
+        "optimizer": _optimizer(kind),
+        # No prefetch: the peak of gathered parameters shows how long units stay gathered.
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": threshold,
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
     engine, _, _, _ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if load_from is not None:
         engine.load_checkpoint(load_from)
@@ -58,7 +67,7 @@ def _train(kind: str, threshold: int, clip: float, steps: int = STEPS, load_from
     data = global_batches(STEPS, MICRO * world)
     per_step, norms = [], []
     for step in range(engine.global_steps, engine.global_steps + steps):
-        batch = data[step, rank * MICRO:(rank + 1) * MICRO]
+        batch = data[step, rank * MICRO : (rank + 1) * MICRO]
         before = collectives.last_seq(group)
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
@@ -83,9 +92,8 @@ def _assert_state(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_merged_persistent_units_train_like_one_process(kind):
     want = _reference(kind, STEPS, 2, clip=0.5)
-    got = {name: run_on_ranks(_train, 2, args=(kind, threshold, 0.5))
-           for name, threshold in THRESHOLDS.items()}
-    for name, results in got.items():
+    got = {name: run_on_ranks(_train, 2, args=(kind, threshold, 0.5)) for name, threshold in THRESHOLDS.items()}
+    for _name, results in got.items():
         _assert_state(results[0]["state"], want["state"])
         for r in results:
             assert r["norms"] == pytest.approx(want["norms"], rel=1e-5)  # clipping active (norm > 0.5)
@@ -118,11 +126,15 @@ def test_checkpoint_moves_between_merged_and_sharded_units(tmp_path):
     # SGD with momentum: its state (the momentum buffer) is re-laid out with the units, and unlike
     # Adam it does not amplify fp32 summation-order noise in near-zero gradients.
     want = _reference("sgd", STEPS, 2, clip=0.0)
-    run_on_ranks(_train, 2, args=("sgd", THRESHOLDS["none"], 0.0),
-                 kwargs={"steps": 3, "save_to": str(tmp_path / "a")})
-    merged = run_on_ranks(_train, 2, args=("sgd", THRESHOLDS["all"], 0.0),
-                          kwargs={"steps": 3, "load_from": str(tmp_path / "a"), "save_to": str(tmp_path / "b")})
+    run_on_ranks(_train, 2, args=("sgd", THRESHOLDS["none"], 0.0), kwargs={"steps": 3, "save_to": str(tmp_path / "a")})
+    merged = run_on_ranks(
+        _train,
+        2,
+        args=("sgd", THRESHOLDS["all"], 0.0),
+        kwargs={"steps": 3, "load_from": str(tmp_path / "a"), "save_to": str(tmp_path / "b")},
+    )
     _assert_state(merged[0]["state"], want["state"])
-    back = run_on_ranks(_train, 2, args=("sgd", THRESHOLDS["layernorms"], 0.0),
-                        kwargs={"steps": 0, "load_from": str(tmp_path / "b")})
+    back = run_on_ranks(
+        _train, 2, args=("sgd", THRESHOLDS["layernorms"], 0.0), kwargs={"steps": 0, "load_from": str(tmp_path / "b")}
+    )
     _assert_state(back[0]["state"], want["state"])

@@ -48,24 +48,27 @@ def _train_cases():
         model = make_model()
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
         extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
-        engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-            2, memory_release=policy, zero_optimization=zero, **extra))
+        engine, *_ = zerotrain.initialize(
+            model=model, config=adamw_config(2, memory_release=policy, zero_optimization=zero, **extra)
+        )
         stage, coordinator = engine._zero, engine._zero.coordinator
         wte = coordinator._unit_of[id(model.wte.weight)]
         at_embedding_backward, at_step, held_after_step = [], [], []
 
         def record_wte_storage(module, inputs, output):
             if output.requires_grad:
-                output.register_hook(lambda grad: at_embedding_backward.append(
-                    None if wte.flat is None else wte.flat.untyped_storage().nbytes()))
+                output.register_hook(
+                    lambda grad: at_embedding_backward.append(
+                        None if wte.flat is None else wte.flat.untyped_storage().nbytes()
+                    )
+                )
 
         # The embedding's output needs no grad (token ids in): hook the sum it feeds instead.
         model.wpe.register_forward_hook(record_wte_storage)
         # The gather pool at the forward's last gather (the output layer's).
         pool_at_last_gather = []
         last = list(model.modules())[-1]
-        last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(
-            coordinator.pool_numel))
+        last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(coordinator.pool_numel))
         optimizer_step = engine.optimizer.step
 
         def step(*args, **kwargs):
@@ -94,16 +97,23 @@ def _train_cases():
         with torch.no_grad():
             engine(torch.zeros(2, 16, dtype=torch.long))
         out[(dtype, policy)] = {
-            "losses": losses, "weights": weights, "held_after_step": held_after_step,
+            "losses": losses,
+            "weights": weights,
+            "held_after_step": held_after_step,
             "freed_numel": stage.reduction.freed_numel,
             "shard_numel": sum(u.layout.shard_numel for u in stage.trained),
             "gradients_reported": engine.memory_breakdown()["gradients"],
-            "hollowed": coordinator.hollowed, "at_embedding_backward": at_embedding_backward,
+            "hollowed": coordinator.hollowed,
+            "at_embedding_backward": at_embedding_backward,
             "wte_bytes": wte.layout.padded_numel * wte.dtype.itemsize,
-            "at_step": at_step, "forward_trims": fake.trims - trims_before,
-            "first_use_inflight": first_use_inflight, "staging_held": staging_held,
-            "pool_drops": coordinator.pool_drops, "pool_at_last_gather": pool_at_last_gather,
-            "pool_after": coordinator.pool_numel}
+            "at_step": at_step,
+            "forward_trims": fake.trims - trims_before,
+            "first_use_inflight": first_use_inflight,
+            "staging_held": staging_held,
+            "pool_drops": coordinator.pool_drops,
+            "pool_at_last_gather": pool_at_last_gather,
+            "pool_after": coordinator.pool_numel,
+        }
         engine.destroy()
     return out
 
@@ -168,8 +178,9 @@ def _backward_trims(bucket: int) -> list[int]:
     zerotrain.init_distributed()
     model = make_model()
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket}
-    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-        2, memory_release="eager", zero_optimization=zero))
+    engine, *_ = zerotrain.initialize(
+        model=model, config=adamw_config(2, memory_release="eager", zero_optimization=zero)
+    )
     per_backward, backward = [], engine.backward
 
     def counted(loss, *args, **kwargs):

@@ -16,9 +16,23 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
 PACKAGES = ("zero", "offload")
 # The attributes through which one part reaches another.
-COLLABORATORS = {"param_swapper", "grad_swapper", "before_reduce", "identities", "agreement", "checks",
-                 "coordinator", "reduction", "offload", "param_offload", "swapper", "outside",
-                 "swap_statistics", "masters", "units"}
+COLLABORATORS = {
+    "param_swapper",
+    "grad_swapper",
+    "before_reduce",
+    "identities",
+    "agreement",
+    "checks",
+    "coordinator",
+    "reduction",
+    "offload",
+    "param_offload",
+    "swapper",
+    "outside",
+    "swap_statistics",
+    "masters",
+    "units",
+}
 # Back-references an owner sets on the units it takes and clears when it gives them back: a
 # ParamSwapper on the units whose shards it holds, stage 3's coordinator on the units it gathers.
 ALLOWED = {("offload/params.py", "unit.param_swapper"), ("zero/stage3.py", "u.coordinator")}
@@ -29,8 +43,13 @@ BUILDER_TARGETS = {"unit.master", "unit.shard", "p.data", "optimizer.add_param_g
 
 def _assigned(tree: ast.AST):
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for target in targets:
             for sub in ast.walk(target):
                 if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
@@ -66,12 +85,17 @@ def test_the_check_finds_wiring(tmp_path):
         "def build(coordinator, swapper, unit, stage):\n"
         "    coordinator.param_swapper = swapper\n"
         "    unit.master = None\n"
-        "    stage.extra = 1\n")
+        "    stage.extra = 1\n"
+    )
     (tmp_path / "zero" / "other.py").write_text(
         "class Part:\n"
         "    def __init__(self, reduction):\n"
         "        self.reduction = reduction\n"  # a part keeping what it was given: fine
-        "        reduction.before_reduce = self.ensure\n")
+        "        reduction.before_reduce = self.ensure\n"
+    )
     (tmp_path / "offload" / "params.py").write_text("def add(self, unit):\n    unit.param_swapper = self\n")
-    assert wiring(tmp_path) == ["zero/build.py:2: coordinator.param_swapper", "zero/build.py:4: stage.extra",
-                                "zero/other.py:4: reduction.before_reduce"]
+    assert wiring(tmp_path) == [
+        "zero/build.py:2: coordinator.param_swapper",
+        "zero/build.py:4: stage.extra",
+        "zero/other.py:4: reduction.before_reduce",
+    ]

@@ -21,8 +21,8 @@ import torch
 from zerotrain.testing import run_on_ranks
 from zerotrain.zero.interface import GatherStatistics, ShardedState, StageInterface, StageStatistics
 from zerotrain.zero.partition import shard_alignment
-from zerotrain.zero.zero_stage import ZeroStage
 from zerotrain.zero.stage0 import ReplicatedGradients
+from zerotrain.zero.zero_stage import ZeroStage
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
 # Every module outside zero/ (the stage's own package), the engine's checkpoint, monitor and
@@ -43,13 +43,21 @@ def stage_uses(tree: ast.AST):
     members = interface_members()
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr", "setattr") and node.args):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and node.args
+        ):
             target = node.args[0]
             if isinstance(target, ast.Attribute) and target.attr in STAGE_ATTRIBUTES:
                 found.append((node.lineno, node.func.id, ast.unparse(node)))
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr in STAGE_ATTRIBUTES and node.attr not in members):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in STAGE_ATTRIBUTES
+            and node.attr not in members
+        ):
             found.append((node.lineno, "member", ast.unparse(node)))
     return found
 
@@ -75,13 +83,15 @@ def test_no_probe_and_no_other_member_of_the_stage_object_in_src():
     assert not found, "the stage object is used outside its interface:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("code, kind", [
-    ("def f(engine):\n    return getattr(engine._zero, 'coordinator', None)\n", "getattr"),
-    ("def f(self):\n    return hasattr(self._zero, 'units')\n", "hasattr"),
-    ("def f(engine):\n    return engine.zero_stage_object.units\n", "member"),
-    ("def f(engine):\n    return getattr(engine.zero_stage_object, 'statistics', dict)()\n",
-     "getattr"),
-])
+@pytest.mark.parametrize(
+    "code, kind",
+    [
+        ("def f(engine):\n    return getattr(engine._zero, 'coordinator', None)\n", "getattr"),
+        ("def f(self):\n    return hasattr(self._zero, 'units')\n", "hasattr"),
+        ("def f(engine):\n    return engine.zero_stage_object.units\n", "member"),
+        ("def f(engine):\n    return getattr(engine.zero_stage_object, 'statistics', dict)()\n", "getattr"),
+    ],
+)
 def test_the_static_check_finds_probes(code, kind):
     assert [k for _, k, _ in stage_uses(ast.parse(code))] == [kind]
     ok = "def f(engine):\n    return engine.zero_stage_object.sharded_state().units\n"
@@ -91,21 +101,34 @@ def test_the_static_check_finds_probes(code, kind):
 def test_the_static_check_finds_private_access_outside_the_engine(tmp_path):
     for folder in ("checkpoint", "engine", "zero"):
         (tmp_path / folder).mkdir()
-    (tmp_path / "checkpoint" / "bad.py").write_text(
-        "def f(engine):\n    return engine._zero.stage\n")
+    (tmp_path / "checkpoint" / "bad.py").write_text("def f(engine):\n    return engine._zero.stage\n")
     (tmp_path / "engine" / "fine.py").write_text("def f(self):\n    return self._zero.stage\n")
     (tmp_path / "zero" / "own.py").write_text(  # the stage's own package is not checked
-        "def f(self):\n    return getattr(self._zero, 'units', None)\n")
+        "def f(self):\n    return getattr(self._zero, 'units', None)\n"
+    )
     assert violations(tmp_path) == ["checkpoint/bad.py:2: private: engine._zero"]
 
 
 def test_both_implementations_implement_every_abstract_member():
     abstract = StageInterface.__abstractmethods__
-    assert {"stage", "begin_backward", "end_backward", "abort_backward", "grad_norm", "step",
-            "zero_grad", "load_module_state", "parameter_coordinator", "sharded_state",
-            "statistics", "close", "set_gradient_divide_factor",
-            "state_tensors", "empty_partition_cache",
-            "accumulated_grad"} == set(abstract)
+    assert {
+        "stage",
+        "begin_backward",
+        "end_backward",
+        "abort_backward",
+        "grad_norm",
+        "step",
+        "zero_grad",
+        "load_module_state",
+        "parameter_coordinator",
+        "sharded_state",
+        "statistics",
+        "close",
+        "set_gradient_divide_factor",
+        "state_tensors",
+        "empty_partition_cache",
+        "accumulated_grad",
+    } == set(abstract)
     assert interface_members() == set(abstract)
     for cls in (ReplicatedGradients, ZeroStage):
         assert issubclass(cls, StageInterface)
@@ -116,8 +139,10 @@ def test_both_implementations_implement_every_abstract_member():
             if isinstance(declared, property):
                 assert isinstance(implemented, (property, int)), (cls, name)
                 continue
-            assert (list(inspect.signature(implemented).parameters)
-                    == list(inspect.signature(declared).parameters)), (cls, name)
+            assert list(inspect.signature(implemented).parameters) == list(inspect.signature(declared).parameters), (
+                cls,
+                name,
+            )
     with pytest.raises(TypeError, match="abstract"):
         StageInterface()
 
@@ -133,8 +158,7 @@ CASES = {  # name: (config additions, expected type, stage)
     "bf16 stage 0": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, "ZeroStage", 0),
     "stage 1": ({"zero_optimization": {"stage": 1}}, "ZeroStage", 1),
     "bf16 stage 2": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "ZeroStage", 2),
-    "stage 3": ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
-                "ZeroStage", 3),
+    "stage 3": ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}, "ZeroStage", 3),
 }
 
 
@@ -156,17 +180,32 @@ NUMEL = sum(MODULE_NUMELS)
 _BF16, _F32 = torch.bfloat16, torch.float32
 EXPECTED_MEMORY = {
     "fp32 stage 0": {"parameters": NUMEL * 4, "gradients": NUMEL * 4, "optimizer_state": 0},
-    "bf16 stage 0": {"parameters": _padded(NUMEL, _BF16, 1) * 2, "gradients": _padded(NUMEL, _BF16, 1) * 2,
-                     "master_parameters": _padded(NUMEL, _BF16, 1) * 4, "optimizer_state": 0},
-    "stage 1": {"parameters": _padded(NUMEL, _F32, 2) * 4, "gradients": _padded(NUMEL, _F32, 2) * 4,
-                "master_parameters": 0, "optimizer_state": 0},
+    "bf16 stage 0": {
+        "parameters": _padded(NUMEL, _BF16, 1) * 2,
+        "gradients": _padded(NUMEL, _BF16, 1) * 2,
+        "master_parameters": _padded(NUMEL, _BF16, 1) * 4,
+        "optimizer_state": 0,
+    },
+    "stage 1": {
+        "parameters": _padded(NUMEL, _F32, 2) * 4,
+        "gradients": _padded(NUMEL, _F32, 2) * 4,
+        "master_parameters": 0,
+        "optimizer_state": 0,
+    },
     # the whole 16-bit unit; this rank's fp32 master and 16-bit gradient shard
-    "bf16 stage 2": {"parameters": _padded(NUMEL, _BF16, 2) * 2, "gradients": _padded(NUMEL, _BF16, 2) // 2 * 2,
-                     "master_parameters": _padded(NUMEL, _BF16, 2) // 2 * 4, "optimizer_state": 0},
+    "bf16 stage 2": {
+        "parameters": _padded(NUMEL, _BF16, 2) * 2,
+        "gradients": _padded(NUMEL, _BF16, 2) // 2 * 2,
+        "master_parameters": _padded(NUMEL, _BF16, 2) // 2 * 4,
+        "optimizer_state": 0,
+    },
     # this rank's shards of both units, and their gradient shards
-    "stage 3": {"parameters": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
-                "gradients": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
-                "master_parameters": 0, "optimizer_state": 0},
+    "stage 3": {
+        "parameters": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
+        "gradients": sum(_padded(n, _F32, 2) for n in MODULE_NUMELS) // 2 * 4,
+        "master_parameters": 0,
+        "optimizer_state": 0,
+    },
 }
 
 
@@ -191,14 +230,19 @@ def _conformance() -> dict:
         engine.step()
         weights = engine.module_state_dict()
         out[name] = {
-            "type": type(stage).__name__, "instance": isinstance(stage, StageInterface),
-            "stage": stage.stage, "engine_stage": engine.zero_optimization_stage(),
+            "type": type(stage).__name__,
+            "instance": isinstance(stage, StageInterface),
+            "stage": stage.stage,
+            "engine_stage": engine.zero_optimization_stage(),
             "coordinator": stage.parameter_coordinator is not None,
-            "state": isinstance(state, ShardedState), "units": len(state.units),
+            "state": isinstance(state, ShardedState),
+            "units": len(state.units),
             "unit_names": sorted(n for u in state.units for n in u.names),
-            "shard_rank": state.shard_rank, "swapper": state.optimizer_swapper,
+            "shard_rank": state.shard_rank,
+            "swapper": state.optimizer_swapper,
             "statistics": stage.statistics(engine.module, engine.optimizer),
-            "norm": norm, "weights": {k: v.float() for k, v in weights.items()},
+            "norm": norm,
+            "weights": {k: v.float() for k, v in weights.items()},
         }
         engine.destroy()
     return out
@@ -220,8 +264,9 @@ def test_every_stage_object_conforms_and_the_engine_uses_it():
             assert {k: stats.memory.get(k) for k in EXPECTED_MEMORY[name]} == EXPECTED_MEMORY[name], name
             if stage == 3:  # one module's unit gathered at a time; none after the step's use
                 largest = _padded(max(MODULE_NUMELS), torch.float32, 2) * 4
-                assert stats.gathers == GatherStatistics(**{
-                    **vars(stats.gathers), "gathered_bytes": 0, "peak_gathered_bytes": largest}), name
+                assert stats.gathers == GatherStatistics(
+                    **{**vars(stats.gathers), "gathered_bytes": 0, "peak_gathered_bytes": largest}
+                ), name
                 assert stats.memory["peak_gathered_parameters"] == largest, name
             else:
                 assert stats.gathers is None, name

@@ -47,10 +47,13 @@ def _train(stage: int, optimizer: str, whole: bool) -> dict:
         return step(*args, **kwargs)
 
     opt.step = counted_step
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.5,
-           "bf16": {"enabled": True}, "zero_allow_untested_optimizer": whole,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                 "reduce_bucket_size": 2000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_allow_untested_optimizer": whole,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000},
+    }
     engine, *_ = zerotrain.initialize(model=model, optimizer=opt, config=cfg)
     train_steps(engine, STEPS)
     masters = [m.detach().clone() for m in engine._zero.masters]
@@ -63,8 +66,7 @@ def _compare(stage: int) -> dict:
     import zerotrain
 
     zerotrain.init_distributed()
-    return {(opt, whole): _train(stage, opt, whole)
-            for opt in ("sgd", "adamw") for whole in (False, True)}
+    return {(opt, whole): _train(stage, opt, whole) for opt in ("sgd", "adamw") for whole in (False, True)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -16,7 +16,7 @@ WIDTH, DEPTH = 1024, 24  # 25.2M parameters: 100 MB in fp32, enough to see in pe
 
 def _init_linear(module):
     if isinstance(module, torch.nn.Linear):
-        torch.nn.init.normal_(module.weight, std=WIDTH ** -0.5)
+        torch.nn.init.normal_(module.weight, std=WIDTH**-0.5)
         torch.nn.init.zeros_(module.bias)
 
 
@@ -63,11 +63,17 @@ def _build_and_train(use_init: bool):
     else:
         model = _mlp()
     built = _peak_rss()
-    full_bytes = 4 * sum(layer.in_features * layer.out_features + layer.out_features
-                         for layer in model if isinstance(layer, torch.nn.Linear))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3}}
+    full_bytes = 4 * sum(
+        layer.in_features * layer.out_features + layer.out_features
+        for layer in model
+        if isinstance(layer, torch.nn.Linear)
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3},
+    }
     engine, *_ = zerotrain.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
@@ -77,8 +83,12 @@ def _build_and_train(use_init: bool):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"growth": built - before, "full_bytes": full_bytes, "losses": losses,
-            "held": engine.memory_breakdown()["parameters"]}
+    return {
+        "growth": built - before,
+        "full_bytes": full_bytes,
+        "losses": losses,
+        "held": engine.memory_breakdown()["parameters"],
+    }
 
 
 def test_init_never_materialises_the_full_model_and_trains():
@@ -106,13 +116,15 @@ def _save_and_reload(tmp: str, precision: dict | None, gather_flag: bool = True)
     import zerotrain
 
     model = make_model()
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 100,
-            "stage3_gather_16bit_weights_on_model_save": gather_flag}
-    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(2, zero_optimization=zero,
-                                                                       **(precision or {})))
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 100,
+        "stage3_gather_16bit_weights_on_model_save": gather_flag,
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(2, zero_optimization=zero, **(precision or {})))
     data = global_batches(3, 4)
     for step in range(3):
-        batch = data[step, dist.get_rank() * 2:dist.get_rank() * 2 + 2]
+        batch = data[step, dist.get_rank() * 2 : dist.get_rank() * 2 + 2]
         engine.backward(engine(batch, labels=batch).loss)
         engine.step()
     engine.save_16bit_model(tmp, "model.safetensors")
@@ -149,8 +161,7 @@ def _modify_on_rank0(precision):
 
     model = make_model()
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100}
-    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(2, zero_optimization=zero,
-                                                                       **(precision or {})))
+    engine, *_ = zerotrain.initialize(model=model, config=adamw_config(2, zero_optimization=zero, **(precision or {})))
     weight = model.blocks[0].mlp[0].weight
     with zerotrain.zero.GatheredParameters(weight, modifier_rank=0):
         if dist.get_rank() == 0:
@@ -164,7 +175,7 @@ def _modify_on_rank0(precision):
 
 @pytest.mark.parametrize("precision", [None, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
 def test_gathered_parameters_scatters_changes_from_modifier_rank(precision):
-    for seen, master, numel in run_on_ranks(_modify_on_rank0, 2, args=(precision,)):
+    for seen, master, _numel in run_on_ranks(_modify_on_rank0, 2, args=(precision,)):
         assert seen.shape == (128, 32) and torch.all(seen == 0.25)  # every rank sees rank 0's edit
         # This rank's fp32 master / shard carries the new values too (the weight fills the unit's
         # first 4096 elements; the shard is the first or second half of the padded unit).
@@ -202,8 +213,9 @@ class _Net(torch.nn.Module):
         elif isinstance(module, torch.nn.Embedding):
             # a shape query on a partitioned weight answers its real shape
             module.weight.data.normal_(0.0, module.weight.shape[1] ** -0.5)
-        self.whole_at_once = max(self.whole_at_once, sum(
-            not is_partitioned(p) for p in self.parameters() if p.numel() > 4))
+        self.whole_at_once = max(
+            self.whole_at_once, sum(not is_partitioned(p) for p in self.parameters() if p.numel() > 4)
+        )
 
 
 def _inner_init(self):
@@ -248,8 +260,7 @@ def _plain_trees_and_arguments(config_path: str):
         with zerotrain.zero.Init():
             # a class defined inside the context: wrapped while it lasts, restored after
             inner = type("Inner", (torch.nn.Module,), {"__init__": _inner_init})
-            out["inner_wrapped"] = getattr(inner.__dict__["__init__"],
-                                           "__zerotrain_init_wrapper__", False)
+            out["inner_wrapped"] = getattr(inner.__dict__["__init__"], "__zerotrain_init_wrapper__", False)
             net, gpt, inner_model = _Net(), make_model(), inner()
         out["inner_restored"] = inner.__dict__["__init__"] is _inner_init
         return net, gpt, inner_model
@@ -260,8 +271,11 @@ def _plain_trees_and_arguments(config_path: str):
     out["partitioned"] = all(is_partitioned(p) for m in zero_init for p in m.parameters())
     out["whole_at_once"] = zero_init[0].whole_at_once
     out["differ"] = [
-        (i, n) for i, (a, b) in enumerate(zip(plain, zero_init))
-        for n, v in _gathered(b).items() if not torch.equal(v, dict(a.named_parameters())[n])]
+        (i, n)
+        for i, (a, b) in enumerate(zip(plain, zero_init))
+        for n, v in _gathered(b).items()
+        if not torch.equal(v, dict(a.named_parameters())[n])
+    ]
 
     after = {}
     stack = [torch.nn.Module]
@@ -270,8 +284,7 @@ def _plain_trees_and_arguments(config_path: str):
         after[cls] = cls.__dict__.get("__init__")
         stack.extend(cls.__subclasses__())
     out["inits_restored"] = all(after[c] is f for c, f in inits_before.items())
-    out["no_wrappers"] = not any(getattr(f, "__zerotrain_init_wrapper__", False)
-                                 for f in after.values())
+    out["no_wrappers"] = not any(getattr(f, "__zerotrain_init_wrapper__", False) for f in after.values())
     out["init_subclass_restored"] = "__init_subclass__" not in torch.nn.Module.__dict__
 
     def shard_dtype(**kwargs):
@@ -286,8 +299,12 @@ def _plain_trees_and_arguments(config_path: str):
         shard_dtype(config_dict_or_path=config_path),  # a JSON file without 16-bit sections
         shard_dtype(config_dict_or_path={**batch, "bf16": {"enabled": True}}, dtype=torch.float32),
         shard_dtype(pin_memory=True),  # no offload: no effect, as in DeepSpeed
-        shard_dtype(config_dict_or_path={**batch, "zero_optimization": {
-            "stage": 3, "offload_param": {"device": "none", "pin_memory": True}}}),
+        shard_dtype(
+            config_dict_or_path={
+                **batch,
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "none", "pin_memory": True}},
+            }
+        ),
     ]
 
     # The module form partitions an already built model the same way (dtype included).
@@ -296,7 +313,8 @@ def _plain_trees_and_arguments(config_path: str):
     expected = {n: p.detach().to(torch.bfloat16) for n, p in built.named_parameters()}
     zerotrain.zero.Init(module=built, dtype=torch.bfloat16)
     out["module_form"] = all(is_partitioned(p) for p in built.parameters()) and all(
-        torch.equal(v, expected[n]) for n, v in _gathered(built).items())
+        torch.equal(v, expected[n]) for n, v in _gathered(built).items()
+    )
 
     # Nested contexts share the outer one; a shut-down context builds normally until restored.
     with zerotrain.zero.Init():
@@ -318,8 +336,10 @@ def _plain_trees_and_arguments(config_path: str):
     with zerotrain.zero.Init():
         model = make_model()
         model.ln_f.weight.data.fill_(1.5)  # leaves ln_f (kept whole by stage 3) gathered
-        engine, *_ = zerotrain.initialize(model=model, config=adamw_config(
-            2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100}))
+        engine, *_ = zerotrain.initialize(
+            model=model,
+            config=adamw_config(2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100}),
+        )
         loss = engine(ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -338,25 +358,40 @@ def test_init_runs_post_construction_init_and_restores_every_class(tmp_path):
         assert r["differ"] == []  # apply(fn), .data.normal_(), later edits: as in a normal build
         assert r["whole_at_once"] <= 2  # one Linear (weight, bias) at a time, not the model
         assert r["inits_restored"] and r["no_wrappers"] and r["init_subclass_restored"]
-        assert r["dtypes"] == [torch.bfloat16, torch.float16, torch.float32, torch.float32,
-                               torch.float64, torch.float32]
+        assert r["dtypes"] == [
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+            torch.float32,
+            torch.float64,
+            torch.float32,
+        ]
         assert r["module_form"]
         assert r["nesting"] == [True, True, False, True]
         first, expected, after_exit = r["initialize_inside"]
         assert first == pytest.approx(expected, rel=1e-6) and after_exit < first
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"remote_device": "disk", "pin_memory": True}, ValueError, "remote_device"),
-    ({"config_dict_or_path": {"train_batch_size": 2, "zero_optimization": {
-        "zero_quantized_weights": True}}}, NotImplementedError, "zero_quantized_weights"),
-    ({"config_dict_or_path": {"train_batch_size": 2, "fp16": {"enabled": True},
-                              "bf16": {"enabled": True}}}, ConfigError, "fp16 and bf16"),
-    ({"config_dict_or_path": {}, "config": {}}, ValueError, "config_dict_or_path"),
-    ({"dtype": torch.int8}, ValueError, "dtype"),
-    ({"zero_quantized_weights": True}, NotImplementedError, "zero_quantized_weights"),
-], ids=["remote_device", "quantized", "fp16+bf16", "both configs", "dtype",
-        "unknown argument"])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"remote_device": "disk", "pin_memory": True}, ValueError, "remote_device"),
+        (
+            {"config_dict_or_path": {"train_batch_size": 2, "zero_optimization": {"zero_quantized_weights": True}}},
+            NotImplementedError,
+            "zero_quantized_weights",
+        ),
+        (
+            {"config_dict_or_path": {"train_batch_size": 2, "fp16": {"enabled": True}, "bf16": {"enabled": True}}},
+            ConfigError,
+            "fp16 and bf16",
+        ),
+        ({"config_dict_or_path": {}, "config": {}}, ValueError, "config_dict_or_path"),
+        ({"dtype": torch.int8}, ValueError, "dtype"),
+        ({"zero_quantized_weights": True}, NotImplementedError, "zero_quantized_weights"),
+    ],
+    ids=["remote_device", "quantized", "fp16+bf16", "both configs", "dtype", "unknown argument"],
+)
 def test_init_arguments_that_cannot_work_raise_naming_them(kwargs, error, match):
     import zerotrain
 

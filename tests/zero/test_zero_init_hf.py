@@ -22,15 +22,38 @@ def _configs():
     from transformers import BertConfig, GPT2Config, LlamaConfig
 
     return {
-        "gpt2": GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
-                           bos_token_id=0, eos_token_id=0, resid_pdrop=0, embd_pdrop=0,
-                           attn_pdrop=0),
-        "llama": LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                             max_position_embeddings=32, tie_word_embeddings=False),
-        "bert": BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32,
-                           hidden_dropout_prob=0, attention_probs_dropout_prob=0),
+        "gpt2": GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        ),
+        "llama": LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        ),
+        "bert": BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0,
+        ),
     }
 
 
@@ -90,9 +113,12 @@ def _first_losses(init_model, reference):
 
     import zerotrain
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+    }
     engine, *_ = zerotrain.initialize(model=init_model, config=cfg)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     with torch.no_grad():

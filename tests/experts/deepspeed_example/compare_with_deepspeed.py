@@ -26,11 +26,28 @@ from cpu_harness import find_script  # noqa: E402
 
 COMMON = ["--moe", "--ep-world-size", "2", "--moe-param-group", "--dtype", "fp32", "-e", "1", "--log-interval", "10"]
 VARIANTS = {  # DeepSpeedExamples' run_ds_moe.sh (top-1, RSample), its PR-MoE, and top-2
-    "run_ds_moe (E=2, top-1, RSample), stage 0": ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy",
-                                                  "RSample", "--stage", "0"],
+    "run_ds_moe (E=2, top-1, RSample), stage 0": [
+        "--num-experts",
+        "2",
+        "--top-k",
+        "1",
+        "--noisy-gate-policy",
+        "RSample",
+        "--stage",
+        "0",
+    ],
     "run_ds_moe, stage 2": ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample", "--stage", "2"],
-    "PR-MoE (E=2 4, residual), stage 1": ["--num-experts", "2", "4", "--mlp-type", "residual", "--top-k", "1",
-                                          "--stage", "1"],
+    "PR-MoE (E=2 4, residual), stage 1": [
+        "--num-experts",
+        "2",
+        "4",
+        "--mlp-type",
+        "residual",
+        "--top-k",
+        "1",
+        "--stage",
+        "1",
+    ],
     "E=4, top-2, stage 0": ["--num-experts", "4", "--top-k", "2", "--stage", "0"],
 }
 
@@ -43,8 +60,13 @@ def _port() -> int:
 
 def _run(engine: str, script: str, args: list, ds_python: str, samples: int, clipping: str) -> dict:
     out = tempfile.mkdtemp(prefix=f"cifar-{engine}-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_ENGINE": engine, "EXAMPLE_RECORD_DIR": out,
-           "EXAMPLE_SAMPLES": str(samples)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "EXAMPLE_ENGINE": engine,
+        "EXAMPLE_RECORD_DIR": out,
+        "EXAMPLE_SAMPLES": str(samples),
+    }
     if clipping:
         env["EXAMPLE_GRADIENT_CLIPPING"] = clipping
     if engine == "deepspeed":
@@ -59,15 +81,19 @@ def _run(engine: str, script: str, args: list, ds_python: str, samples: int, cli
         raise SystemExit(f"{shlex.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 1)]
     weights = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
-    return {"losses": torch.tensor([r["losses"] for r in ranks], dtype=torch.float64),
-            "initial": [r["initial"] for r in ranks], "weights": weights,
-            "norms": [r["norms"] for r in ranks]}
+    return {
+        "losses": torch.tensor([r["losses"] for r in ranks], dtype=torch.float64),
+        "initial": [r["initial"] for r in ranks],
+        "weights": weights,
+        "norms": [r["norms"] for r in ranks],
+    }
 
 
 def _diff(a: dict, b: dict) -> tuple[float, float]:
     loss = float((a["losses"] - b["losses"]).abs().max())
-    weight = max(float((wa[k].double() - wb[k].double()).abs().max())
-                 for wa, wb in zip(a["weights"], b["weights"]) for k in wa)
+    weight = max(
+        float((wa[k].double() - wb[k].double()).abs().max()) for wa, wb in zip(a["weights"], b["weights"]) for k in wa
+    )
     return loss, weight
 
 
@@ -80,16 +106,20 @@ def main() -> None:
     script = find_script()
     if script is None:
         raise SystemExit("no cifar10_deepspeed.py: set CIFAR10_DEEPSPEED_SCRIPT or DEEPSPEED_EXAMPLES")
-    print("| variant | clipping | steps | loss first -> last (DeepSpeed, rank 0) | DeepSpeed vs DeepSpeed: loss, "
-          "weights | zerotrain vs DeepSpeed: loss, weights | first loss that differs by > 1e-6: the step before, "
-          "its norm DeepSpeed / zerotrain "
-          "| same initial weights |")
+    print(
+        "| variant | clipping | steps | loss first -> last (DeepSpeed, rank 0) | DeepSpeed vs DeepSpeed: loss, "
+        "weights | zerotrain vs DeepSpeed: loss, weights | first loss that differs by > 1e-6: the step before, "
+        "its norm DeepSpeed / zerotrain "
+        "| same initial weights |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, extra in VARIANTS.items():
         for clipping in ("", "0"):
             args = COMMON + extra
-            runs = {e: [_run(e, script, args, opts.ds_python, opts.samples, clipping) for _ in range(opts.repeats)]
-                    for e in ("deepspeed", "zerotrain")}
+            runs = {
+                e: [_run(e, script, args, opts.ds_python, opts.samples, clipping) for _ in range(opts.repeats)]
+                for e in ("deepspeed", "zerotrain")
+            }
             ds, zt = runs["deepspeed"], runs["zerotrain"]
             noise = [max(_diff(ds[0], other)[i] for other in ds[1:]) for i in (0, 1)]
             versus = [max(_diff(d, z)[i] for d in ds for z in zt) for i in (0, 1)]
@@ -103,9 +133,11 @@ def main() -> None:
                 s = int(differs[0]) - 1
                 norms = [run["norms"][0][s] if len(run["norms"][0]) > s else float("nan") for run in (ds[0], zt[0])]
                 first = f"{s}: {norms[0]:.4f} / {norms[1]:.4f}"
-            print(f"| {name} | {clipping or '1.0 (script)'} | {losses.numel()} | {losses[0]:.4f} -> {losses[-1]:.4f} "
-                  f"| {noise[0]:.1e}, {noise[1]:.1e} | {versus[0]:.1e}, {versus[1]:.1e} | {first} | {same_init} |",
-                  flush=True)
+            print(
+                f"| {name} | {clipping or '1.0 (script)'} | {losses.numel()} | {losses[0]:.4f} -> {losses[-1]:.4f} "
+                f"| {noise[0]:.1e}, {noise[1]:.1e} | {versus[0]:.1e}, {versus[1]:.1e} | {first} | {same_init} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

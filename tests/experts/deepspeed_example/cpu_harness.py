@@ -98,8 +98,10 @@ def _override_clipping(library, value: float) -> None:
 def _engine_class(name: str):
     if name == "deepspeed":
         from deepspeed.runtime.engine import DeepSpeedEngine
+
         return DeepSpeedEngine
     from zerotrain.engine.engine import ZeroTrainEngine
+
     return ZeroTrainEngine
 
 

@@ -9,8 +9,13 @@ from torch import nn
 __all__ = ["AlexNet", "vgg19"]
 
 # (in, out, kernel, stride, padding, max-pool after)
-_CONVS = [(3, 64, 11, 4, 2, True), (64, 192, 5, 1, 2, True), (192, 384, 3, 1, 1, False),
-          (384, 256, 3, 1, 1, False), (256, 256, 3, 1, 1, True)]
+_CONVS = [
+    (3, 64, 11, 4, 2, True),
+    (64, 192, 5, 1, 2, True),
+    (192, 384, 3, 1, 1, False),
+    (384, 256, 3, 1, 1, False),
+    (256, 256, 3, 1, 1, True),
+]
 _POOLED = 6  # the classifier sees 256 channels of 6 x 6
 
 
@@ -25,9 +30,15 @@ def _feature_layers() -> list[nn.Module]:
 
 def _classifier_layers(num_classes: int, dropout: float) -> list[nn.Module]:
     width = 4096
-    return [nn.Dropout(p=dropout), nn.Linear(256 * _POOLED * _POOLED, width), nn.ReLU(inplace=True),
-            nn.Dropout(p=dropout), nn.Linear(width, width), nn.ReLU(inplace=True),
-            nn.Linear(width, num_classes)]
+    return [
+        nn.Dropout(p=dropout),
+        nn.Linear(256 * _POOLED * _POOLED, width),
+        nn.ReLU(inplace=True),
+        nn.Dropout(p=dropout),
+        nn.Linear(width, width),
+        nn.ReLU(inplace=True),
+        nn.Linear(width, num_classes),
+    ]
 
 
 class AlexNet(nn.Module):
