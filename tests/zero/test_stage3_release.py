@@ -65,7 +65,7 @@ def _train_cases():
         pool_at_last_gather = []
         last = list(model.modules())[-1]
         last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(
-            coordinator.pool_numel))
+            coordinator.buffers.pool_numel))
         optimizer_step = engine.optimizer.step
 
         def step(*args, **kwargs):
@@ -103,7 +103,7 @@ def _train_cases():
             "at_step": at_step, "forward_trims": fake.trims - trims_before,
             "first_use_inflight": first_use_inflight, "staging_held": staging_held,
             "pool_drops": coordinator.pool_drops, "pool_at_last_gather": pool_at_last_gather,
-            "pool_after": coordinator.pool_numel}
+            "pool_after": coordinator.buffers.pool_numel}
         engine.destroy()
     return out
 
