@@ -53,7 +53,7 @@ def _train(policy: str):
         # hold no memory until backward gathers into them again; all but the unit backward
         # starts with (the output layer's), kept whole from the second step on.
         held = coordinator._held
-        emptied = [t for u, t in coordinator._own_storage.items() if u is not held]
+        emptied = [t for u, t in coordinator.buffers.own_storage.items() if u is not held]
         held_after_forward.append(
             (
                 len(emptied),
@@ -63,8 +63,8 @@ def _train(policy: str):
         )
         engine.backward(loss)
         engine.step()
-        allocated.append(coordinator.buffers_allocated)
-        refills.append(coordinator.storage_refills)
+        allocated.append(coordinator.buffers.buffers_allocated)
+        refills.append(coordinator.buffers.storage_refills)
         pool.append(engine.memory_breakdown()["gather_pool"])
         rss.append(_vm_rss_kib())
     units = [u.layout.padded_numel for u in coordinator.units]

@@ -68,7 +68,7 @@ def _train_cases():
         # The gather pool at the forward's last gather (the output layer's).
         pool_at_last_gather = []
         last = list(model.modules())[-1]
-        last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(coordinator.pool_numel))
+        last.register_forward_pre_hook(lambda m, args: pool_at_last_gather.append(coordinator.buffers.pool_numel))
         optimizer_step = engine.optimizer.step
 
         def step(*args, **kwargs):
@@ -112,7 +112,7 @@ def _train_cases():
             "staging_held": staging_held,
             "pool_drops": coordinator.pool_drops,
             "pool_at_last_gather": pool_at_last_gather,
-            "pool_after": coordinator.pool_numel,
+            "pool_after": coordinator.buffers.pool_numel,
         }
         engine.destroy()
     return out

@@ -35,10 +35,12 @@ from zerotrain.precision import PrecisionPolicy, autocast, build_loss_scaler
 from zerotrain.topology import Topology
 from zerotrain.topology.process_wide import reset as reset_current_topology
 from zerotrain.zero import build_zero_stage
-from zerotrain.zero.interface import StageInterface
+from zerotrain.zero.interface import StageInterface, TrainsModule
 
 
-class ZeroTrainEngine(EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, EngineFlops, nn.Module):
+class ZeroTrainEngine(
+    EngineCheckpointing, EngineStateOffload, EngineAccessors, EnginePLD, EngineFlops, nn.Module, TrainsModule
+):
     """Drives training: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(

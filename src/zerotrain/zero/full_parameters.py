@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zerotrain.zero import registry
+from zerotrain.zero.interface import TrainsModule
 
 if TYPE_CHECKING:
     from zerotrain.zero.partition import FlatParamUnit
@@ -33,8 +34,7 @@ def named_full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     to the end (or stops at the same place). Below stage 3 the parameters are whole already and
     are yielded as they are.
     """
-    module = model.module if hasattr(model, "zero_stage_object") else model
-    assert isinstance(module, nn.Module)  # an engine's module is one
+    module = model.module if isinstance(model, TrainsModule) else model
     groups: dict[FlatParamUnit | str, list[tuple[str, torch.Tensor]]] = {}
     for name, param in module.named_parameters():
         unit = registry.unit_of(param)

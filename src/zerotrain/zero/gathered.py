@@ -11,7 +11,7 @@ from torch.autograd.graph import increment_version
 from zerotrain.comm import collectives
 from zerotrain.memory_release import release_freed_memory
 from zerotrain.zero import registry
-from zerotrain.zero.init import _keep_shard, is_partitioned, materialize, partitioning_of
+from zerotrain.zero.partitioned_param import _keep_shard, is_partitioned, materialize, partitioning_of
 
 
 class GatheredParameters(contextlib.ContextDecorator):

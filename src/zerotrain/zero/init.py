@@ -35,269 +35,37 @@ share nothing but the parameters' own records.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from zerotrain.accelerator import get_accelerator
-from zerotrain.comm import collectives
 from zerotrain.comm.distributed import init_distributed
 from zerotrain.memory_release import configure_allocator, release_freed_memory
-from zerotrain.zero.flat import FlatLayout
 from zerotrain.zero.init_config import dtype_from_config
-from zerotrain.zero.partition import shard_alignment
+from zerotrain.zero.partitioned_param import (
+    _OWNER,
+    Partitioning,
+    _broadcast_and_keep_shard,
+    _own_code,
+    _taken_over,
+    check_member,
+    full_numel,  # noqa: F401  # also importable from zero.init
+    group_ranks,  # noqa: F401  # also importable from zero.init
+    is_partitioned,
+    materialize,
+    own_code,
+    partitioning_of,
+)
+from zerotrain.zero.placeholder_mode import _called_from_zerotrain, _PlaceholderMode
 
-if TYPE_CHECKING:
-    from types import FrameType
-
-    from torch.distributed import ProcessGroup
-
-_SHARD = "_zerotrain_shard"  # this rank's slice of an Init-partitioned parameter
-_LAYOUT = "_zerotrain_layout"  # its FlatLayout (shape, padding)
-_OWNER = "_zerotrain_owner"  # id of the module it was first partitioned in (eviction groups)
 _DEPTH = "_zerotrain_init_depth"  # a module's nesting of Init-wrapped __init__ calls
 _WRAPPER = "__zerotrain_init_wrapper__"  # marks the __init__ wrappers Init installs
-_PARTITIONING = "_zerotrain_partitioning"  # how it was partitioned (kept while it is whole)
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class Partitioning(NamedTuple):
-    """How ``Init`` partitioned a parameter: over ``group`` (None: the world), with the slices
-    in host memory (``host``), page-locked (``pin``)."""
-
-    group: ProcessGroup | None = None
-    host: bool = False
-    pin: bool = False
-
-
-def is_partitioned(param: torch.Tensor) -> bool:
-    """True for a parameter partitioned by ``Init`` and not yet taken over by ``initialize``."""
-    return hasattr(param, _SHARD)
-
-
-def full_numel(param: torch.Tensor) -> int:
-    """``param``'s element count whole (an ``Init``-partitioned placeholder holds none)."""
-    layout = getattr(param, _LAYOUT, None)
-    return layout.numel if is_partitioned(param) and layout is not None else param.numel()
-
-
-def partitioning_of(param: torch.Tensor) -> Partitioning | None:
-    """How ``Init`` partitioned ``param`` (also while it is gathered whole), or None."""
-    return getattr(param, _PARTITIONING, None)
-
-
-def group_ranks(group) -> list[int]:
-    """The global ranks of ``group`` (None: the world)."""
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
-def check_member(group, what: str) -> None:
-    """Raise naming ``what`` when this process is not a member of ``group``."""
-    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise ValueError(
-            f"{what}: this process is not in the group (ranks {group_ranks(group)}); call it on the group's ranks only"
-        )
-
-
-# -- zerotrain's own code handles placeholders directly (the mode passes it through) ---------
-_own_code_depth = 0
-
-
-@contextlib.contextmanager
-def _own_code():
-    global _own_code_depth
-    _own_code_depth += 1
-    try:
-        yield
-    finally:
-        _own_code_depth -= 1
-
-
-@torch.no_grad()
-def _keep_shard(param: nn.Parameter, how: Partitioning) -> None:
-    """Keep only this rank's slice of a whole ``param`` (no padded full-size temporary) among
-    ``how.group``'s ranks; in host memory with ``how.host`` (parameter offload), page-locked with
-    ``how.pin``. The parameter records ``how``."""
-    with _own_code():
-        world, rank = dist.get_world_size(how.group), dist.get_rank(how.group)
-        layout = FlatLayout([param], world, shard_alignment(param.dtype))
-        start, end = layout.shard_range(rank)
-        host, pin = how.host, how.pin
-        device = torch.device("cpu") if host else param.device  # host memory is torch's "cpu"
-        shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=device)
-        flat = param.data.reshape(-1)
-        if start < flat.numel():
-            shard[: min(end, flat.numel()) - start].copy_(flat[start:end])
-        if host and pin and device != param.device:
-            shard = get_accelerator().pin_memory(shard)
-        setattr(param, _SHARD, shard)
-        setattr(param, _LAYOUT, layout)
-        setattr(param, _PARTITIONING, how)
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-
-_OWN_GROUP = object()
-
-
-@torch.no_grad()
-def materialize(param: nn.Parameter, group=_OWN_GROUP) -> None:
-    """Gather an Init-partitioned parameter back into a whole tensor (a collective of the group
-    it was partitioned over). ``group``: the data-parallel group the caller works over (None:
-    the world), which must hold the same ranks (else ValueError naming both); left out, the
-    parameter's own group."""
-    with _own_code():
-        layout: FlatLayout = getattr(param, _LAYOUT)
-        own = getattr(param, _PARTITIONING).group
-        if group is not _OWN_GROUP and group is not own and dist.is_initialized():
-            theirs, mine = group_ranks(group), group_ranks(own)
-            if sorted(theirs) != sorted(mine):
-                raise ValueError(
-                    f"a parameter of shape {tuple(layout.slots[0].shape)} was partitioned by "
-                    f"zero.Init over ranks {mine}, but the engine's data-parallel group is ranks "
-                    f"{theirs}: pass the engine's group to zero.Init(data_parallel_group=...)"
-                )
-        shard = getattr(param, _SHARD).to(param.device)  # the model may have moved since Init
-        flat = layout.empty(dtype=shard.dtype, device=shard.device, zero=False)
-        collectives.all_gather_into(flat, shard, group=own)
-        # A view, not a copy: the padding (under world * alignment elements) is not worth a
-        # second whole-size temporary.
-        param.data = flat.narrow(0, 0, layout.numel).view(layout.slots[0].shape)
-        delattr(param, _SHARD)
-        delattr(param, _LAYOUT)
-
-
-# -- the torch-function mode -------------------------------------------------------------------
-# Typed Any: torch's stubs declare Tensor's C getset descriptors as plain attributes, so mypy
-# sees no __get__/__set__ on them; at runtime they are descriptors, as the mode receives them.
-_T: Any = torch.Tensor
-# Answers that are the same for a placeholder and the whole parameter: no gather.
-_VALUE_FREE = {
-    _T.dtype.__get__,
-    _T.device.__get__,
-    _T.layout.__get__,
-    _T.requires_grad.__get__,
-    _T.requires_grad.__set__,
-    _T.requires_grad_,
-    _T.grad_fn.__get__,
-    _T.is_leaf.__get__,
-    _T.grad.__get__,
-    _T.retains_grad.__get__,
-    _T.is_cuda.__get__,
-    _T.is_cpu.__get__,
-    _T.is_meta.__get__,
-    _T.is_sparse.__get__,
-    _T.is_quantized.__get__,
-    _T.is_floating_point,
-    _T.is_complex,
-    _T.element_size,
-    _T.get_device,
-    _T._is_view,
-    _T.register_hook,
-    _T.register_post_accumulate_grad_hook,
-    _T.__repr__,
-}
-# Shape queries: answered from the placeholder's recorded shape, no gather.
-_SHAPE_QUERIES = {
-    _T.shape.__get__,
-    _T.size,
-    _T.dim,
-    _T.ndimension,
-    _T.ndim.__get__,
-    _T.numel,
-    _T.nelement,
-    _T.__len__,
-    torch.numel,
-}
-
-
-def _find_placeholders(args, kwargs) -> list[nn.Parameter]:
-    found: list = []
-
-    def visit(x):
-        if isinstance(x, torch.Tensor):
-            if hasattr(x, _SHARD) and all(x is not f for f in found):
-                found.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    visit(args)
-    visit(kwargs)
-    return found
-
-
-def _answer_shape_query(func, args, kwargs):
-    """The shape query's answer from the recorded shape, or NotImplemented if unusual."""
-    shape = getattr(args[0], _LAYOUT).slots[0].shape
-    if func in (_T.dim, _T.ndimension, _T.ndim.__get__):
-        return len(shape)
-    if func in (_T.numel, _T.nelement, torch.numel):
-        return shape.numel()
-    if func is _T.__len__:
-        if not shape:
-            raise TypeError("len() of a 0-d tensor")
-        return shape[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dim is None:
-        return torch.Size(shape)
-    return shape[dim] if isinstance(dim, int) else NotImplemented
-
-
-# zerotrain's runtime packages: they handle placeholders themselves and build no user model.
-# (Packages that build models for the user, such as zerotrain.models, count as user code.)
-_RUNTIME_PACKAGES = (
-    "zerotrain.engine",
-    "zerotrain.zero",
-    "zerotrain.comm",
-    "zerotrain.checkpoint",
-    "zerotrain.runtime",
-    "zerotrain.precision",
-    "zerotrain.optim",
-)
-
-
-def _called_from_zerotrain(depth: int = 2) -> bool:
-    """Whether the torch call (or module construction) ``depth`` frames up comes from
-    zerotrain's runtime (``initialize`` run inside the context, say) rather than user code."""
-    frame: FrameType | None = sys._getframe(depth)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name != "torch" and not name.startswith("torch."):
-            return any(name == p or name.startswith(p + ".") for p in _RUNTIME_PACKAGES)
-        frame = frame.f_back
-    return False
-
-
-class _PlaceholderMode(TorchFunctionMode):
-    """Gathers a placeholder whole before any torch function uses its values (see module doc)."""
-
-    def __init__(self, context: Init):
-        super().__init__()
-        self.context = context
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _own_code_depth or func in _VALUE_FREE:
-            return func(*args, **kwargs)
-        placeholders = _find_placeholders(args, kwargs)
-        if placeholders and not _called_from_zerotrain():
-            if func in _SHAPE_QUERIES and args and args[0] is placeholders[0]:
-                answer = _answer_shape_query(func, args, kwargs)
-                if answer is not NotImplemented:
-                    return answer
-            self.context._make_whole(placeholders)
-        return func(*args, **kwargs)
 
 
 # -- Init --------------------------------------------------------------------------------------
@@ -428,7 +196,7 @@ class Init:
         return self
 
     def __exit__(self, exc_type, *exc):
-        global _active, _suspended, _own_code_depth
+        global _active, _suspended
         if not self.enabled:
             return False
         if self._outer is not None:
@@ -454,7 +222,7 @@ class Init:
                 self._unpatch_classes()
                 _active = None
             elif _suspended is self:  # exited while shut down: classes are already restored
-                _own_code_depth -= 1
+                own_code.depth -= 1
                 _suspended = None
             if _active is None and _suspended is None:
                 _nested.clear()  # contexts left entered by a failure are over with it
@@ -574,22 +342,13 @@ class Init:
             release_freed_memory()
 
 
-@torch.no_grad()
-def _broadcast_and_keep_shard(param: nn.Parameter, how: Partitioning) -> None:
-    """Broadcast the first rank of ``how.group``'s values of a whole ``param``; keep this rank's
-    slice as ``how`` says."""
-    src = dist.get_global_rank(how.group, 0) if how.group is not None else 0
-    collectives.broadcast(param.data, src=src, group=how.group)
-    _keep_shard(param, how)
-
-
 def _wrap_init(original):
     """``original`` (a module class's ``__init__``) that partitions the module when it returns."""
 
     @functools.wraps(original)
     def init(module, *args, **kwargs):
         context = _active
-        if context is None or _own_code_depth:  # shut down, or zerotrain's own modules
+        if context is None or own_code.depth:  # shut down, or zerotrain's own modules
             return original(module, *args, **kwargs)
         depth = module.__dict__.get(_DEPTH, 0)
         if depth == 0 and _called_from_zerotrain():  # e.g. the engine, built by initialize
@@ -617,29 +376,22 @@ def shutdown_init_context() -> None:
     """Suspend the active ``Init`` context (DeepSpeed's name): constructors and torch functions
     behave normally until ``restore_init_context()``. (``initialize`` does not need it: calls
     from zerotrain's runtime pass through the context anyway.)"""
-    global _active, _suspended, _own_code_depth
+    global _active, _suspended
     context = _active
     if context is None:
         return
     context._flush()
     context._unpatch_classes()
     _active, _suspended = None, context
-    _own_code_depth += 1  # the mode stays on the stack but passes everything through
+    own_code.depth += 1  # the mode stays on the stack but passes everything through
 
 
 def restore_init_context() -> None:
     """Resume the ``Init`` context suspended by ``shutdown_init_context()``."""
-    global _active, _suspended, _own_code_depth
+    global _active, _suspended
     context = _suspended
     if context is None:
         return
-    _own_code_depth -= 1
+    own_code.depth -= 1
     _active, _suspended = context, None
     context._patch_classes()
-
-
-def _taken_over(param: torch.Tensor) -> bool:
-    """True once an engine's unit holds ``param`` (initialize has taken it over)."""
-    from zerotrain.zero import registry
-
-    return registry.unit_of(param) is not None

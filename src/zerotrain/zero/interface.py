@@ -17,6 +17,16 @@ import torch
 from torch import nn
 
 
+class TrainsModule(ABC):  # noqa: B024  # a declared kind, nothing to implement
+    """An object that trains a module and exposes it as ``.module``: ``ZeroTrainEngine`` (and so
+    the pipeline engine). Functions that accept an engine or a bare module
+    (``zero.named_full_parameters``) tell the two apart by this type, not by probing attributes.
+    It declares no abstract member: the engine keeps ``module`` as an ``nn.Module`` child, which a
+    class-level property here would shadow."""
+
+    module: nn.Module
+
+
 @dataclass(frozen=True)
 class ShardedState:
     """What a checkpoint saves and reloads of a stage, by parameter name.

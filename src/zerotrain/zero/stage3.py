@@ -37,32 +37,23 @@ from torch.autograd.graph import register_multi_grad_hook
 from zerotrain.memory_release import ReleasePolicy
 from zerotrain.zero import embedding_lookup
 from zerotrain.zero.divergence import CollectiveChecks
-from zerotrain.zero.embedding_lookup import reads_no_weights
+from zerotrain.zero.gather_buffers import GatherBuffers
 from zerotrain.zero.interface import GatherStatistics
-from zerotrain.zero.leaves import unit_parameters
+from zerotrain.zero.module_hooks import ModuleHooks
 from zerotrain.zero.partition import FlatParamUnit
-from zerotrain.zero.passes import UseOrder, before_backward_of, in_backward, output_tensors, unique
+from zerotrain.zero.passes import UseOrder, before_backward_of, in_backward, output_tensors
+from zerotrain.zero.stage3_backward import BackwardGathers
 
 if TYPE_CHECKING:
     from zerotrain.zero.gradient_buckets import Pending
 
 
-class _GatheringParameters(dict):
-    """A module's ``_parameters`` that gathers a partitioned parameter when read in a forward."""
+class ParameterCoordinator(BackwardGathers):
+    """Fetches and releases the partitioned units of ``module``'s parameters around their use.
 
-    def __init__(self, coordinator: ParameterCoordinator, params: dict):
-        super().__init__(params)
-        self._coordinator = coordinator
-
-    def __getitem__(self, name):
-        param = super().__getitem__(name)
-        if param is not None:
-            self._coordinator.on_access(param)
-        return param
-
-
-class ParameterCoordinator:
-    """Fetches and releases the partitioned units of ``module``'s parameters around their use."""
+    Its parts: the modules it follows and the hooks on them (``ModuleHooks``, zero/module_hooks.py),
+    the full buffers, pooled or emptied (``GatherBuffers``, zero/gather_buffers.py), and what it
+    does as backward reaches each module (``BackwardGathers``, zero/stage3_backward.py)."""
 
     def __init__(
         self,
@@ -91,16 +82,9 @@ class ParameterCoordinator:
         self.max_live_numel = max_live_numel
         self.live_numel = 0
         self.peak_live_numel = 0
-        # Released full buffers kept for the next gather of the same size: steady-state steps
-        # allocate nothing. Pooled + live elements never exceed the peak of live elements.
-        # A buffer autograd still refers to (views saved for backward) is never pooled.
-        self._pool: dict[tuple, list[torch.Tensor]] = {}
-        self.pool_numel = 0
-        self.buffers_allocated = 0  # full buffers allocated for gathers so far (not reused)
+        # The full buffers: pooled for reuse, or a unit's own storage emptied while released.
+        self.buffers = GatherBuffers()
         self.pool_drops = 0  # backwards that began by dropping the pool ("eager")
-        # Units whose buffer autograd still referred to at a release keep that buffer as their
-        # own: emptied (storage of 0 bytes) while released, refilled in place when gathered.
-        self._own_storage: dict[FlatParamUnit, torch.Tensor] = {}
         # Units used by a module whose outputs hold no tensor we can hook: never emptied.
         self._keep_whole: set[FlatParamUnit] = set()
         # Frozen units used by more than one module call in a forward pass: their release after
@@ -117,7 +101,6 @@ class ParameterCoordinator:
         self._done: dict[FlatParamUnit, set[nn.Module]] = {}
         self._hollow: set[FlatParamUnit] = set()
         self.hollowed = 0  # units emptied that way so far
-        self.storage_refills = 0  # gathers into such an emptied storage (each allocates)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         # Forward saves activations on the heap between freed temporaries; the holes grow with
         # depth (110M GPT-2: ~100 MiB by the output layer). Under memory_release "eager" they
@@ -129,22 +112,9 @@ class ParameterCoordinator:
         self._inflight: dict[FlatParamUnit, Pending] = {}  # gathers started, not waited for
         self._stack: list[tuple[nn.Module, set]] = []
         self._forward_order, self._backward_order = UseOrder(), UseOrder()
-        self.hook_handles: list = []  # the forward hooks of register_hooks(), removable
-        self._module_units: dict[nn.Module, list[FlatParamUnit]] = {}
-        self._hooked: list[nn.Module] = []  # every module whose forward the hooks follow
-        self._wrapped: list[nn.Module] = []  # modules whose _parameters gather on access
-        leaf_of = leaf_of or {}
-        for m in module.modules():
-            if any(id(p) in self._unit_of for p in m._parameters.values() if p is not None):
-                m._parameters = _GatheringParameters(self, m._parameters)
-                self._wrapped.append(m)
-            params = unit_parameters(m, leaf_of)
-            if params is None:
-                continue  # inside a leaf: the leaf's hooks gather and release its whole subtree
-            own = unique(self._unit_of.get(id(p)) for p in params)
-            if own:
-                self._module_units[m] = own
-            self._hooked.append(m)
+        # Which modules the hooks follow, with the units each uses; parameters gathered on access.
+        self.hooks = ModuleHooks(module, self._unit_of, leaf_of or {}, self.on_access)
+        self._module_units = self.hooks.module_units
         self._root = module
         self.register_hooks()
         # Embeddings alone in their unit look their rows up from the shards while that moves
@@ -170,17 +140,21 @@ class ParameterCoordinator:
     def register_hooks(self) -> None:
         """Follow every module's forward (gathering and releasing around it), once: handles
         still registered are replaced."""
-        self.remove_hooks()
-        for m in self._hooked:
-            self.hook_handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self.hook_handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
+        self.hooks.register(self._pre_forward, self._post_forward)
 
     def remove_hooks(self) -> None:
         """Stop following forwards: what runs then (generation inside ``GatheredParameters``
         over the whole model) gathers nothing, and issues no collective."""
-        for handle in self.hook_handles:
-            handle.remove()
-        self.hook_handles = []
+        self.hooks.remove()
+
+    @property
+    def hook_handles(self) -> list:
+        """The forward hooks of ``register_hooks()`` (DeepSpeed's ``forward_hooks``)."""
+        return self.hooks.handles
+
+    @hook_handles.setter
+    def hook_handles(self, handles: list) -> None:
+        self.hooks.handles = handles
 
     @property
     def trace_recorded(self) -> bool:
@@ -286,53 +260,19 @@ class ParameterCoordinator:
                 return
             if unit in self._keep_whole:
                 pass  # no backward hook re-gathers it: whatever autograd holds must stay valid
-            elif unit in self._own_storage or not _sole_owner(flat):
-                # Autograd saved views of it for backward (nn.Linear saves ``weight.t()``): free
-                # its memory anyway and refill this same storage at the next gather, so those
-                # views read the gathered values again (FSDP2 frees unsharded parameters the same
-                # way). Dropping the buffer instead would keep every layer whole until backward.
-                # Such a unit keeps this storage from now on (pooling it would hand the pool's
-                # buffers to autograd every forward).
-                flat.untyped_storage().resize_(0)
-                self._own_storage[unit] = flat
-            elif self.pool_numel + self.live_numel + flat.numel() <= self.peak_live_numel:
-                self._pool.setdefault(_key(flat), []).append(flat)
-                self.pool_numel += flat.numel()
+            else:
+                self.buffers.keep(unit, flat, room=self.peak_live_numel - self.live_numel)
 
-    # -- the buffer pool ----------------------------------------------------------------
+    # -- the buffers ------------------------------------------------------------------
     def _acquire(self, unit: FlatParamUnit) -> torch.Tensor:
-        """A full buffer for ``unit``: a pooled one nothing else refers to any more (autograd may
-        still hold views of a buffer released in forward), else a new one."""
-        layout = unit.layout
-        own = self._own_storage.get(unit)
-        if own is not None:  # emptied at its last release: refill the same storage
-            own.untyped_storage().resize_(layout.padded_numel * own.element_size())
-            self.storage_refills += 1
-            return own
-        free = self._pool.get((layout.padded_numel, layout.dtype, layout.device), [])
-        for i, buf in enumerate(free):
-            if _sole_owner(buf):
-                self.pool_numel -= buf.numel()
-                return free.pop(i)
-        self.buffers_allocated += 1
-        if self.pool_numel + self.live_numel > self.peak_live_numel:
-            self._trim_pool()
-        return layout.empty(zero=False)
-
-    def _trim_pool(self) -> None:
-        """Drop pooled buffers until pooled + live elements fit in the peak again."""
-        for key in sorted(self._pool, key=lambda k: -k[0]):
-            free = self._pool[key]
-            while free and self.pool_numel + self.live_numel > self.peak_live_numel:
-                self.pool_numel -= free.pop().numel()
-        self._pool = {k: v for k, v in self._pool.items() if v}
+        return self.buffers.acquire(unit, room=self.peak_live_numel - self.live_numel)
 
     def _drop_pool(self) -> None:
-        self._pool, self.pool_numel = {}, 0
+        self.buffers.drop_pool()
 
     @property
     def pool_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for free in self._pool.values() for b in free)
+        return self.buffers.pool_nbytes
 
     def gather_statistics(self) -> GatherStatistics:
         """The gathers' numbers now (``StageStatistics.gathers``)."""
@@ -340,12 +280,12 @@ class ParameterCoordinator:
         return GatherStatistics(
             gathered_bytes=self.live_numel * element,
             peak_gathered_bytes=self.peak_live_numel * element,
-            pool_bytes=self.pool_nbytes,
-            buffers_allocated=self.buffers_allocated,
+            pool_bytes=self.buffers.pool_nbytes,
+            buffers_allocated=self.buffers.buffers_allocated,
             pool_drops=self.pool_drops,
             early_releases=self.early_releases,
             hollowed=self.hollowed,
-            storage_refills=self.storage_refills,
+            storage_refills=self.buffers.storage_refills,
         )
 
     def release_all(self) -> None:
@@ -444,7 +384,7 @@ class ParameterCoordinator:
             else:  # outputs we cannot see into: backward will not gather these units again
                 self._keep_whole.update(used)
                 for unit in used:
-                    self._own_storage.pop(unit, None)
+                    self.buffers.own_storage.pop(unit, None)
         if not backward:
             for unit in used:
                 self._users.setdefault(unit, []).append(module)
@@ -460,123 +400,6 @@ class ParameterCoordinator:
                 self.release(unit)
         return None
 
-    # -- the unit kept from forward to backward ---------------------------------------
-    # Backward starts with the module forward ended with (the output layer), so its units are
-    # not released between the two: one all-gather of the largest unit less per step (GPT-2's
-    # tied embedding: 23-31% of the model), as FSDP2 keeps its root's parameters. They stay
-    # gathered while the loss is computed, which is below the step's peak (the output layer's
-    # backward holds them with their gradient beside them).
-    _held: FlatParamUnit | None = None
-
-    def _first_of_backward(self, used) -> FlatParamUnit | None:
-        """The unit of ``used`` that the recorded backward gathers first, once this forward has
-        gathered every unit of its recorded order (nothing new comes after this module)."""
-        forward, backward = self._forward_order, self._backward_order
-        if forward.at_end and not backward.recording and backward.order:
-            first = backward.order[0]
-            if first in used and first not in self._keep_whole:
-                return first
-        return None
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            self.release(held)
-
-    def _pre_backward(self, units, module: nn.Module) -> None:
-        # Under "eager" the first use (the output layer's backward) gathers nothing ahead.
-        peak_start = self._first_backward_use and self.memory_release.eager
-        if self._first_backward_use:
-            # The loss's backward (before any module's) freed its heap temporaries (the
-            # log-softmax output and gradient: 64 MiB on the 110M GPT-2) just as the first
-            # units are gathered: hand them back first, or the peak holds both.
-            self._first_backward_use = False
-            if peak_start:
-                # The output layer's backward is the step's peak (every activation saved, its
-                # weight gathered, its weight gradient allocated): hold no idle pooled buffers
-                # there, and gather nothing ahead until it is over (110M GPT-2: -38 MiB at the
-                # peak; backward's own releases refill the pool from the next unit on).
-                self._drop_pool()
-                self.pool_drops += 1
-            self.memory_release.before_backward()
-        for unit in units:
-            if reads_no_weights(module) and (unit in self._hollow or self._hollow_out(unit)):
-                continue
-            self._use(unit, prefetch=not peak_start)
-
-    def _hollow_out(self, unit: FlatParamUnit) -> bool:
-        """A released unit that only embeddings used in this forward (an untied input embedding,
-        GPT-2's position embedding), at its embedding's backward, which reads indices, not
-        weights: its parameters get their shapes back over a storage holding no memory (the
-        gradient accumulates against them) instead of an all-gather of the whole table (a Llama
-        vocabulary: the model's largest unit)."""
-        users = self._users.get(unit, ())
-        if (
-            unit.gathered
-            or unit in self._inflight
-            or unit in self._keep_whole
-            or not users
-            or not all(reads_no_weights(m) for m in users)
-        ):
-            return False
-        self._attach_empty(unit)
-        self._hollow.add(unit)
-        self.hollowed += 1
-        return True
-
-    def _attach_empty(self, unit: FlatParamUnit) -> None:
-        """Give a released unit's parameters their shapes over its own storage, holding 0 bytes."""
-        # Views need the memory to exist when made: allocated untouched and handed back at
-        # once, no page is written.
-        storage = self._own_storage.get(unit)
-        if storage is None:
-            storage = self._own_storage[unit] = unit.layout.empty(zero=False)
-        else:
-            storage.untyped_storage().resize_(unit.layout.padded_numel * storage.element_size())
-        unit.attach(storage)
-        storage.untyped_storage().resize_(0)
-        self.live_numel += unit.layout.padded_numel  # what release() takes off; holds no memory
-
-    def _module_backward_done(self, units, module: nn.Module) -> None:
-        """``module``'s backward is over: a tied unit whose users still to come in this backward
-        are all embeddings (their backward reads indices, not weights) is emptied now."""
-        for unit in units:
-            done = self._done.setdefault(unit, set())
-            done.add(module)
-            rest = [m for m in self._users.get(unit, ()) if m not in done]
-            if (
-                rest
-                and all(reads_no_weights(m) for m in rest)
-                and unit.gathered
-                and unit not in self._inflight
-                and unit not in self._keep_whole
-                and self._own_storage.get(unit) is unit.flat
-                and unit not in self._hollow
-            ):
-                assert unit.flat is not None  # gathered
-                unit.flat.untyped_storage().resize_(0)
-                self._hollow.add(unit)
-                self.hollowed += 1
-
-    def _post_backward(self, frozen_units) -> None:
-        for unit in frozen_units:
-            if unit.gathered and unit not in self._shared and unit not in self._keep_whole:
-                self.release(unit)
-                self.early_releases += 1
-
-    # -- backward boundaries ------------------------------------------------------------
-    _first_backward_use = False
-
-    def begin_backward(self) -> None:
-        self._held = None  # backward releases it like any unit it uses
-        self._backward_order.start()
-        self._first_backward_use = True
-        self._done = {}
-
-    def end_backward(self) -> None:
-        self._backward_order.finish()
-        self.release_all()
-
     def close(self) -> None:
         """Hand the module back whole: every unit gathered into parameters that own their
         storage, hooks removed, each module's plain ``_parameters`` dict and the parameters'
@@ -590,21 +413,8 @@ class ParameterCoordinator:
                     p.data = view.clone()
             unit.flat = None
             self.live_numel -= unit.layout.padded_numel
-        for m in self._wrapped:
-            if isinstance(m._parameters, _GatheringParameters):
-                m._parameters = dict(m._parameters)
+        self.hooks.unwrap_parameters()
         for u in self.units:
             u.coordinator = None
-        self._pool, self.pool_numel, self._own_storage, self._held = {}, 0, {}, None
-
-
-def _key(buf: torch.Tensor) -> tuple:
-    return buf.numel(), buf.dtype, buf.device
-
-
-def _sole_owner(buf: torch.Tensor) -> bool:
-    """True when no other tensor (e.g. a view saved for backward) shares ``buf``'s storage."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False  # cannot tell: never reuse
-    return use_count(buf.untyped_storage()._cdata) <= 2  # ``buf`` + the temporary storage object
+        self.buffers.clear()
+        self._held = None
