@@ -83,6 +83,8 @@ def restore_engine(engine, state: dict, load_lr_scheduler: bool) -> None:
             component.load_state_dict(state[name])
         elif isinstance(component, DerivedWhenAbsent):
             component.load_absent()
+    for name in state.keys() - components.keys():  # e.g. a loader position for an IterableDataset loader
+        logger.warning("the checkpoint's %r state has nothing in this engine to restore it into: not restored", name)
 
 
 def _plain(value, where: str):
